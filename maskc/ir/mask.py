@@ -1,0 +1,320 @@
+"""Mask: a union of AttnSlices over seqlen_q x seqlen_k.
+
+Masks of long sequences hold thousands of slices and are rebuilt every training step, so a
+Mask keeps its slices as read-only numpy arrays and builds AttnSlice objects only when
+asked for them. It is immutable: every transformation returns a new Mask.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from maskc.errors import MaskError
+from maskc.ir.normalize import normalize_arrays
+from maskc.ir.slices import FULL, TYPE_NAMES, AttnSlice, RowLines, band_slices, slice_areas, type_id
+
+JSON_FORMAT = "maskc.mask/1"
+
+
+def _int_array(value: Any, what: str) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    arr = np.asarray(value)
+    if arr.size == 0:
+        arr = arr.astype(np.int64)
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+        raise MaskError(f"{what} must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _seqlen(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise MaskError(f"{what} must be an int, got {value!r}")
+    if value < 0:
+        raise MaskError(f"{what} must be >= 0, got {value}")
+    return int(value)
+
+
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    arr = np.ascontiguousarray(arr)
+    arr.flags.writeable = False
+    return arr
+
+
+class Mask:
+    """An attention mask: the union of its slices, over `seqlen_q` queries and `seqlen_k` keys."""
+
+    def __init__(self, slices: Iterable[AttnSlice], seqlen_q: int, seqlen_k: int):
+        slices = list(slices)
+        for i, s in enumerate(slices):
+            if not isinstance(s, AttnSlice):
+                raise MaskError(f"slice {i}: expected an AttnSlice, got {type(s).__name__}")
+        q = np.array([s.q for s in slices], dtype=np.int64).reshape(-1, 2)
+        k = np.array([s.k for s in slices], dtype=np.int64).reshape(-1, 2)
+        t = np.array([s.type_id for s in slices], dtype=np.int64)
+        self._init(q, k, t, seqlen_q, seqlen_k)
+
+    def _init(self, q: np.ndarray, k: np.ndarray, t: np.ndarray, seqlen_q: int, seqlen_k: int) -> None:
+        self._sq = _seqlen(seqlen_q, "seqlen_q")
+        self._sk = _seqlen(seqlen_k, "seqlen_k")
+        _validate(q, k, t, self._sq, self._sk)
+        self._q, self._k, self._t = _frozen(q), _frozen(k), _frozen(t)
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_arrays(cls, q_ranges: Any, k_ranges: Any, types: Any, seqlen_q: int, seqlen_k: int) -> Mask:
+        """Build from `[N, 2]` q/k ranges and `[N]` type ids (numpy, torch or lists); validated."""
+        q = _int_array(q_ranges, "q_ranges")
+        k = _int_array(k_ranges, "k_ranges")
+        t = _int_array(types, "types")
+        if q.ndim != 2 or q.shape[1:] != (2,) or k.shape != q.shape or t.shape != (q.shape[0],):
+            raise MaskError(
+                f"expected q_ranges [N, 2], k_ranges [N, 2] and types [N]; got shapes "
+                f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(t.shape)}"
+            )
+        mask = cls.__new__(cls)
+        mask._init(q, k, t, seqlen_q, seqlen_k)
+        return mask
+
+    from_tensors = from_arrays
+
+    @classmethod
+    def from_magi(
+        cls,
+        q_ranges: Sequence[Sequence[int]],
+        k_ranges: Sequence[Sequence[int]],
+        attn_type_map: Sequence[int | str],
+        seqlen_q: int | None = None,
+        seqlen_k: int | None = None,
+    ) -> Mask:
+        """From MagiAttention's `(q_ranges, k_ranges, attn_type_map)`; seqlens default to the last range end."""
+        if len(q_ranges) != len(k_ranges) or len(q_ranges) != len(attn_type_map):
+            raise MaskError(
+                f"q_ranges, k_ranges and attn_type_map differ in length: "
+                f"{len(q_ranges)}, {len(k_ranges)}, {len(attn_type_map)}"
+            )
+        types = [type_id(t) for t in attn_type_map]
+        q = _int_array(list(q_ranges), "q_ranges").reshape(-1, 2)
+        k = _int_array(list(k_ranges), "k_ranges").reshape(-1, 2)
+        sq = int(q[:, 1].max(initial=0)) if seqlen_q is None else seqlen_q
+        sk = int(k[:, 1].max(initial=0)) if seqlen_k is None else seqlen_k
+        return cls.from_arrays(q, k, types, sq, sk)
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens_q: Any, cu_seqlens_k: Any = None, *, causal: bool = False) -> Mask:
+        """Packed documents: document i's queries attend its own keys (fully, or causally)."""
+        cq = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q")
+        ck = cq if cu_seqlens_k is None else _cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
+        if ck.shape != cq.shape:
+            raise MaskError(f"cu_seqlens_q and cu_seqlens_k hold {cq.size} and {ck.size} boundaries")
+        q = np.stack([cq[:-1], cq[1:]], 1)
+        k = np.stack([ck[:-1], ck[1:]], 1)
+        t = np.full(q.shape[0], 1 if causal else FULL, np.int64)
+        keep = (q[:, 1] > q[:, 0]) & (k[:, 1] > k[:, 0])
+        return cls.from_arrays(q[keep], k[keep], t[keep], int(cq[-1]), int(ck[-1]))
+
+    @classmethod
+    def sliding_window(cls, cu_seqlens: Any, left: int, right: int = 0) -> Mask:
+        """Per-document band: each query sees `left` keys before and `right` after itself, in its document."""
+        cu = _cu_seqlens(cu_seqlens, "cu_seqlens")
+        q, k, t = band_slices(cu[:-1], cu[1:], cu[:-1], cu[1:], left, right)
+        return cls.from_arrays(q, k, t, int(cu[-1]), int(cu[-1]))
+
+    def with_global_tokens(self, count: int) -> Mask:
+        """Add `count` global tokens at the start: every query sees them and they see every key."""
+        count = _seqlen(count, "global token count")
+        if count > min(self._sq, self._sk):
+            raise MaskError(f"{count} global tokens do not fit a {self._sq} x {self._sk} mask")
+        extra = [AttnSlice(q=(0, count), k=(0, self._sk)), AttnSlice(q=(0, self._sq), k=(0, count))]
+        return self | Mask(extra, self._sq, self._sk)
+
+    def __or__(self, other: Mask) -> Mask:
+        """Union of two masks over the same sequence lengths."""
+        if not isinstance(other, Mask):
+            return NotImplemented
+        if other.shape != self.shape:
+            raise MaskError(f"cannot unite masks of shapes {self.shape} and {other.shape}")
+        return Mask.from_arrays(
+            np.concatenate([self._q, other._q]),
+            np.concatenate([self._k, other._k]),
+            np.concatenate([self._t, other._t]),
+            self._sq,
+            self._sk,
+        )
+
+    # ---- views ---------------------------------------------------------------------------
+
+    @property
+    def seqlen_q(self) -> int:
+        return self._sq
+
+    @property
+    def seqlen_k(self) -> int:
+        return self._sk
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self._sq, self._sk)
+
+    @property
+    def q_ranges(self) -> np.ndarray:
+        return self._q
+
+    @property
+    def k_ranges(self) -> np.ndarray:
+        return self._k
+
+    @property
+    def types(self) -> np.ndarray:
+        return self._t
+
+    @cached_property
+    def slices(self) -> tuple[AttnSlice, ...]:
+        return tuple(
+            AttnSlice(q=(int(q0), int(q1)), k=(int(k0), int(k1)), type=TYPE_NAMES[t])
+            for (q0, q1), (k0, k1), t in zip(self._q.tolist(), self._k.tolist(), self._t.tolist())
+        )
+
+    def __len__(self) -> int:
+        return int(self._t.shape[0])
+
+    def __iter__(self):
+        return iter(self.slices)
+
+    def __eq__(self, other: object) -> bool:
+        """Same slices in the same order (use `equivalent` to compare the masked sets)."""
+        if not isinstance(other, Mask):
+            return NotImplemented
+        return (
+            self.shape == other.shape
+            and np.array_equal(self._q, other._q)
+            and np.array_equal(self._k, other._k)
+            and np.array_equal(self._t, other._t)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self._q.tobytes(), self._k.tobytes(), self._t.tobytes()))
+
+    def __repr__(self) -> str:
+        return f"Mask({len(self)} slices, seqlen_q={self._sq}, seqlen_k={self._sk})"
+
+    def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int32 `[N, 2]` q ranges, `[N, 2]` k ranges and `[N]` type ids (the kernels' form)."""
+        return (
+            torch.from_numpy(self._q.astype(np.int32)),
+            torch.from_numpy(self._k.astype(np.int32)),
+            torch.from_numpy(self._t.astype(np.int32)),
+        )
+
+    # ---- semantics -----------------------------------------------------------------------
+
+    @cached_property
+    def _normalized(self) -> Mask:
+        q, k, t = normalize_arrays(self._q, self._k, self._t)
+        return Mask.from_arrays(q, k, t, self._sq, self._sk)
+
+    def normalize(self) -> Mask:
+        """Equivalent mask with no empty slice and no two slices sharing a (query, key) pair."""
+        return self._normalized
+
+    def area(self) -> int:
+        """Exact number of allowed (query, key) pairs; overlapping slices count once."""
+        n = self._normalized
+        return int(slice_areas(n._q[:, 1] - n._q[:, 0], n._k[:, 1] - n._k[:, 0], n._t).sum())
+
+    def density(self) -> float:
+        total = self._sq * self._sk
+        return self.area() / total if total else 0.0
+
+    def dense_rows(self, q0: int, q1: int) -> torch.Tensor:
+        """`torch.bool [q1 - q0, seqlen_k]`: the mask's rows q0..q1-1, without building the rest."""
+        if not 0 <= q0 <= q1 <= self._sq:
+            raise MaskError(f"row range ({q0}, {q1}) is outside 0..{self._sq}")
+        lines = RowLines.of(self._q, self._k, self._t)
+        r0 = np.maximum(lines.r0, q0)
+        r1 = np.minimum(lines.r1, q1)
+        hit = np.flatnonzero(r1 > r0)
+        counts = (r1 - r0)[hit]
+        owner = np.repeat(hit, counts)
+        rows = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(r0[hit], counts)
+        lo = lines.lo_a[owner] + lines.lo_s[owner] * rows
+        hi = lines.hi_a[owner] + lines.hi_s[owner] * rows
+        # +1 where an interval opens, -1 after it closes; a prefix sum marks covered keys.
+        edges = torch.zeros(q1 - q0, self._sk + 1, dtype=torch.int32)
+        local = torch.from_numpy(rows - q0)
+        ones = torch.ones(local.shape[0], dtype=torch.int32)
+        edges.index_put_((local, torch.from_numpy(lo)), ones, accumulate=True)
+        edges.index_put_((local, torch.from_numpy(hi + 1)), -ones, accumulate=True)
+        return edges.cumsum(1)[:, : self._sk] > 0
+
+    def to_dense(self) -> torch.Tensor:
+        """`torch.bool [seqlen_q, seqlen_k]`, for tests and pictures of small masks."""
+        return self.dense_rows(0, self._sq)
+
+    def equivalent(self, other: Mask) -> bool:
+        """Whether both masks allow exactly the same (query, key) pairs."""
+        if self.shape != other.shape:
+            return False
+        a, b = self.normalize(), other.normalize()
+        if a == b:
+            return True
+        return a.area() == b.area() == (a | b).area()
+
+    # ---- serialisation -------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        body = {
+            "format": JSON_FORMAT,
+            "seqlen_q": self._sq,
+            "seqlen_k": self._sk,
+            "slices": [[*q, *k, TYPE_NAMES[t]] for q, k, t in zip(self._q.tolist(), self._k.tolist(), self._t.tolist())],
+        }
+        return json.dumps(body)
+
+    @classmethod
+    def from_json(cls, text: str) -> Mask:
+        try:
+            body = json.loads(text)
+            if body.get("format") != JSON_FORMAT:
+                raise MaskError(f"not a maskc mask document (format {body.get('format')!r}, expected {JSON_FORMAT!r})")
+            rows = body["slices"]
+            q = np.array([r[0:2] for r in rows], dtype=np.int64).reshape(-1, 2)
+            k = np.array([r[2:4] for r in rows], dtype=np.int64).reshape(-1, 2)
+            t = [type_id(r[4]) for r in rows]
+            return cls.from_arrays(q, k, np.array(t, dtype=np.int64), body["seqlen_q"], body["seqlen_k"])
+        except MaskError:
+            raise
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise MaskError(f"malformed mask JSON: {exc}") from None
+
+
+def _cu_seqlens(value: Any, what: str) -> np.ndarray:
+    cu = _int_array(value, what)
+    if cu.ndim != 1 or cu.size == 0 or cu[0] != 0:
+        raise MaskError(f"{what} must be a 1-D list starting at 0, got {cu.tolist()}")
+    if np.any(np.diff(cu) < 0):
+        raise MaskError(f"{what} must be non-decreasing, got {cu.tolist()}")
+    return cu
+
+
+def _validate(q: np.ndarray, k: np.ndarray, t: np.ndarray, sq: int, sk: int) -> None:
+    """Raise a MaskError naming the first bad slice, checked vectorised."""
+    checks = [
+        ((q < 0).any(1) | (k < 0).any(1), "has a negative range"),
+        ((q[:, 0] > q[:, 1]) | (k[:, 0] > k[:, 1]), "has a reversed range (start > end)"),
+        (q[:, 1] > sq, f"has a q range past seqlen_q={sq}"),
+        (k[:, 1] > sk, f"has a k range past seqlen_k={sk}"),
+        ((t < 0) | (t >= len(TYPE_NAMES)), "has an unknown type id (expected 0..3)"),
+    ]
+    for bad, what in checks:
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise MaskError(
+                f"slice {i} {what}: q={tuple(q[i].tolist())}, k={tuple(k[i].tolist())}, type={int(t[i])}"
+            )

@@ -1,0 +1,182 @@
+"""AttnSlice, the unit of the IR, and the vectorised geometry every pass shares.
+
+A slice covers, on each of its rows, one contiguous interval of keys whose ends move by
+0 or 1 column per row. That "row-line" form (`RowLines`) is what normalisation, dense
+materialisation and area computations work on, so the four mask types are defined once,
+here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from maskc.errors import MaskError
+
+AttnType = Literal["full", "causal", "inv_causal", "bi_causal"]
+TYPE_NAMES: tuple[str, ...] = ("full", "causal", "inv_causal", "bi_causal")
+TYPE_IDS: dict[str, int] = {name: i for i, name in enumerate(TYPE_NAMES)}
+FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = range(4)
+
+
+def type_id(t: str | int) -> int:
+    """Type id of a type name or id, with a clear error for anything else."""
+    if isinstance(t, str):
+        if t not in TYPE_IDS:
+            raise MaskError(f"unknown slice type {t!r}; expected one of {', '.join(TYPE_NAMES)}")
+        return TYPE_IDS[t]
+    if isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= int(t) < len(TYPE_NAMES):
+        return int(t)
+    raise MaskError(f"unknown slice type {t!r}; expected a name ({', '.join(TYPE_NAMES)}) or an id 0..3")
+
+
+def _range_pair(value: object, what: str) -> tuple[int, int]:
+    try:
+        start, end = value  # type: ignore[misc]
+    except (TypeError, ValueError):
+        raise MaskError(f"{what} range must be a (start, end) pair, got {value!r}") from None
+    for x in (start, end):
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise MaskError(f"{what} range must hold integers, got {value!r}")
+    start, end = int(start), int(end)
+    if start < 0 or end < 0:
+        raise MaskError(f"{what} range ({start}, {end}) is negative")
+    if start > end:
+        raise MaskError(f"{what} range ({start}, {end}) is reversed (start > end)")
+    return start, end
+
+
+@dataclass(frozen=True)
+class AttnSlice:
+    """Queries q=[qs, qe) attend keys k=[ks, ke) with one of four shapes (see DESIGN.md)."""
+
+    q: tuple[int, int]
+    k: tuple[int, int]
+    type: AttnType = "full"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "q", _range_pair(self.q, "q"))
+        object.__setattr__(self, "k", _range_pair(self.k, "k"))
+        object.__setattr__(self, "type", TYPE_NAMES[type_id(self.type)])
+
+    @property
+    def type_id(self) -> int:
+        return TYPE_IDS[self.type]
+
+    def area(self) -> int:
+        """Exact number of (query, key) pairs this slice allows."""
+        lq = np.array([self.q[1] - self.q[0]])
+        lk = np.array([self.k[1] - self.k[0]])
+        return int(slice_areas(lq, lk, np.array([self.type_id]))[0])
+
+
+def slice_areas(lq: np.ndarray, lk: np.ndarray, types: np.ndarray) -> np.ndarray:
+    """Per-slice areas (int64) from lengths and type ids, the closed forms of DESIGN.md."""
+    lq = lq.astype(np.int64)
+    lk = lk.astype(np.int64)
+    tri = np.where(lk > lq, (2 * lk - lq + 1) * lq // 2, (1 + lk) * lk // 2)
+    tri = np.where(lq == 0, 0, tri)
+    band = np.maximum(0, lk - lq + 1) * lq
+    band = np.where(lk == 0, 0, band)
+    return np.select([types == FULL, types == BI_CAUSAL], [lq * lk, band], tri)
+
+
+@dataclass(frozen=True)
+class RowLines:
+    """Slices as row spans [r0, r1) whose key interval on row r is [lo_a + lo_s*r, hi_a + hi_s*r].
+
+    Rows of a slice that allow no key are trimmed away (r0 == r1 when the slice is empty);
+    all coordinates are global. Slopes are 0 or 1.
+    """
+
+    r0: np.ndarray
+    r1: np.ndarray
+    lo_a: np.ndarray
+    lo_s: np.ndarray
+    hi_a: np.ndarray
+    hi_s: np.ndarray
+
+    @staticmethod
+    def of(q_ranges: np.ndarray, k_ranges: np.ndarray, types: np.ndarray) -> RowLines:
+        q_ranges = np.asarray(q_ranges, dtype=np.int64).reshape(-1, 2)
+        k_ranges = np.asarray(k_ranges, dtype=np.int64).reshape(-1, 2)
+        types = np.asarray(types, dtype=np.int64).reshape(-1)
+        qs, qe = q_ranges[:, 0], q_ranges[:, 1]
+        ks, ke = k_ranges[:, 0], k_ranges[:, 1]
+        lk = ke - ks
+        lo_moves = (types == INV_CAUSAL) | (types == BI_CAUSAL)
+        hi_moves = (types == CAUSAL) | (types == BI_CAUSAL)
+        lo_s = lo_moves.astype(np.int64)
+        hi_s = hi_moves.astype(np.int64)
+        lo_a = np.where(lo_moves, ks - qs, ks)
+        hi_a = np.where(hi_moves, ke - qe, ke - 1)
+        # Trim rows that allow no key: causal loses top rows, inv_causal bottom rows.
+        r0 = np.where(types == CAUSAL, np.maximum(qs, qe - lk), qs)
+        r1 = np.where(types == INV_CAUSAL, np.minimum(qe, qs + lk), qe)
+        empty = (lk <= 0) | ((types == BI_CAUSAL) & (lk < qe - qs)) | (r1 <= r0)
+        r1 = np.where(empty, r0, r1)
+        return RowLines(r0, r1, lo_a, lo_s, hi_a, hi_s)
+
+    def nonempty(self) -> np.ndarray:
+        return self.r1 > self.r0
+
+    def take(self, index: np.ndarray) -> RowLines:
+        return RowLines(*(x[index] for x in (self.r0, self.r1, self.lo_a, self.lo_s, self.hi_a, self.hi_s)))
+
+    def to_slices(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Slices (q_ranges, k_ranges, types) exactly covering these (non-empty) row lines.
+
+        A one-row span is always written as a full slice: its slopes carry no meaning.
+        """
+        single = (self.r1 - self.r0) == 1
+        lo_s = np.where(single, 0, self.lo_s)
+        hi_s = np.where(single, 0, self.hi_s)
+        first_lo = self.lo_a + self.lo_s * self.r0
+        last_hi = self.hi_a + self.hi_s * (self.r1 - 1)
+        types = np.select(
+            [(lo_s == 0) & (hi_s == 0), (lo_s == 0) & (hi_s == 1), (lo_s == 1) & (hi_s == 0)],
+            [FULL, CAUSAL, INV_CAUSAL],
+            BI_CAUSAL,
+        )
+        q_ranges = np.stack([self.r0, self.r1], axis=1)
+        k_ranges = np.stack([first_lo, last_hi + 1], axis=1)
+        return q_ranges, k_ranges, types.astype(np.int64)
+
+
+def band_slices(qs, qe, ks, ke, left, right) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Decompose bands into at most three slices each (causal, bi_causal/full, inv_causal).
+
+    Row i of a band over q=[qs, qe), k=[ks, ke) has its diagonal at local key
+    i + (Lk - Lq) (bottom-right aligned, like causal) and allows keys from `left` before to
+    `right` after the diagonal, clipped to the key range. Rows clipped only on the left form
+    a causal slice, rows clipped only on the right an inv_causal one, rows clipped on both a
+    full one and unclipped rows a bi_causal one; since both window ends move one key per row,
+    at most three of these four groups are non-empty.
+    """
+    qs, qe, ks, ke, left, right = (np.asarray(x, dtype=np.int64) for x in (qs, qe, ks, ke, left, right))
+    qs, qe, ks, ke, left, right = np.broadcast_arrays(qs, qe, ks, ke, left, right)
+    if np.any(left < 0) or np.any(right < 0):
+        raise MaskError("band window sizes (left, right) must be >= 0")
+    # Global window of row r: [r + off - left, r + off + right] with off = ke - qe.
+    off = ke - qe
+    # Rows whose window reaches the key range at all.
+    row_lo = np.maximum(qs, ks - off - right)
+    row_hi = np.minimum(qe, ke - off + left)
+    # First row whose window starts inside the range, first row whose window ends past it.
+    left_free = np.clip(ks - off + left, row_lo, row_hi)
+    right_clip = np.clip(ke - off - right, row_lo, row_hi)
+    a, b = np.minimum(left_free, right_clip), np.maximum(left_free, right_clip)
+    middle_is_full = right_clip < left_free
+    n = qs.shape[0]
+    rows = np.concatenate([np.stack([row_lo, a], 1), np.stack([a, b], 1), np.stack([b, row_hi], 1)])
+    lo_a = np.concatenate([ks, np.where(middle_is_full, ks, off - left), off - left])
+    lo_s = np.concatenate([np.zeros(n, np.int64), np.where(middle_is_full, 0, 1), np.ones(n, np.int64)])
+    hi_a = np.concatenate([off + right, np.where(middle_is_full, ke - 1, off + right), ke - 1])
+    hi_s = np.concatenate([np.ones(n, np.int64), np.where(middle_is_full, 0, 1), np.zeros(n, np.int64)])
+    lines = RowLines(rows[:, 0], rows[:, 1], lo_a, lo_s, hi_a, hi_s)
+    kept = np.flatnonzero(lines.nonempty() & np.tile(ks < ke, 3))
+    # Keep each band's pieces together, in band order.
+    kept = kept[np.argsort(kept % max(n, 1), kind="stable")]
+    return lines.take(kept).to_slices()
