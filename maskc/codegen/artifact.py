@@ -1,0 +1,82 @@
+"""Write an artifact directory: the source, each mask's lowered IR, and the manifest."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import maskc
+from maskc.ir import Mask
+from maskc.runtime.manifest import write_manifest
+
+
+@dataclass(frozen=True)
+class LoweredMask:
+    """A mask family lowered with concrete parameters."""
+
+    name: str
+    params: dict[str, Any]
+    mask: Mask
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def write_artifact(out_dir: str | Path, lowered: list[LoweredMask], source: Path | None = None) -> Path:
+    """Write `out_dir/manifest.json`, `<name>.ir.json` per mask and a copy of the source; return the manifest path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    if source is not None:
+        shutil.copyfile(source, out / f"source{source.suffix}")
+        files.append(f"source{source.suffix}")
+    masks = {}
+    for item in lowered:
+        ir_name = f"{item.name}.ir.json"
+        (out / ir_name).write_text(item.mask.to_json())
+        files.append(ir_name)
+        masks[item.name] = {
+            "ir": ir_name,
+            "params": {k: _jsonable(v) for k, v in item.params.items()},
+            "seqlen_q": item.mask.seqlen_q,
+            "seqlen_k": item.mask.seqlen_k,
+            "num_slices": len(item.mask),
+            "area": item.mask.area(),
+        }
+    body = {
+        "maskc_version": maskc.__version__,
+        "toolchain": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "nvidia-cutlass-dsl": _package_version("nvidia-cutlass-dsl"),
+        },
+        "source": files[0] if source is not None else None,
+        "masks": masks,
+        "archs": [],
+        "variants": [],
+        "files": files,
+    }
+    return write_manifest(out, body)
