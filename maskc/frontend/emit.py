@@ -1,0 +1,122 @@
+"""Slice emission shared by both fronts: primitives, the band/prefix-LM sugar, chunking.
+
+Every emitting call hands whole numpy arrays of ranges to a `SliceBuffer`, which checks
+them (naming the call site it is given), drops empty slices and builds the Mask at the end,
+so the DSL and the Python front produce identical IR through one code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from maskc.errors import MaskError
+from maskc.ir import TYPE_IDS, Mask, band_slices
+
+RangeArrays = tuple[np.ndarray, np.ndarray]
+
+
+def ragged_expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For per-parent element counts, each child's parent index and its index within the parent."""
+    counts = np.asarray(counts, dtype=np.int64)
+    parent = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+    offsets = np.cumsum(counts) - counts
+    local = np.arange(parent.size, dtype=np.int64) - offsets[parent]
+    return parent, local
+
+
+def split_chunks(
+    starts: np.ndarray, ends: np.ndarray, size: np.ndarray, where: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Consecutive sub-ranges of `size` tokens of each range (the last one shorter): (parent, starts, ends)."""
+    arrays = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (starts, ends, size)))
+    starts, ends, size = (np.atleast_1d(x) for x in arrays)
+    bad = size <= 0
+    if bad.any():
+        raise MaskError(f"{where}: chunk size must be positive, got {int(size[bad][0])}")
+    _check_ranges(where, "chunked", starts, ends)
+    parent, local = ragged_expand(-((starts - ends) // size))
+    cstarts = starts[parent] + local * size[parent]
+    return parent, cstarts, np.minimum(cstarts + size[parent], ends[parent])
+
+
+@dataclass
+class SliceBuffer:
+    """Collects emitted slices as arrays, each batch tagged with its call site for later errors."""
+
+    _batches: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+
+    def add(self, kind: str, q: RangeArrays, k: RangeArrays, where: str) -> None:
+        """Emit one primitive slice per row of the (broadcast) q and k range arrays."""
+        qs, qe, ks, ke = _ranges(q, k)
+        _check_ranges(where, "q", qs, qe)
+        _check_ranges(where, "k", ks, ke)
+        self._append(where, qs, qe, ks, ke, np.full(qs.shape, TYPE_IDS[kind], dtype=np.int64))
+
+    def band(self, q: RangeArrays, k: RangeArrays, left: np.ndarray, right: np.ndarray, where: str) -> None:
+        """A window of `left` keys before and `right` after the bottom-right aligned diagonal."""
+        qs, qe, ks, ke = _ranges(q, k)
+        _check_ranges(where, "q", qs, qe)
+        _check_ranges(where, "k", ks, ke)
+        left, right = np.broadcast_to(left, qs.shape), np.broadcast_to(right, qs.shape)
+        for name, size in (("left", left), ("right", right)):
+            if (size < 0).any():
+                raise MaskError(f"{where}: {name} must be >= 0, got {int(size[size < 0][0])}")
+        keep = (qs < qe) & (ks < ke)
+        if not keep.all():
+            qs, qe, ks, ke, left, right = (x[keep] for x in (qs, qe, ks, ke, left, right))
+        if qs.size:
+            q_ranges, k_ranges, types = band_slices(qs, qe, ks, ke, left, right)
+            self._append(where, q_ranges[:, 0], q_ranges[:, 1], k_ranges[:, 0], k_ranges[:, 1], types)
+
+    def prefix_lm(self, seq: RangeArrays, prefix: np.ndarray, where: str) -> None:
+        """The first `prefix` tokens of each range see each other; the rest are causal over the range."""
+        s, e = (np.asarray(x, dtype=np.int64) for x in seq)
+        s, e, prefix = np.broadcast_arrays(s, e, np.asarray(prefix, dtype=np.int64))
+        _check_ranges(where, "seq", s, e)
+        if (prefix < 0).any():
+            raise MaskError(f"{where}: prefix must be >= 0, got {int(prefix[prefix < 0][0])}")
+        p = np.minimum(s + prefix, e)
+        self.add("full", (s, p), (s, p), where)
+        self.add("causal", (p, e), (s, e), where)
+
+    def build(self, seqlen_q: int, seqlen_k: int, where: str) -> Mask:
+        """Check every batch against the sequence lengths and build the Mask."""
+        for name, value in (("q", seqlen_q), ("k", seqlen_k)):
+            if value < 0:
+                raise MaskError(f"{where}: {name} must be >= 0, got {value}")
+        for site, qs, qe, ks, ke, _ in self._batches:
+            for side, s, e, limit in (("q", qs, qe, seqlen_q), ("k", ks, ke, seqlen_k)):
+                bad = e > limit
+                if bad.any():
+                    i = int(np.argmax(bad))
+                    raise MaskError(f"{site}: {side} range {s[i]}:{e[i]} ends past seqlen {side}={limit}")
+        if self._batches:
+            qs, qe, ks, ke, types = (np.concatenate(cols) for cols in list(zip(*self._batches))[1:])
+        else:
+            qs = qe = ks = ke = types = np.zeros(0, dtype=np.int64)
+        return Mask.from_arrays(np.stack([qs, qe], 1), np.stack([ks, ke], 1), types, seqlen_q, seqlen_k)
+
+    def _append(
+        self, where: str, qs: np.ndarray, qe: np.ndarray, ks: np.ndarray, ke: np.ndarray, types: np.ndarray
+    ) -> None:
+        keep = (qs < qe) & (ks < ke)
+        if not keep.all():
+            qs, qe, ks, ke, types = (x[keep] for x in (qs, qe, ks, ke, types))
+        if qs.size:
+            self._batches.append((where, qs, qe, ks, ke, types))
+
+
+def _ranges(q: RangeArrays, k: RangeArrays) -> tuple[np.ndarray, ...]:
+    arrays = (np.asarray(x, dtype=np.int64) for x in (*q, *k))
+    return tuple(np.atleast_1d(x) for x in np.broadcast_arrays(*arrays))
+
+
+def _check_ranges(where: str, what: str, starts: np.ndarray, ends: np.ndarray) -> None:
+    bad = (starts > ends) | (starts < 0)
+    if bad.any():
+        i = int(np.argmax(bad))
+        s, e = int(starts[i]), int(ends[i])
+        problem = "starts before 0" if s < 0 else "is reversed (start > end)"
+        raise MaskError(f"{where}: {what} range {s}:{e} {problem}")
