@@ -17,6 +17,16 @@ PARAM_HELP = (
 )
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _parse_list(value: str, name: str) -> list[int]:
     if value.startswith("@"):
         try:
@@ -118,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(show)
     show.add_argument("--png-dir", default=".", metavar="DIR", help="where to write NAME.png (default: .)")
     show.add_argument("--no-png", action="store_true", help="print the report only")
-    show.add_argument("--size", type=int, default=512, metavar="N", help="picture cells per side (default: 512)")
+    show.add_argument("--size", type=_positive, default=512, metavar="N", help="picture cells per side (default: 512)")
     show.set_defaults(func=_show)
 
     comp = sub.add_parser("compile", help="lower masks and write an artifact directory (IR + manifest)")

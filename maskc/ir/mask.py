@@ -236,7 +236,8 @@ class Mask:
         """`torch.bool [q1 - q0, seqlen_k]`: the mask's rows q0..q1-1, without building the rest."""
         if not 0 <= q0 <= q1 <= self._sq:
             raise MaskError(f"row range ({q0}, {q1}) is outside 0..{self._sq}")
-        lines = RowLines.of(self._q, self._k, self._t)
+        norm = self._normalized
+        lines = RowLines.of(norm._q, norm._k, norm._t)
         r0 = np.maximum(lines.r0, q0)
         r1 = np.minimum(lines.r1, q1)
         hit = np.flatnonzero(r1 > r0)
@@ -245,13 +246,14 @@ class Mask:
         rows = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(r0[hit], counts)
         lo = lines.lo_a[owner] + lines.lo_s[owner] * rows
         hi = lines.hi_a[owner] + lines.hi_s[owner] * rows
-        # +1 where an interval opens, -1 after it closes; a prefix sum marks covered keys.
-        edges = torch.zeros(q1 - q0, self._sk + 1, dtype=torch.int32)
+        # Normalised slices are disjoint: +1 where an interval opens and -1 after it closes
+        # never sum past 1, so a prefix sum in int8 marks the covered keys.
+        edges = torch.zeros(q1 - q0, self._sk + 1, dtype=torch.int8)
         local = torch.from_numpy(rows - q0)
-        ones = torch.ones(local.shape[0], dtype=torch.int32)
+        ones = torch.ones(local.shape[0], dtype=torch.int8)
         edges.index_put_((local, torch.from_numpy(lo)), ones, accumulate=True)
         edges.index_put_((local, torch.from_numpy(hi + 1)), -ones, accumulate=True)
-        return edges.cumsum(1)[:, : self._sk] > 0
+        return edges.cumsum(1, dtype=torch.int8)[:, : self._sk] > 0
 
     def to_dense(self) -> torch.Tensor:
         """`torch.bool [seqlen_q, seqlen_k]`, for tests and pictures of small masks."""

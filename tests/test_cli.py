@@ -1,0 +1,111 @@
+"""The `maskc` command, end to end, as a user runs it (a separate process)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from maskc.runtime import load_artifact
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.mask"))
+
+
+def maskc(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "maskc.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_every_example_shows_with_its_defaults(example: Path, tmp_path: Path) -> None:
+    result = maskc("show", str(example), "--png-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "density" in result.stdout
+    for name in re.findall(r"^mask (\S+)$", result.stdout, flags=re.M):
+        assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_show_reports_exact_numbers(tmp_path: Path) -> None:
+    result = maskc(
+        "show", "examples/varlen_causal.mask", "--param", "docs=4,6", "--no-png", cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"area\s+31\b", result.stdout)  # 4*5/2 + 6*7/2
+    assert re.search(r"seqlen\s+10 x 10", result.stdout)
+
+
+def test_compile_writes_a_loadable_artifact(tmp_path: Path) -> None:
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("100 200\n50\n")
+    out = tmp_path / "art"
+    result = maskc(
+        "compile", "examples/varlen_block_causal.mask", "-o", str(out), "--param", f"docs=@{lengths}", "-p", "block=64"
+    )
+    assert result.returncode == 0, result.stderr
+    artifact = load_artifact(out)
+    (name,) = artifact.masks
+    assert artifact.masks[name].shape == (350, 350)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["masks"][name]["params"]["docs"] == [100, 200, 50]
+    assert manifest["masks"][name]["params"]["block"] == 64
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["show", "examples/no_such.mask"], "no_such.mask"),
+        (["show", "examples/causal.mask", "--param", "bogus=3"], "unknown parameter.*bogus"),
+        (["show", "examples/causal.mask", "--param", "n=abc"], "expects an integer"),
+        (["show", "examples/causal.mask", "--param", "n"], "NAME=VALUE"),
+        (["show", "examples/varlen_causal.mask", "--param", "docs=1,x"], "list of integers"),
+        (["show", "examples/varlen_causal.mask", "--param", "docs=@/nonexistent"], "cannot read"),
+        (["show", "examples/causal.mask", "--mask", "nope"], "no mask 'nope'"),
+        (["compile", "examples/causal.mask"], "-o/--output"),
+    ],
+)
+def test_bad_input_is_a_clear_error_with_exit_code_2(args: list[str], message: str) -> None:
+    result = maskc(*args)
+    assert result.returncode == 2
+    assert re.search(message, result.stderr), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_syntax_error_names_file_line_and_column(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.mask"
+    bad.write_text("mask m(n: int = 4):\n    seqlen(n)\n    full(q=0:n k=0:n)\n")
+    result = maskc("show", str(bad), "--no-png")
+    assert result.returncode == 2
+    assert re.search(rf"{re.escape(str(bad))}:3:\d+", result.stderr), result.stderr
+
+
+def test_help_documents_every_option() -> None:
+    for command, options in {
+        "show": ["--mask", "--param", "--png-dir", "--no-png", "--size"],
+        "compile": ["--mask", "--param", "--output"],
+    }.items():
+        result = maskc(command, "--help")
+        assert result.returncode == 0
+        for option in options:
+            assert option in result.stdout
+
+
+def test_readme_main_job_works(tmp_path: Path) -> None:
+    """The README's first command, minus the environment set-up this test already runs in."""
+    readme = (ROOT / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if line.startswith("python3 -m venv"))
+    steps = [s.strip() for s in command.split("&&") if s.strip().startswith(".venv/bin/maskc")]
+    assert steps, command
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    for step in steps:
+        result = maskc(*shlex.split(step)[1:], cwd=tmp_path)
+        assert result.returncode == 0, (step, result.stderr)
+    assert (tmp_path / "build" / "varlen_block_causal" / "manifest.json").is_file()
+    assert list((tmp_path / "build").glob("*.png"))
