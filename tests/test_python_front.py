@@ -163,7 +163,7 @@ def test_import_time_failure_uses_the_example():
         (lambda b, n: (b.seqlen(n), b.band(q=(0, n), k=(0, n), left=-1)), MaskError, "band(): left must be >= 0"),
         (lambda b, n: (b.seqlen(n), b.chunks((0, n), 0)), MaskError, "chunks(): chunk size must be positive, got 0"),
         (lambda b, n: (b.seqlen(n), b.prefix_lm(seq=(0, n), prefix=-2)), MaskError, "prefix must be >= 0"),
-        (lambda b, n: b.seqlen(n, True), MaskError, "k must be an int"),
+        (lambda b, n: b.seqlen(n, True), MaskError, "k: expected an int"),
     ],
 )
 def test_builder_errors(body, error, text):

@@ -133,7 +133,7 @@ ParamValue = int | DocList
 def coerce(kind: ParamKind, value: Any) -> ParamValue:
     """Check one value against its kind; raises MaskParamError with a message (no mask name)."""
     if kind == "int":
-        return _as_int(value)
+        return as_int(value)
     arr = _as_int_vector(value, kind)
     if kind == "seqlens":
         if arr.size and arr.min() < 0:
@@ -183,7 +183,8 @@ def bind_params(mask_name: str, params: Sequence[Param], given: Mapping[str, Any
     return values
 
 
-def _as_int(value: Any) -> int:
+def as_int(value: Any) -> int:
+    """`value` as a Python int; ints of any kind (numpy, 0-d int tensors) pass, bools and floats do not."""
     if _is_tensor(value) and not _is_int_dtype(value.dtype):
         raise MaskParamError(f"expected an int, got a {value.dtype} tensor")
     if isinstance(value, (bool, np.bool_)):

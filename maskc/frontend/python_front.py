@@ -8,7 +8,6 @@ right away with its example parameters, so a broken mask fails at import, not at
 from __future__ import annotations
 
 import inspect
-import operator
 import sys
 import typing
 from typing import Any, Callable, Iterator, Mapping, Union
@@ -26,6 +25,7 @@ from maskc.frontend.params import (
     ParamValue,
     Range,
     SeqLens,
+    as_int,
     coerce,
     plain_default,
 )
@@ -179,12 +179,10 @@ def _family(fn: Callable[..., None]) -> MaskFamily:
 
 
 def _as_int(value: Any, what: str, where: str) -> int:
-    if isinstance(value, (bool, np.bool_)):
-        raise MaskError(f"{where}: {what} must be an int, got {value!r}")
     try:
-        return operator.index(value)
-    except TypeError:
-        raise MaskError(f"{where}: {what} must be an int, got {value!r}") from None
+        return as_int(value)
+    except MaskParamError as e:
+        raise MaskError(f"{where}: {what}: {e}") from None
 
 
 def _as_ints(value: Any, what: str, where: str) -> np.ndarray:
