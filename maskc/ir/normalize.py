@@ -60,7 +60,9 @@ def _band_cuts(lines: RowLines) -> np.ndarray:
 def _union_of_group(lines: RowLines) -> RowLines:
     cuts = _band_cuts(lines)
     pieces: list[list[int]] = []
-    frontier: dict[str, dict[tuple[int, int], int]] = {"last": {}, "next": {}}
+    # Pieces of the previous band, by their (lo, hi) on its last row and extended one row down.
+    by_last: dict[tuple[int, int], int] = {}
+    by_next: dict[tuple[int, int], int] = {}
     for c0, c1 in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
         active = np.flatnonzero((lines.r0 <= c0) & (lines.r1 > c0))
         band: list[int] = []
@@ -75,14 +77,12 @@ def _union_of_group(lines: RowLines) -> RowLines:
                     run[1], top = int(active[pos]), int(hi[pos])
                 continue
             if run:
-                band.append(_place(pieces, frontier, lines, c0, c1, *run))
+                band.append(_place(pieces, by_last, by_next, lines, c0, c1, *run))
             run, top = [int(active[pos]), int(active[pos])], int(hi[pos])
         if run:
-            band.append(_place(pieces, frontier, lines, c0, c1, *run))
-        frontier = {
-            "last": {(_at(pieces[i], 2, c1 - 1), _at(pieces[i], 4, c1 - 1)): i for i in band},
-            "next": {(_at(pieces[i], 2, c1), _at(pieces[i], 4, c1)): i for i in band},
-        }
+            band.append(_place(pieces, by_last, by_next, lines, c0, c1, *run))
+        by_last = {(_at(pieces[i], 2, c1 - 1), _at(pieces[i], 4, c1 - 1)): i for i in band}
+        by_next = {(_at(pieces[i], 2, c1), _at(pieces[i], 4, c1)): i for i in band}
     table = np.array(pieces, dtype=np.int64).reshape(-1, 6)
     return RowLines(*(table[:, i] for i in range(6)))
 
@@ -92,14 +92,23 @@ def _at(piece: list[int], line: int, row: int) -> int:
     return piece[line] + piece[line + 1] * row
 
 
-def _place(pieces: list[list[int]], frontier: dict, lines: RowLines, c0: int, c1: int, lo_idx: int, hi_idx: int) -> int:
+def _place(
+    pieces: list[list[int]],
+    by_last: dict[tuple[int, int], int],
+    by_next: dict[tuple[int, int], int],
+    lines: RowLines,
+    c0: int,
+    c1: int,
+    lo_idx: int,
+    hi_idx: int,
+) -> int:
     """Add rows [c0, c1) bounded by the given lines; extend the piece just above when one pair of lines covers both."""
     new = [c0, c1, int(lines.lo_a[lo_idx]), int(lines.lo_s[lo_idx]), int(lines.hi_a[hi_idx]), int(lines.hi_s[hi_idx])]
-    above = frontier["next"].get((_at(new, 2, c0), _at(new, 4, c0)))
+    above = by_next.get((_at(new, 2, c0), _at(new, 4, c0)))
     if above is not None and all(_at(pieces[above], f, c1 - 1) == _at(new, f, c1 - 1) for f in (2, 4)):
         pieces[above][1] = c1
         return above
-    above = frontier["last"].get((_at(new, 2, c0 - 1), _at(new, 4, c0 - 1)))
+    above = by_last.get((_at(new, 2, c0 - 1), _at(new, 4, c0 - 1)))
     if above is not None:
         old = pieces[above]
         if all(_at(old, f, old[0]) == _at(new, f, old[0]) for f in (2, 4)):
