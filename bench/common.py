@@ -1,0 +1,49 @@
+"""Shared benchmark inputs and timing: real document lengths, a median-of-runs timer."""
+
+from __future__ import annotations
+
+import csv
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+HISTOGRAM = ROOT / "bench" / "data" / "doc_length_distribution.csv"
+
+
+def sample_doc_lengths(total: int, count: int, seed: int = 0) -> np.ndarray:
+    """`count` lengths from the real histogram, each in [1, total // 4], summing to `total`."""
+    lo, hi, weight = [], [], []
+    with HISTOGRAM.open(newline="") as f:
+        for row in csv.DictReader(f):
+            a, b = map(int, re.findall(r"\d+", row["range"]))
+            lo.append(max(a, 1))
+            hi.append(b)
+            weight.append(int(row["number"]))
+    rng = np.random.default_rng(seed)
+    p = np.asarray(weight, dtype=np.float64)
+    bins = rng.choice(len(p), size=count, p=p / p.sum())
+    cap = total // 4
+    lens = np.minimum(rng.integers(np.asarray(lo)[bins], np.asarray(hi)[bins] + 1), cap)
+    lens = np.clip(np.floor(lens * (total / lens.sum())).astype(np.int64), 1, cap)
+    # Rounding and clipping leave a few tokens over or under; move them one token at a time.
+    while (diff := total - int(lens.sum())) != 0:
+        movable = np.flatnonzero(lens < cap) if diff > 0 else np.flatnonzero(lens > 1)
+        chosen = rng.permutation(movable)[: abs(diff)]
+        lens[chosen] += 1 if diff > 0 else -1
+    return lens
+
+
+def timed(fn: Callable[[], object], runs: int) -> tuple[float, float, object]:
+    """(median ms, min ms, last result) over `runs` calls after one warm-up call."""
+    result = fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), min(times), result

@@ -1,0 +1,92 @@
+"""The tile schedule covers exactly the mask: decoded back to a dense mask it is equal."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from maskc.errors import MaskError
+from maskc.ir import AttnSlice, Mask
+from maskc.ir.schedule import Schedule, build_schedule
+
+from test_ir import masks
+
+
+def decode(s: Schedule) -> torch.Tensor:
+    """Dense mask the kernel would compute from the schedule, checking its invariants."""
+    sq, sk = s.seqlen_q, s.seqlen_k
+    dense = torch.zeros(sq, sk, dtype=torch.bool)
+    assert sorted(s.work_tile.tolist()) == list(range(-(-sq // s.tile_m)))
+    assert s.work_ranges[0] == 0 and s.work_ranges[-1] == len(s.ranges)
+    assert s.work_lines[0] == 0 and s.work_lines[-1] == len(s.lines)
+    rows_idx = torch.arange(sq)[:, None]
+    cols_idx = torch.arange(sk)[None, :]
+    for w, m in enumerate(s.work_tile.tolist()):
+        r0, r1 = m * s.tile_m, min((m + 1) * s.tile_m, sq)
+        lines = s.lines[s.work_lines[w] : s.work_lines[w + 1]]
+        seen: set[int] = set()
+        for n_begin, n_end, partial in s.ranges[s.work_ranges[w] : s.work_ranges[w + 1]].tolist():
+            assert n_begin < n_end
+            for n in range(n_begin, n_end):
+                assert n not in seen, f"block {n} of tile {m} scheduled twice"
+                seen.add(n)
+                c0, c1 = n * s.tile_n, min((n + 1) * s.tile_n, sk)
+                assert c0 < sk
+                if not partial:
+                    assert (n + 1) * s.tile_n <= sk, "a full block must be in range"
+                    dense[r0:r1, c0:c1] = True
+                    continue
+                block = torch.zeros(r1 - r0, c1 - c0, dtype=torch.bool)
+                for lr0, lr1, lo_a, lo_s, hi_a, hi_s in lines.tolist():
+                    r = rows_idx[r0:r1]
+                    c = cols_idx[:, c0:c1]
+                    block |= (r >= lr0) & (r < lr1) & (c >= lo_a + lo_s * r) & (c <= hi_a + hi_s * r)
+                assert block.any(), "a partial block must hold an allowed element"
+                dense[r0:r1, c0:c1] |= block
+    return dense
+
+
+@given(masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 8, 16]), st.sampled_from([1, 4, 8, 64]))
+@settings(max_examples=300, deadline=None)
+def test_schedule_covers_exactly_the_mask(mask: Mask, tile_m: int, tile_n: int) -> None:
+    s = build_schedule(mask, tile_m, tile_n)
+    assert torch.equal(decode(s), mask.to_dense())
+    weights = s.blocks_per_item()
+    assert (np.diff(weights) <= 0).all(), "heaviest work first"
+
+
+def test_full_blocks_need_no_mask() -> None:
+    s = build_schedule(Mask.from_cu_seqlens([0, 1024], causal=True), 128, 128)
+    ranges = s.ranges
+    assert ranges[ranges[:, 2] == 1].shape[0] == 8  # the diagonal blocks only
+    assert (ranges[:, 1] - ranges[:, 0])[ranges[:, 2] == 0].sum() == 8 * 7 // 2
+    assert s.work_tile[0] == 7 and s.work_tile[-1] == 0
+
+
+def test_unaligned_sequence_ends_are_partial() -> None:
+    s = build_schedule(Mask.from_cu_seqlens([0, 200]), 128, 128)
+    # Block 1 (keys 128..199) runs past seqlen_k, so it is partial; the short last q tile
+    # still has full blocks because all of its valid rows are covered.
+    assert s.work_tile.tolist() == [0, 1]
+    assert s.ranges.tolist() == [[0, 1, 0], [1, 2, 1], [0, 1, 0], [1, 2, 1]]
+
+
+def test_rows_without_keys_still_get_a_work_item() -> None:
+    mask = Mask([AttnSlice((0, 64), (0, 64))], 300, 64)
+    s = build_schedule(mask, 128, 64)
+    assert s.num_work == 3
+    assert s.blocks_per_item().tolist() == [1, 0, 0]
+
+
+def test_a_full_mask_is_one_run_per_tile() -> None:
+    s = build_schedule(Mask.from_cu_seqlens([0, 1 << 20]), 128, 128)
+    assert s.num_work == 8192 and len(s.ranges) == 8192
+    assert (s.ranges[:, :2] == [0, 8192]).all()
+
+
+def test_bad_tile_shape() -> None:
+    with pytest.raises(MaskError, match="tile shape"):
+        build_schedule(Mask([], 4, 4), 0, 128)
