@@ -7,6 +7,7 @@ from maskc.frontend.params import CuSeqLens, SeqLens
 from maskc.frontend.python_front import Builder, mask
 from maskc.ir import AttnSlice, Mask
 from maskc.reference import AttentionMeta, reference_attention
+from maskc.runtime import attention
 
 __all__ = [
     "ArtifactError",
@@ -21,6 +22,7 @@ __all__ = [
     "MaskSyntaxError",
     "MaskcError",
     "SeqLens",
+    "attention",
     "mask",
     "reference_attention",
 ]

@@ -212,6 +212,11 @@ class Mask:
             torch.from_numpy(self._t.astype(np.int32)),
         )
 
+    @cached_property
+    def memo(self) -> dict[Any, Any]:
+        """Per-mask cache for things derived from it (schedules, device copies): a Mask never changes."""
+        return {}
+
     # ---- semantics -----------------------------------------------------------------------
 
     @cached_property

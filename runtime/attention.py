@@ -1,0 +1,182 @@
+"""`maskc.attention`: masked attention on the GPU through compiled maskc kernels.
+
+Kernels come from artifact directories (`register_artifact`) or, when the compiler stack
+is installed, are compiled on first use into the content-addressed cache (JIT). A kernel
+is found by its *request* — arch, head dim, dtype, head counts, feature flags — the fields
+a call determines; the tile shape it was built with comes from its manifest entry and
+decides the schedule the runtime builds for it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from maskc.errors import ArtifactError, MaskcError
+from maskc.ir import Mask
+from maskc.ir.schedule import build_schedule
+from maskc.reference import AttentionMeta
+from maskc.runtime.abi import FORWARD_ABI, abi_to_json
+from maskc.runtime.launch import Kernel, find_runtime_library, runtime_at
+from maskc.runtime.manifest import read_manifest
+
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+ARCHS = {(9, 0): "sm_90a"}
+REQUEST_FIELDS = ("arch", "direction", "head_dim", "dtype", "num_heads_q", "num_heads_kv", "has_softcap", "has_sink", "has_max_logits")
+
+
+def _request_key(fields: dict[str, Any]) -> str:
+    return json.dumps({f: fields[f] for f in REQUEST_FIELDS}, sort_keys=True)
+
+
+class _Entry:
+    """A loaded kernel and the tile shape its schedule needs."""
+
+    def __init__(self, kernel: Kernel, tile_m: int, tile_n: int):
+        self.kernel, self.tile_m, self.tile_n = kernel, tile_m, tile_n
+
+
+_KERNELS: dict[str, _Entry] = {}
+
+
+def register_artifact(directory: str | Path) -> list[str]:
+    """Verify an artifact directory and make its kernels available to `maskc.attention`."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    variants = manifest.get("variants", [])
+    if not variants:
+        return []
+    runtime = runtime_at(find_runtime_library(directory))
+    keys = []
+    for v in variants:
+        if v.get("abi") != abi_to_json(FORWARD_ABI):
+            raise ArtifactError(f"kernel {v.get('key')!r} in {directory} was built for another argument ABI: recompile")
+        if v.get("object") not in manifest["files"]:
+            raise ArtifactError(f"kernel {v.get('key')!r} in {directory} has no hashed object file")
+        kernel = Kernel(runtime, (directory / v["object"]).read_bytes(), v["function"], FORWARD_ABI)
+        key = _request_key(v["fields"])
+        _KERNELS[key] = _Entry(kernel, v["fields"]["tile_m"], v["fields"]["tile_n"])
+        keys.append(v["key"])
+    return keys
+
+
+def _jit(request: dict[str, Any]) -> _Entry:
+    """Compile (or fetch from the cache) the kernel for `request`; needs the compiler stack."""
+    try:
+        from maskc.codegen.jit import compile_request
+    except ImportError as exc:
+        raise ArtifactError(
+            f"no compiled maskc kernel for {request} and the compiler is not installed ({exc}); "
+            "build one with `maskc compile` and pass its directory to maskc.runtime.register_artifact"
+        ) from None
+    register_artifact(compile_request(request))
+    return _KERNELS[_request_key(request)]
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sink: torch.Tensor | None) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.device.type != "cuda":
+            raise ValueError(f"maskc.attention runs on CUDA tensors; {name} is on {x.device} (use maskc.reference_attention on CPU)")
+        if x.dtype not in DTYPES:
+            raise TypeError(f"{name} has dtype {x.dtype}; maskc kernels take bfloat16 or float16")
+        if x.ndim != 3:
+            raise ValueError(f"{name} must be [seqlen, heads, head_dim], got shape {tuple(x.shape)}")
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous())")
+    if not isinstance(mask, Mask):
+        raise TypeError(f"mask must be a maskc.Mask, got {type(mask).__name__}")
+    if len({q.dtype, k.dtype, v.dtype}) != 1 or len({q.device, k.device, v.device}) != 1:
+        raise ValueError("q, k and v must share one dtype and one device")
+    if k.shape != v.shape or k.shape[2] != q.shape[2]:
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+    if (q.shape[0], k.shape[0]) != mask.shape:
+        raise ValueError(f"q/k lengths ({q.shape[0]}, {k.shape[0]}) do not match the mask {mask.shape}")
+    if sink is not None:
+        if not isinstance(sink, torch.Tensor) or sink.dtype != torch.float32 or sink.ndim != 2:
+            raise ValueError("sink must be a float32 tensor [num_sinks, Hq]")
+        if sink.shape[1] != q.shape[1] or sink.device != q.device or not sink.is_contiguous():
+            raise ValueError(f"sink must be contiguous [num_sinks, {q.shape[1]}] on {q.device}")
+
+
+def _schedule_tensors(mask: Mask, tile_m: int, tile_n: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The schedule on the device, built once per (mask, tile, device): masks are immutable."""
+    key = ("forward_schedule", tile_m, tile_n, str(device))
+    cached = mask.memo.get(key)
+    if cached is None:
+        s = build_schedule(mask, tile_m, tile_n)
+        names = ("work_tile", "work_ranges", "ranges", "work_lines", "lines")
+        cached = {n: torch.from_numpy(a).to(device, non_blocking=True) for n, a in zip(names, s.arrays())}
+        mask.memo[key] = cached
+    return cached
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    sink: torch.Tensor | None = None,
+    return_max_logits: bool = False,
+) -> tuple[torch.Tensor, AttentionMeta]:
+    """Masked attention with maskc's kernels; the same contract as `maskc.reference_attention`.
+
+    Forward only for now: inputs that require grad are refused rather than silently detached.
+    """
+    _check_inputs(q, k, v, mask, sink)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v) if x is not None):
+        raise MaskcError("maskc.attention has no backward kernel yet; use maskc.reference_attention for gradients")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0, got {softcap}")
+    capability = torch.cuda.get_device_capability(q.device)
+    if capability not in ARCHS:
+        raise MaskcError(f"no maskc kernel for compute capability {capability}; supported: {sorted(ARCHS)}")
+    tq, hq, d = q.shape
+    request = {
+        "arch": ARCHS[capability],
+        "direction": "fwd",
+        "head_dim": d,
+        "dtype": DTYPES[q.dtype],
+        "num_heads_q": hq,
+        "num_heads_kv": k.shape[1],
+        "has_softcap": softcap > 0,
+        "has_sink": sink is not None,
+        "has_max_logits": return_max_logits,
+    }
+    entry = _KERNELS.get(_request_key(request)) or _jit(request)
+    schedule = _schedule_tensors(mask, entry.tile_m, entry.tile_n, q.device)
+    out = torch.empty_like(q)
+    lse = torch.empty(tq, hq, dtype=torch.float32, device=q.device)
+    row_max = torch.empty(tq, hq, dtype=torch.float32, device=q.device) if return_max_logits else lse
+    tensors = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "out": out,
+        "lse": lse,
+        "row_max": row_max,
+        "sink": sink if sink is not None else lse[:1],
+        **schedule,
+    }
+    scalars = {
+        "softmax_scale": 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale),
+        "softcap": float(softcap),
+        "num_ctas": min(_num_sms(q.device), max(1, schedule["work_tile"].shape[0] * hq)),
+    }
+    entry.kernel(tensors, scalars, torch.cuda.current_stream(q.device).cuda_stream)
+    max_logits = row_max.amax(dim=0) if return_max_logits else None
+    return out, AttentionMeta(lse=lse, max_logits=max_logits)
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

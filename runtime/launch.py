@@ -1,0 +1,177 @@
+"""Launch exported CuTe-DSL objects through libcute_dsl_runtime.so, with ctypes only.
+
+The argument structs are built once per kernel and only their data pointers and extents
+change per call, which keeps the host cost of a launch to a few microseconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import lzma
+import os
+import tempfile
+import threading
+from functools import lru_cache
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from maskc.errors import ArtifactError
+from maskc.runtime.abi import Arg, ScalarArg, StreamArg, TensorArg
+
+LIBRARY = "libcute_dsl_runtime.so"
+ENV_LIBRARY = "MASKC_CUTE_RUNTIME"
+
+
+def _installed_library() -> Path | None:
+    """The library inside an installed nvidia-cutlass-dsl wheel, found without importing it."""
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        for cuda in ("cu13", "cu12"):
+            path = Path(root) / cuda / "lib" / LIBRARY
+            if path.is_file():
+                return path
+    return None
+
+
+def _unpacked(xz: Path) -> Path:
+    """Decompress `libcute_dsl_runtime.so.xz` once into a per-user cache, keyed by content."""
+    data = xz.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "maskc" / "runtime" / digest
+    target = cache / LIBRARY
+    if not target.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        try:
+            raw = lzma.decompress(data)
+        except lzma.LZMAError as exc:
+            raise ArtifactError(f"{xz} is not a valid xz archive: {exc}") from None
+        fd, tmp = tempfile.mkstemp(dir=cache)
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, target)
+    return target
+
+
+def find_runtime_library(artifact_dir: str | Path | None = None) -> Path:
+    """Where libcute_dsl_runtime.so is: next to the artifacts (plain or .xz), $MASKC_CUTE_RUNTIME, or the wheel."""
+    searched = []
+    if artifact_dir is not None:
+        for name in (LIBRARY, LIBRARY + ".xz"):
+            path = Path(artifact_dir) / name
+            searched.append(str(path))
+            if path.is_file():
+                return _unpacked(path) if name.endswith(".xz") else path
+    env = os.environ.get(ENV_LIBRARY)
+    if env:
+        searched.append(f"${ENV_LIBRARY}={env}")
+        if Path(env).is_file():
+            return _unpacked(Path(env)) if env.endswith(".xz") else Path(env)
+    installed = _installed_library()
+    searched.append("the nvidia-cutlass-dsl package")
+    if installed is not None:
+        return installed
+    raise ArtifactError(f"{LIBRARY} not found; looked in: {', '.join(searched)}")
+
+
+class CuteRuntime:
+    """The loaded runtime library; one per process and path."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            lib = ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL)
+        except OSError as exc:
+            raise ArtifactError(f"cannot load {path}: {exc}") from None
+        lib.CuteDSLRT_Module_Create_From_Bytes.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+        ]
+        lib.CuteDSLRT_Module_Get_Function.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+        lib.CuteDSLRT_Function_Run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+        lib.CuteDSLRT_GetErrorString.restype = ctypes.c_char_p
+        for fn in ("CuteDSLRT_Module_Create_From_Bytes", "CuteDSLRT_Module_Get_Function", "CuteDSLRT_Function_Run"):
+            getattr(lib, fn).restype = ctypes.c_int
+        self.lib = lib
+        self._lock = threading.Lock()
+
+    def check(self, code: int, what: str) -> None:
+        if code != 0:
+            detail = self.lib.CuteDSLRT_GetErrorString(code).decode(errors="replace")
+            raise RuntimeError(f"{what} failed: {detail} (CuteDSLRT error {code})")
+
+    def function(self, object_bytes: bytes, prefix: str) -> ctypes.c_void_p:
+        """Load an exported object and return its entry point named by `prefix`."""
+        module, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        with self._lock:
+            self.check(
+                self.lib.CuteDSLRT_Module_Create_From_Bytes(ctypes.byref(module), object_bytes, len(object_bytes), None, 0),
+                f"loading kernel object {prefix}",
+            )
+            self.check(self.lib.CuteDSLRT_Module_Get_Function(ctypes.byref(fn), module, prefix.encode()), f"finding {prefix}")
+        return fn
+
+
+@lru_cache(maxsize=None)
+def runtime_at(path: Path) -> CuteRuntime:
+    return CuteRuntime(path)
+
+
+_SCALAR_CTYPES = {"float32": ctypes.c_float, "int32": ctypes.c_int32}
+
+
+def _tensor_struct(arg: TensorArg) -> ctypes.Structure:
+    fields = [("data", ctypes.c_void_p)]
+    dims = arg.dynamic_dims()
+    if dims:
+        fields.append(("dynamic_shapes", ctypes.c_int32 * len(dims)))
+    return type(f"{arg.name}_t", (ctypes.Structure,), {"_fields_": fields})()
+
+
+class Kernel:
+    """An exported kernel bound to its ABI: `kernel(tensors, scalars, stream)` launches it.
+
+    Not re-entrant: its argument structs are reused from call to call.
+    """
+
+    def __init__(self, runtime: CuteRuntime, object_bytes: bytes, prefix: str, abi: tuple[Arg, ...]):
+        self.runtime = runtime
+        self.prefix = prefix
+        self.abi = abi
+        self._fn = runtime.function(object_bytes, prefix)
+        self._slots: list[ctypes._CData] = []
+        for arg in abi:
+            if isinstance(arg, TensorArg):
+                self._slots.append(_tensor_struct(arg))
+            elif isinstance(arg, ScalarArg):
+                self._slots.append(_SCALAR_CTYPES[arg.dtype]())
+            else:
+                self._slots.append(ctypes.c_void_p())
+        self._ret = ctypes.c_int32()
+        self._args = (ctypes.c_void_p * (len(abi) + 1))(
+            *(ctypes.addressof(s) for s in self._slots), ctypes.addressof(self._ret)
+        )
+        self._dims = [arg.dynamic_dims() if isinstance(arg, TensorArg) else () for arg in abi]
+
+    def __call__(self, tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, float | int], stream: int) -> None:
+        for arg, slot, dims in zip(self.abi, self._slots, self._dims):
+            if isinstance(arg, TensorArg):
+                t = tensors[arg.name]
+                slot.data = t.data_ptr()
+                for i, d in enumerate(dims):
+                    slot.dynamic_shapes[i] = t.shape[d]
+            elif isinstance(arg, StreamArg):
+                slot.value = stream
+            else:
+                slot.value = scalars[arg.name]
+        self.runtime.check(self.runtime.lib.CuteDSLRT_Function_Run(self._fn, self._args, len(self.abi) + 1), self.prefix)
+        if self._ret.value != 0:
+            raise RuntimeError(f"kernel {self.prefix} returned error code {self._ret.value}")

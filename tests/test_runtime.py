@@ -1,0 +1,84 @@
+"""Runtime pieces that need no GPU: finding the runtime library, the ABI, input checks."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import lzma
+from pathlib import Path
+
+import pytest
+import torch
+
+import maskc
+from maskc.codegen import LoweredMask, write_artifact
+from maskc.errors import ArtifactError
+from maskc.ir import Mask
+from maskc.runtime import launch, register_artifact
+from maskc.runtime.abi import FORWARD_ABI, TensorArg, abi_to_json
+from maskc.runtime.manifest import write_manifest
+
+
+def test_library_found_next_to_artifacts_plain_or_xz(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / launch.LIBRARY).write_bytes(b"\x7fELF fake")
+    assert launch.find_runtime_library(plain) == plain / launch.LIBRARY
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    (packed / (launch.LIBRARY + ".xz")).write_bytes(lzma.compress(b"\x7fELF fake"))
+    unpacked = launch.find_runtime_library(packed)
+    assert unpacked.read_bytes() == b"\x7fELF fake"
+    assert unpacked.is_relative_to(tmp_path / "cache")
+    (packed / (launch.LIBRARY + ".xz")).write_bytes(b"not xz")
+    with pytest.raises(ArtifactError, match="not a valid xz archive"):
+        launch.find_runtime_library(packed)
+
+
+def test_library_missing_everywhere_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(launch.ENV_LIBRARY, raising=False)
+    monkeypatch.setattr(launch, "_installed_library", lambda: None)
+    with pytest.raises(ArtifactError, match=r"libcute_dsl_runtime.so not found; looked in: .*plain.*nvidia-cutlass-dsl"):
+        launch.find_runtime_library(tmp_path / "plain")
+    monkeypatch.setenv(launch.ENV_LIBRARY, str(tmp_path / "lib.so"))
+    (tmp_path / "lib.so").write_bytes(b"x")
+    assert launch.find_runtime_library() == tmp_path / "lib.so"
+
+
+def test_installed_wheel_library_is_found_without_importing_cutlass() -> None:
+    path = launch._installed_library()
+    assert path is not None and path.name == launch.LIBRARY
+
+
+def test_abi_structs_hold_only_dynamic_extents() -> None:
+    by_name = {a.name: a for a in FORWARD_ABI if isinstance(a, TensorArg)}
+    assert by_name["q"].dynamic_dims() == (0,)
+    assert by_name["lines"].dynamic_dims() == (0,)
+    struct = launch._tensor_struct(by_name["ranges"])
+    assert ctypes.sizeof(struct) == 16  # void* + int32[1], padded
+    assert json.loads(json.dumps(abi_to_json(FORWARD_ABI)))[0] == {
+        "kind": "tensor", "name": "q", "dtype": "input", "shape": ["Tq", "Hq", "D"]
+    }
+
+
+def test_artifact_without_kernels_registers_nothing(tmp_path: Path) -> None:
+    write_artifact(tmp_path, [LoweredMask("m", {}, Mask.from_cu_seqlens([0, 8]))])
+    assert register_artifact(tmp_path) == []
+
+
+def test_artifact_for_another_abi_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "k.o").write_bytes(b"object")
+    variant = {"key": "k", "object": "k.o", "function": "k", "abi": [{"kind": "stream", "name": "stream"}], "fields": {}}
+    write_manifest(tmp_path, {"variants": [variant], "files": ["k.o"]})
+    with pytest.raises(ArtifactError, match="another argument ABI"):
+        register_artifact(tmp_path)
+
+
+def test_attention_refuses_cpu_tensors_and_non_tensors() -> None:
+    q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    mask = Mask.from_cu_seqlens([0, 4])
+    with pytest.raises(ValueError, match="runs on CUDA tensors; q is on cpu"):
+        maskc.attention(q, q, q, mask)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        maskc.attention([1, 2], q, q, mask)
