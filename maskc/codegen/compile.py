@@ -1,0 +1,147 @@
+"""Compile a kernel variant ahead of time: render, cute.compile for the target arch, export.
+
+Works on a machine with no GPU (the CUTLASS DSL compiles for a named arch and the export
+needs only its runtime libraries loaded). The CUTLASS DSL is imported lazily here, never
+by the runtime.
+
+The argument ABI is `maskc.runtime.abi.FORWARD_ABI`: the fake compile-time arguments
+below are derived from it, so the object and the runtime can never disagree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from maskc.codegen.render import render
+from maskc.codegen.variant import KernelVariant
+from maskc.runtime.abi import FORWARD_ABI, STATIC_DIMS, ScalarArg, TensorArg
+
+#: The exported C symbol prefix of every forward kernel object.
+FWD_FUNCTION_PREFIX = "attn_fwd"
+
+_RUNTIME_LIBS_LOADED = False
+
+
+@dataclass(frozen=True)
+class CompiledObject:
+    """The files one compiled variant produced."""
+
+    variant: KernelVariant
+    key: str
+    source_path: Path
+    object_path: Path
+    header_path: Path
+    ptx_path: Path | None
+    function_prefix: str
+    seconds: float
+
+    @property
+    def ptx_text(self) -> str:
+        return self.ptx_path.read_text() if self.ptx_path is not None else ""
+
+
+def _load_runtime_libraries() -> None:
+    """export_to_c resolves the CUDA runtime symbols of the DSL's runtime libraries; load them."""
+    global _RUNTIME_LIBS_LOADED
+    if _RUNTIME_LIBS_LOADED:
+        return
+    import cutlass.cute as cute
+
+    for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
+        ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)
+    _RUNTIME_LIBS_LOADED = True
+
+
+def _import_source(path: Path, module_name: str):
+    """Import a rendered module from its file (the DSL re-reads the source, so it must be a file)."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import rendered kernel {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    return module
+
+
+def fake_fwd_arguments(variant: KernelVariant) -> list:
+    """Compile-time stand-ins for FORWARD_ABI: one symbolic extent per dynamic dim name."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    dtypes = {
+        "input": {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[variant.dtype],
+        "float32": cutlass.Float32,
+        "int32": cutlass.Int32,
+    }
+    static = {"Hq": variant.num_heads_q, "Hkv": variant.num_heads_kv, "D": variant.head_dim}
+    symbols: dict[str, object] = {}
+    args: list = []
+    for arg in FORWARD_ABI:
+        if isinstance(arg, TensorArg):
+            shape = tuple(
+                d if isinstance(d, int) else static[d] if d in STATIC_DIMS else symbols.setdefault(d, cute.sym_int())
+                for d in arg.shape
+            )
+            order = tuple(range(len(shape) - 1, -1, -1))  # compact row-major
+            align = 16 if arg.dtype == "input" else 4
+            args.append(make_fake_compact_tensor(dtypes[arg.dtype], shape, stride_order=order, assumed_align=align))
+        elif isinstance(arg, ScalarArg):
+            args.append(dtypes[arg.dtype](0))
+        else:
+            args.append(make_fake_stream())
+    return args
+
+
+def compile_variant(variant: KernelVariant, out_dir: str | Path, *, keep_ptx: bool = True) -> CompiledObject:
+    """Render, compile for `variant.arch` and export `<key>.o` + `<key>.h` into `out_dir`.
+
+    The rendered source is written to `<key>.py` next to the object (the DSL needs a real
+    file); PTX is kept in `<key>.dump/` when `keep_ptx`.
+    """
+    import cutlass.cute as cute
+
+    start = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    key = variant.key()
+    source_path = out / f"{key}.py"
+    source_path.write_text(render(variant))
+    module = _import_source(source_path, f"maskc_kernel_{key}")
+
+    options = f"--gpu-arch {variant.arch}"
+    dump_dir = out / f"{key}.dump"
+    if keep_ptx:
+        dump_dir.mkdir(exist_ok=True)
+        options += f" --keep-ptx --dump-dir={dump_dir}"
+    try:
+        compiled = cute.compile(module.attn_fwd, *fake_fwd_arguments(variant), options=options)
+        _load_runtime_libraries()
+        compiled.export_to_c(file_path=str(out), file_name=key, function_prefix=FWD_FUNCTION_PREFIX)
+    finally:
+        sys.modules.pop(module.__name__, None)
+
+    ptx_path = None
+    if keep_ptx:
+        ptx_files = sorted(dump_dir.rglob("*.ptx"))
+        ptx_path = ptx_files[0] if ptx_files else None
+    return CompiledObject(
+        variant=variant,
+        key=key,
+        source_path=source_path,
+        object_path=out / f"{key}.o",
+        header_path=out / f"{key}.h",
+        ptx_path=ptx_path,
+        function_prefix=FWD_FUNCTION_PREFIX,
+        seconds=time.perf_counter() - start,
+    )

@@ -1,0 +1,72 @@
+"""Render a kernel variant's Jinja template into CuTe-DSL Python source.
+
+Templates live in `templates/` (installed as the package `maskc.templates`); each
+kernel family has one top-level template that includes small macro files, so the
+mask, schedule, softmax and epilogue code exists in one place for every architecture.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import re
+
+import jinja2
+
+from maskc.codegen.variant import WARPGROUP_ROWS, KernelVariant
+
+#: Bumped whenever a template changes what it generates (part of artifact cache keys).
+TEMPLATE_VERSION = 1
+
+_CUTLASS_DTYPES = {"bf16": "cutlass.BFloat16", "fp16": "cutlass.Float16"}
+_TORCH_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
+
+
+@functools.lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    """The Jinja environment: templates/ on the loader path, undefined names are errors."""
+    root = importlib.resources.files("maskc.templates")
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(root)),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def template_name(variant: KernelVariant) -> str:
+    family = variant.arch.replace("_", "").rstrip("a")  # sm_90a -> sm90
+    return f"attn_{variant.direction}_{family}.py.jinja"
+
+
+def context(variant: KernelVariant) -> dict:
+    """Everything a template may read: the variant's fields plus derived static values."""
+    num_wg = variant.num_mma_warpgroups
+    # Registers per thread after setmaxnreg: producer down, consumers up (sum fits 64K regs).
+    producer_regs, consumer_regs = {2: (24, 240), 3: (32, 160)}[num_wg]
+    return {
+        "v": variant,
+        "key": variant.key(),
+        "template_version": TEMPLATE_VERSION,
+        "dtype_cutlass": _CUTLASS_DTYPES[variant.dtype],
+        "dtype_torch": _TORCH_DTYPES[variant.dtype],
+        "wg_rows": WARPGROUP_ROWS,
+        "num_mma_wg": num_wg,
+        "q_stages": variant.q_stages,
+        "num_threads": 128 * (num_wg + 1),
+        "producer_regs": producer_regs,
+        "consumer_regs": consumer_regs,
+    }
+
+
+def _tidy(source: str) -> str:
+    """Blank lines left by macro calls: at most two between top-level blocks, one inside them."""
+    source = re.sub(r"\n{4,}", "\n\n\n", source)
+    return re.sub(r"\n{3,}(?=[ \t]+\S)", "\n\n", source)
+
+
+def render(variant: KernelVariant) -> str:
+    """The CuTe-DSL source of `variant` (a Python module defining `attn_fwd`)."""
+    return _tidy(environment().get_template(template_name(variant)).render(**context(variant)))

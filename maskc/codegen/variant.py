@@ -1,0 +1,141 @@
+"""Kernel variants: the static choices one compiled attention kernel is specialised for.
+
+A `KernelVariant` names everything that is baked into a kernel's code (architecture,
+direction, head dim, dtype, head counts, tile shape, pipeline depth and the optional
+softcap / sink / max-logits features). Everything else (sequence lengths, the mask's
+tile schedule, the scale, the softcap value) is a runtime argument, so one variant
+serves every training step of a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+from maskc.errors import MaskcError
+
+SUPPORTED_ARCHS = ("sm_90a",)
+SUPPORTED_DIRECTIONS = ("fwd",)
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = ("bf16", "fp16")
+
+#: Rows of the query tile owned by one consumer warpgroup (one wgmma M extent).
+WARPGROUP_ROWS = 64
+#: Shared memory one CTA may use on SM90 (227 KiB), and what the kernel keeps for barriers.
+SM90_SMEM_BYTES = 227 * 1024
+_SMEM_RESERVE = 1024
+
+
+class VariantError(MaskcError, ValueError):
+    """A kernel variant asks for something no template supports."""
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One compiled kernel: see the module docstring. Construction validates."""
+
+    arch: str
+    direction: str
+    head_dim: int
+    dtype: str
+    num_heads_q: int
+    num_heads_kv: int
+    tile_m: int
+    tile_n: int
+    num_stages: int
+    has_softcap: bool = False
+    has_sink: bool = False
+    has_max_logits: bool = False
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise VariantError(f"arch {self.arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
+        if self.direction not in SUPPORTED_DIRECTIONS:
+            raise VariantError(
+                f"direction {self.direction!r} is not supported; supported: {', '.join(SUPPORTED_DIRECTIONS)}"
+            )
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise VariantError(
+                f"head_dim {self.head_dim} is not supported; supported head dims: "
+                f"{', '.join(str(d) for d in SUPPORTED_HEAD_DIMS)}"
+            )
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise VariantError(f"dtype {self.dtype!r} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}")
+        for name in ("num_heads_q", "num_heads_kv", "tile_m", "tile_n", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise VariantError(f"{name} must be a positive int, got {value!r}")
+        for name in ("has_softcap", "has_sink", "has_max_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise VariantError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.num_heads_q % self.num_heads_kv:
+            raise VariantError(
+                f"num_heads_q ({self.num_heads_q}) must be a multiple of num_heads_kv ({self.num_heads_kv})"
+            )
+        if self.tile_m not in (128, 192):
+            raise VariantError(
+                f"tile_m {self.tile_m} is not supported; supported: 128 (2 consumer warpgroups), "
+                "192 (3 consumer warpgroups)"
+            )
+        if self.tile_m == 192 and (self.head_dim != 64 or self.tile_n > 128):
+            raise VariantError("tile_m 192 (3 consumer warpgroups) needs head_dim 64 and tile_n <= 128 (registers)")
+        if self.tile_n % 16 or not 64 <= self.tile_n <= 192:
+            raise VariantError(f"tile_n {self.tile_n} must be a multiple of 16 in [64, 192]")
+        if self.head_dim == 128 and self.tile_n > 176:
+            raise VariantError(f"tile_n {self.tile_n} with head_dim 128 does not fit in registers; use <= 176")
+        if not 1 <= self.num_stages <= 8:
+            raise VariantError(f"num_stages {self.num_stages} must be in [1, 8]")
+        if self.smem_bytes() > SM90_SMEM_BYTES - _SMEM_RESERVE:
+            raise VariantError(
+                f"variant needs {self.smem_bytes()} bytes of shared memory, more than the "
+                f"{SM90_SMEM_BYTES - _SMEM_RESERVE} an SM90 CTA has; use fewer stages or a smaller tile"
+            )
+
+    # ---- derived properties ---------------------------------------------------------------
+
+    @property
+    def num_mma_warpgroups(self) -> int:
+        """Consumer warpgroups: each owns 64 rows of the query tile."""
+        return self.tile_m // WARPGROUP_ROWS
+
+    @property
+    def qheads_per_kvhead(self) -> int:
+        return self.num_heads_q // self.num_heads_kv
+
+    @property
+    def element_bytes(self) -> int:
+        return 2
+
+    def smem_bytes(self, q_stages: int = 1) -> int:
+        """Shared memory for the Q buffers (each also stages O) and the K and V stages."""
+        q = q_stages * self.tile_m * self.head_dim
+        kv = 2 * self.num_stages * self.tile_n * self.head_dim
+        return (q + kv) * self.element_bytes
+
+    @property
+    def q_stages(self) -> int:
+        """Q buffers: two when they fit, so the next work item's Q loads while this one's
+        softmax tail and epilogue run (and its O tile leaves through the other buffer)."""
+        return 2 if self.smem_bytes(2) <= SM90_SMEM_BYTES - _SMEM_RESERVE else 1
+
+    # ---- naming ----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def digest(self) -> str:
+        """A short hash of every field (stable across runs and machines)."""
+        body = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(body.encode()).hexdigest()[:10]
+
+    def key(self) -> str:
+        """A stable short name, usable as a file name and a C symbol prefix."""
+        arch = self.arch.replace("_", "").rstrip("a")
+        flags = "".join(
+            letter for letter, on in (("c", self.has_softcap), ("s", self.has_sink), ("m", self.has_max_logits)) if on
+        )
+        return (
+            f"attn_{self.direction}_{arch}_d{self.head_dim}_{self.dtype}_h{self.num_heads_q}x{self.num_heads_kv}"
+            f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}{('_' + flags) if flags else ''}_{self.digest()}"
+        )

@@ -1,0 +1,208 @@
+"""SM90 forward kernel codegen: variants, rendering, and ahead-of-time compilation (no GPU needed)."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+
+from maskc.codegen.render import render
+from maskc.codegen.jit import variant_for
+from maskc.codegen.variant import KernelVariant, VariantError
+
+
+def variant(**overrides) -> KernelVariant:
+    fields = dict(
+        arch="sm_90a",
+        direction="fwd",
+        head_dim=128,
+        dtype="bf16",
+        num_heads_q=64,
+        num_heads_kv=8,
+        tile_m=128,
+        tile_n=128,
+        num_stages=2,
+        has_softcap=False,
+        has_sink=False,
+        has_max_logits=False,
+    )
+    fields.update(overrides)
+    return KernelVariant(**fields)
+
+
+COMPILED = {
+    "d128_bf16_64x8_plain": variant(),
+    "d64_fp16_8x8_softcap_sink_maxlogits": variant(
+        head_dim=64,
+        dtype="fp16",
+        num_heads_q=8,
+        num_heads_kv=8,
+        tile_m=192,
+        has_softcap=True,
+        has_sink=True,
+        has_max_logits=True,
+    ),
+    "d128_bf16_8x1_mqa": variant(num_heads_q=8, num_heads_kv=1),
+}
+
+
+# ---- variants --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"head_dim": 96}, "supported head dims: 64, 128"),
+        ({"head_dim": 256}, "supported head dims: 64, 128"),
+        ({"num_heads_q": 12, "num_heads_kv": 8}, "must be a multiple of num_heads_kv"),
+        ({"dtype": "fp32"}, "dtype 'fp32' is not supported"),
+        ({"arch": "sm_80"}, "arch 'sm_80' is not supported"),
+        ({"direction": "bwd"}, "direction 'bwd' is not supported"),
+        ({"tile_m": 64}, "tile_m 64 is not supported"),
+        ({"tile_n": 120}, "multiple of 16"),
+        ({"tile_m": 192, "head_dim": 128}, "needs head_dim 64"),
+        ({"num_stages": 4}, "shared memory"),
+        ({"num_heads_kv": 0}, "positive int"),
+        ({"has_sink": 1}, "must be a bool"),
+    ],
+)
+def test_bad_variants_raise_clear_errors(overrides, message):
+    with pytest.raises(VariantError, match=re.escape(message)):
+        variant(**overrides)
+    with pytest.raises(ValueError):  # VariantError is a ValueError too
+        variant(**overrides)
+
+
+def test_key_is_stable_and_a_c_identifier():
+    a, b = variant(), variant()
+    assert a.key() == b.key() and hash(a) == hash(b)
+    assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", a.key())
+    keys = {v.key() for v in COMPILED.values()} | {variant(has_sink=True).key(), variant(num_stages=1).key()}
+    assert len(keys) == len(COMPILED) + 2
+    assert "d128_bf16_h64x8_t128x128s2" in a.key()
+    assert variant(has_softcap=True, has_max_logits=True).key().split("_")[-2] == "cm"
+
+
+def _request(head_dim: int, dtype: str, hq: int, hkv: int, **flags: bool) -> dict:
+    base = {"has_softcap": False, "has_sink": False, "has_max_logits": False}
+    return {"arch": "sm_90a", "direction": "fwd", "head_dim": head_dim, "dtype": dtype,
+            "num_heads_q": hq, "num_heads_kv": hkv, **base, **flags}
+
+
+def test_selected_variants_are_valid():
+    assert variant_for(_request(128, "bf16", 64, 8)).tile_m == 128
+    v = variant_for(_request(64, "fp16", 8, 8, has_sink=True))
+    assert (v.tile_m, v.num_mma_warpgroups, v.has_sink) == (192, 3, True)
+
+
+def test_q_buffers_double_when_they_fit():
+    assert variant().q_stages == 2
+    assert variant(num_stages=3).q_stages == 1  # 3 K/V stages leave room for one Q tile only
+
+
+# ---- rendering ---------------------------------------------------------------------------------
+
+
+def _outside_entry_signature(source: str) -> str:
+    """The source without the parameter list of `attn_fwd` (the fixed ABI names every argument)."""
+    start = source.index("def attn_fwd(")
+    end = source.index("):\n", start)
+    return source[:start] + source[end:]
+
+
+DISABLED_MARKERS = {
+    "has_softcap": ("softcap", "tanh"),
+    "has_sink": ("sink", "Sink"),
+    "has_max_logits": ("RowMax", "max_logits", "logit_scale"),
+}
+
+
+@pytest.mark.parametrize("flag", sorted(DISABLED_MARKERS))
+def test_disabled_features_are_not_rendered(flag):
+    off = _outside_entry_signature(render(variant()))
+    on = render(variant(**{flag: True}))
+    for marker in DISABLED_MARKERS[flag]:
+        assert marker not in off, f"{marker!r} rendered in a variant without {flag}"
+    assert any(marker in _outside_entry_signature(on) for marker in DISABLED_MARKERS[flag])
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_rendered_source_is_readable_python(name):
+    source = render(COMPILED[name])
+    tree = ast.parse(source)
+    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert {"attn_fwd", "attn_fwd_kernel", "producer", "consumer", "apply_line_mask", "online_softmax"} <= names
+    assert source == render(COMPILED[name])  # deterministic
+    assert COMPILED[name].key() in source
+    assert "\n\n\n\n" not in source and "{{" not in source and "{%" not in source
+    assert max(len(line) for line in source.splitlines()) <= 130
+
+
+def test_entry_signature_is_the_forward_abi():
+    tree = ast.parse(render(variant()))
+    entry = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "attn_fwd")
+    assert [a.arg for a in entry.args.args] == [
+        "mQ", "mK", "mV", "mO", "mLSE", "mRowMax", "mSink", "mWorkTile", "mWorkRanges", "mRanges",
+        "mWorkLines", "mLines", "softmax_scale", "softcap", "num_ctas", "stream",
+    ]  # fmt: skip
+
+
+def test_mask_code_only_on_partial_blocks():
+    source = render(variant())
+    consumer = source[source.index("def consumer(") : source.index("def attn_fwd_kernel(")]
+    # One masked and one unmasked call of the block step; the first block masks only if partial.
+    assert consumer.count("consume_block(") == 2
+    assert "if partial != 0:" in consumer and "if mRanges[r_first, 2] != 0:" in consumer
+    step = source[source.index("def consume_block(") : source.index("def consumer(")]
+    assert "if const_expr(mLines is not None):" in step
+
+
+# ---- compiling (CUTLASS DSL, no GPU) ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    pytest.importorskip("cutlass.cute")
+    from maskc.codegen.compile import compile_variant
+
+    out = tmp_path_factory.mktemp("sm90_objects")
+    return {name: compile_variant(v, out) for name, v in COMPILED.items()}
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_compiles_and_exports(compiled, name):
+    obj = compiled[name]
+    assert obj.object_path.is_file() and obj.object_path.stat().st_size > 10_000
+    assert obj.object_path.read_bytes()[:4] == b"\x7fELF"
+    header = obj.header_path.read_text()
+    assert "cute_dsl_attn_fwd_wrapper" in header and "float softmax_scale, float softcap, int32_t num_ctas" in header
+    assert obj.source_path.read_text() == render(obj.variant)
+    assert obj.seconds < 120
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_ptx_uses_wgmma_tma_and_setmaxnreg(compiled, name):
+    ptx = compiled[name].ptx_text
+    v = COMPILED[name]
+    assert ".target sm_90a" in ptx
+    assert "wgmma.mma_async" in ptx
+    assert f"m64n{v.tile_n}k16" in ptx and f"m64n{v.head_dim}k16" in ptx
+    assert "cp.async.bulk.tensor" in ptx  # TMA loads (and the O store)
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert "ex2.approx" in ptx
+    assert ("tanh.approx" in ptx) == v.has_softcap
+
+
+def test_exported_structs_match_what_the_runtime_packs(compiled):
+    """Each tensor struct in the header holds exactly the ABI's dynamic extents, no strides."""
+    from maskc.runtime.abi import FORWARD_ABI, TensorArg
+
+    header = compiled["d128_bf16_64x8_plain"].header_path.read_text()
+    structs = re.findall(r"typedef struct \{\s*void \*data;(.*?)\} \w+_Tensor_(\w+)_t;", header, flags=re.S)
+    tensors = [a for a in FORWARD_ABI if isinstance(a, TensorArg)]
+    assert len(structs) == len(tensors)
+    for (body, _name), arg in zip(structs, tensors):
+        dims = re.findall(r"int32_t dynamic_shapes\[(\d+)\];", body)
+        assert [int(d) for d in dims] == ([len(arg.dynamic_dims())] if arg.dynamic_dims() else []), arg.name
+        assert "dynamic_strides" not in body, arg.name
