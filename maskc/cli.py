@@ -100,6 +100,50 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _csv(kind: type, what: str):
+    """argparse type for a comma-separated list of `kind` values."""
+
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {text!r}") from None
+
+    return parse
+
+
+def _heads(text: str) -> tuple[int, int]:
+    q, sep, kv = text.partition(":")
+    try:
+        pair = (int(q), int(kv if sep else q))
+    except ValueError:
+        raise ValueError(f"heads must look like HQ:HKV (e.g. 64:8), got {text!r}") from None
+    if pair[0] <= 0 or pair[1] <= 0 or pair[0] % pair[1]:
+        raise ValueError(f"heads {text!r}: query heads must be a positive multiple of kv heads")
+    return pair
+
+
+def _kernel_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One request per combination of the kernel options (arch x head dim x heads x dtype)."""
+    return [
+        {
+            "arch": arch,
+            "direction": "fwd",
+            "head_dim": head_dim,
+            "dtype": dtype,
+            "num_heads_q": hq,
+            "num_heads_kv": hkv,
+            "has_softcap": args.softcap,
+            "has_sink": args.sink,
+            "has_max_logits": args.max_logits,
+        }
+        for arch in args.arch
+        for head_dim in args.head_dim
+        for hq, hkv in args.heads
+        for dtype in args.dtype
+    ]
+
+
 def _compile(args: argparse.Namespace) -> int:
     from maskc.codegen import LoweredMask, write_artifact
 
@@ -107,10 +151,21 @@ def _compile(args: argparse.Namespace) -> int:
         LoweredMask(family.name, {**family.defaults, **given}, family.lower(**given))
         for family, given in _select(args.file, args.mask, args.param)
     ]
-    manifest = write_artifact(args.output, lowered, source=Path(args.file))
+    kernels, library = [], None
+    if not args.ir_only:
+        from tqdm import tqdm
+
+        from maskc.codegen.cache import cached_kernel, compressed_runtime_library
+        from maskc.codegen.jit import variant_for
+
+        variants = [variant_for(r) for r in _kernel_requests(args)]
+        for variant in tqdm(variants, desc="compiling kernels", unit="variant", disable=len(variants) < 2):
+            kernels.append(cached_kernel(variant))
+        library = compressed_runtime_library() if args.bundle_runtime else None
+    manifest = write_artifact(args.output, lowered, source=Path(args.file), kernels=kernels, runtime_library=library)
     for item in lowered:
         print(f"{item.name}: {len(item.mask)} slices, {item.mask.seqlen_q} x {item.mask.seqlen_k}, area {item.mask.area()}")
-    print(f"wrote {manifest}")
+    print(f"{len(kernels)} kernel variant(s); wrote {manifest}")
     return 0
 
 
@@ -134,6 +189,16 @@ def build_parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compile", help="lower masks and write an artifact directory (IR + manifest)")
     common(comp)
     comp.add_argument("-o", "--output", required=True, metavar="DIR", help="artifact directory to write")
+    kernel = comp.add_argument_group("kernels (compiled ahead of time; no GPU needed)")
+    kernel.add_argument("--arch", type=_csv(str, "archs"), default=["sm_90a"], help="target archs (default: sm_90a)")
+    kernel.add_argument("--head-dim", type=_csv(int, "ints"), default=[128], help="head dims, e.g. 64,128 (default: 128)")
+    kernel.add_argument("--heads", type=_csv(_heads, "HQ:HKV pairs"), default=[(64, 8)], help="query:kv heads, e.g. 64:8,8:8 (default: 64:8)")
+    kernel.add_argument("--dtype", type=_csv(str, "dtypes"), default=["bf16"], help="bf16 and/or fp16 (default: bf16)")
+    kernel.add_argument("--softcap", action="store_true", help="variants with logit softcapping")
+    kernel.add_argument("--sink", action="store_true", help="variants with attention sinks")
+    kernel.add_argument("--max-logits", action="store_true", help="variants that also return max logits")
+    kernel.add_argument("--bundle-runtime", action="store_true", help="ship libcute_dsl_runtime.so.xz in the artifact directory")
+    kernel.add_argument("--ir-only", action="store_true", help="write the IR and manifest only, no kernels")
     comp.set_defaults(func=_compile)
     return parser
 

@@ -19,6 +19,7 @@ import torch
 from maskc.errors import ArtifactError, MaskcError
 from maskc.ir import Mask
 from maskc.ir.schedule import build_schedule
+from maskc.ir.strategy import SUPPORTED_HEAD_DIMS
 from maskc.reference import AttentionMeta
 from maskc.runtime.abi import FORWARD_ABI, abi_to_json
 from maskc.runtime.launch import Kernel, find_runtime_library, runtime_at
@@ -95,6 +96,8 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
         raise ValueError("q, k and v must share one dtype and one device")
     if k.shape != v.shape or k.shape[2] != q.shape[2]:
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[2] not in SUPPORTED_HEAD_DIMS:
+        raise MaskcError(f"head_dim {q.shape[2]} is not supported; supported head dims: {SUPPORTED_HEAD_DIMS}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
     if (q.shape[0], k.shape[0]) != mask.shape:
@@ -113,9 +116,17 @@ def _schedule_tensors(mask: Mask, tile_m: int, tile_n: int, device: torch.device
     if cached is None:
         s = build_schedule(mask, tile_m, tile_n)
         names = ("work_tile", "work_ranges", "ranges", "work_lines", "lines")
-        cached = {n: torch.from_numpy(a).to(device, non_blocking=True) for n, a in zip(names, s.arrays())}
+        cached = {n: _device_int32(a, device) for n, a in zip(names, s.arrays())}
         mask.memo[key] = cached
     return cached
+
+
+def _device_int32(array, device: torch.device) -> torch.Tensor:
+    """A schedule array on the device; an empty one gets a zero row (never read) so it has an address."""
+    t = torch.from_numpy(array)
+    if t.shape[0] == 0:
+        t = torch.zeros((1, *t.shape[1:]), dtype=torch.int32)
+    return t.to(device)
 
 
 def attention(

@@ -7,14 +7,14 @@ import shutil
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 import maskc
 from maskc.ir import Mask
-from maskc.runtime.manifest import write_manifest
+from maskc.runtime.manifest import read_manifest, write_manifest
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,34 @@ def _package_version(name: str) -> str | None:
         return None
 
 
-def write_artifact(out_dir: str | Path, lowered: list[LoweredMask], source: Path | None = None) -> Path:
-    """Write `out_dir/manifest.json`, `<name>.ir.json` per mask and a copy of the source; return the manifest path."""
+def _gather_kernels(out: Path, kernels: Sequence[Path]) -> tuple[list[dict], list[str]]:
+    """Copy verified cache entries under `out/kernels/<entry>/`; their variant records and files."""
+    variants, files = [], []
+    for entry in kernels:
+        manifest = read_manifest(entry)
+        target = out / "kernels" / entry.name
+        shutil.copytree(entry, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("manifest.json"))
+        prefix = f"kernels/{entry.name}/"
+        files += [prefix + name for name in manifest["files"]]
+        variants += [{**v, "object": prefix + v["object"]} for v in manifest["variants"]]
+    return variants, files
+
+
+def write_artifact(
+    out_dir: str | Path,
+    lowered: list[LoweredMask],
+    source: Path | None = None,
+    kernels: Sequence[Path] = (),
+    runtime_library: Path | None = None,
+) -> Path:
+    """Write `out_dir/manifest.json`, `<name>.ir.json` per mask, a copy of the source, the
+    kernels of the given cache entries and optionally the runtime library; return the manifest path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files = []
+    variants, files = _gather_kernels(out, kernels)
+    if runtime_library is not None:
+        shutil.copyfile(runtime_library, out / runtime_library.name)
+        files.append(runtime_library.name)
     if source is not None:
         shutil.copyfile(source, out / f"source{source.suffix}")
         files.append(f"source{source.suffix}")
@@ -73,10 +96,10 @@ def write_artifact(out_dir: str | Path, lowered: list[LoweredMask], source: Path
             "torch": torch.__version__,
             "nvidia-cutlass-dsl": _package_version("nvidia-cutlass-dsl"),
         },
-        "source": files[0] if source is not None else None,
+        "source": f"source{source.suffix}" if source is not None else None,
         "masks": masks,
-        "archs": [],
-        "variants": [],
+        "archs": sorted({v["fields"]["arch"] for v in variants}),
+        "variants": variants,
         "files": files,
     }
     return write_manifest(out, body)

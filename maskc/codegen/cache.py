@@ -1,0 +1,118 @@
+"""Content-addressed kernel cache: compiling the same variant twice is a no-op.
+
+An entry's address hashes the variant, the maskc and DSL versions and the template
+sources, so editing a template or upgrading the DSL never serves a stale object. Each
+entry is a one-kernel artifact directory (manifest + object + header + PTX) that the
+runtime registers as it is. Compiles go to a private temporary directory and are renamed
+into place under a per-entry file lock: concurrent compiles of one variant do the work
+once, and a reader never sees a half-written entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import lzma
+import os
+import shutil
+import tempfile
+from importlib import metadata, resources
+from pathlib import Path
+
+import maskc
+from maskc.codegen.variant import KernelVariant
+from maskc.runtime.abi import FORWARD_ABI, abi_to_json
+from maskc.runtime.manifest import MANIFEST_NAME, write_manifest
+
+ENV_CACHE = "MASKC_CACHE"
+
+
+def cache_root() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "maskc" / "kernels"
+    return Path(os.environ.get(ENV_CACHE, default))
+
+
+def toolchain() -> dict[str, str | None]:
+    """Versions an object depends on, recorded in every manifest entry."""
+    try:
+        dsl = metadata.version("nvidia-cutlass-dsl")
+    except metadata.PackageNotFoundError:
+        dsl = None
+    return {"maskc": maskc.__version__, "nvidia-cutlass-dsl": dsl}
+
+
+def _templates_digest() -> str:
+    digest = hashlib.sha256()
+    root = resources.files("maskc.templates")
+    for path in sorted(Path(str(root)).rglob("*.jinja")):
+        digest.update(path.relative_to(Path(str(root))).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def entry_address(variant: KernelVariant) -> str:
+    body = {"variant": dataclasses.asdict(variant), "toolchain": toolchain(), "templates": _templates_digest()}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def variant_record(variant: KernelVariant, object_name: str, function: str) -> dict:
+    """The manifest entry of a compiled variant: what the runtime matches and how it calls it."""
+    return {
+        "key": variant.key(),
+        "fields": dataclasses.asdict(variant),
+        "object": object_name,
+        "function": function,
+        "abi": abi_to_json(FORWARD_ABI),
+        "experimental": False,
+    }
+
+
+def cached_kernel(variant: KernelVariant) -> Path:
+    """The cache entry (an artifact directory) of `variant`, compiling it if absent."""
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / entry_address(variant)
+    if (final / MANIFEST_NAME).is_file():
+        return final
+    with open(root / f"{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / MANIFEST_NAME).is_file():
+            return final
+        from maskc.codegen.compile import compile_variant
+
+        staging = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
+        try:
+            built = compile_variant(variant, staging)
+            files = [p.relative_to(staging).as_posix() for p in sorted(staging.rglob("*")) if p.is_file()]
+            body = {
+                "toolchain": toolchain(),
+                "compile_seconds": round(built.seconds, 3),
+                "variants": [variant_record(variant, built.object_path.name, built.function_prefix)],
+                "files": files,
+            }
+            write_manifest(staging, body)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(staging, final)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def compressed_runtime_library() -> Path:
+    """libcute_dsl_runtime.so of the installed DSL, xz-compressed once (43 MB -> about 13 MB) for shipping."""
+    from maskc.runtime.launch import LIBRARY, find_runtime_library
+
+    library = find_runtime_library()
+    digest = hashlib.sha256(library.read_bytes()).hexdigest()[:16]
+    target = cache_root() / "runtime" / digest / f"{LIBRARY}.xz"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(lzma.compress(library.read_bytes(), preset=9))
+        os.replace(tmp, target)
+    return target
