@@ -1,0 +1,205 @@
+"""Kernel benchmark on the seeds' settings: b=1, heads 64:8, d=128, bf16, seqlen 1k..64k.
+
+maskc beside FlashAttention-4 (where it supports the mask natively), torch SDPA (cuDNN and
+flash backends, full/causal) and FlexAttention, in one run, forward TFLOP/s with the seeds'
+formula (4 * area * Hq * D / time). Varlen documents come from the real length histogram
+(`common.pack_documents`). Masks are the shipped examples, lowered by maskc.
+
+Run on the GPU machine: `python bench/kernel.py --artifacts DIR --out OUT [--seqlens 16384,65536]`
+(DIR: a `maskc compile` directory holding the d=128 bf16 64:8 kernel). Writes OUT/kernel.jsonl,
+OUT/kernel.png, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import maskc  # noqa: E402
+from maskc.frontend import load  # noqa: E402
+from maskc.ir import Mask  # noqa: E402
+
+from common import pack_documents  # noqa: E402
+
+HQ, HKV, D = 64, 8, 128
+WINDOW = 1024
+BLOCK = 1024
+MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window_causal", "varlen_block_causal")
+
+
+def build_masks(seqlen: int) -> tuple[dict[str, Mask], np.ndarray]:
+    """Every benchmark mask at `seqlen`, lowered from examples/, and the document lengths."""
+    lens = pack_documents(seqlen, seed=seqlen)
+
+    def lower(name: str, **params: object) -> Mask:
+        return load(ROOT / "examples" / f"{name}.mask")[name].lower(**params)
+
+    masks = {
+        "full": lower("full", n=seqlen),
+        "causal": lower("causal", n=seqlen),
+        "varlen_full": lower("varlen_full", docs=lens),
+        "varlen_causal": lower("varlen_causal", docs=lens),
+        # The seeds' window W counts the diagonal: a query sees W keys, i.e. W - 1 before it.
+        "sliding_window_causal": lower("sliding_window_causal", n=seqlen, window=WINDOW - 1),
+        "varlen_block_causal": lower("varlen_block_causal", docs=lens, block=BLOCK),
+    }
+    return masks, lens
+
+
+def timed_tflops(fn: Callable[[], object], area: int) -> float:
+    from triton.testing import do_bench
+
+    fn()
+    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return 4 * area * HQ * D / ms / 1e9
+
+
+def baselines(name: str, seqlen: int, lens: np.ndarray, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable]:
+    """The baseline calls that express mask `name` natively (seqlen-first q/k/v)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    calls: dict[str, Callable] = {}
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    if name in ("full", "causal"):
+        for backend, tag in ((SDPBackend.CUDNN_ATTENTION, "sdpa_cudnn"), (SDPBackend.FLASH_ATTENTION, "sdpa_flash")):
+
+            def sdpa(backend=backend) -> torch.Tensor:
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=name == "causal", enable_gqa=True)
+
+            calls[tag] = sdpa
+    doc = torch.repeat_interleave(torch.arange(len(lens), device=q.device), torch.as_tensor(lens, device=q.device))
+    start = torch.as_tensor(np.r_[0, np.cumsum(lens)[:-1]], device=q.device)[doc]
+    block = (torch.arange(seqlen, device=q.device) - start) // BLOCK
+    mods = {
+        "full": None,
+        "causal": lambda b, h, i, j: i >= j,
+        "varlen_full": lambda b, h, i, j: doc[i] == doc[j],
+        "varlen_causal": lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j),
+        "sliding_window_causal": lambda b, h, i, j: (i >= j) & (i - j < WINDOW),
+        "varlen_block_causal": lambda b, h, i, j: (doc[i] == doc[j]) & (block[j] <= block[i]),
+    }
+    flex = torch.compile(flex_attention, dynamic=False)
+    block_mask = None if mods[name] is None else create_block_mask(mods[name], 1, None, seqlen, seqlen, device=q.device)
+    calls["flex"] = lambda: flex(qt, kt, vt, block_mask=block_mask, enable_gqa=True)
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except ImportError:
+        return calls
+    cu = torch.as_tensor(np.r_[0, np.cumsum(lens)], dtype=torch.int32, device=q.device)
+    longest = int(lens.max())
+    fa4 = {
+        "full": lambda: flash_attn_func(q[None], k[None], v[None], causal=False),
+        "causal": lambda: flash_attn_func(q[None], k[None], v[None], causal=True),
+        "sliding_window_causal": lambda: flash_attn_func(q[None], k[None], v[None], causal=True, window_size=(WINDOW - 1, 0)),
+        "varlen_full": lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=False),
+        "varlen_causal": lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=True),
+    }
+    if name in fa4:
+        calls["fa4"] = fa4[name]
+    return calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--artifacts", required=True, type=Path, help="maskc compile directory with the 64:8 d=128 bf16 kernel")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--seqlens", default="1024,2048,4096,8192,16384,32768,65536")
+    parser.add_argument("--masks", default=",".join(MASKS))
+    parser.add_argument("--no-baselines", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    # FlexAttention recompiles per shape and mask; past dynamo's default limits it would fall back to eager.
+    torch._dynamo.config.cache_size_limit = 1000
+    torch._dynamo.config.recompile_limit = 1000
+    maskc.runtime.register_artifact(args.artifacts)
+    log = (args.out / "kernel.jsonl").open("a")
+    print(json.dumps({"host_overhead_us": host_overhead_us()}), file=log, flush=True)
+    rows = []
+    for seqlen in map(int, args.seqlens.split(",")):
+        torch.manual_seed(seqlen)
+        q = torch.randn(seqlen, HQ, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(seqlen, HKV, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(seqlen, HKV, D, device="cuda", dtype=torch.bfloat16)
+        masks, lens = build_masks(seqlen)
+        for name in args.masks.split(","):
+            mask = masks[name]
+            area = mask.area()
+            row = {"seqlen": seqlen, "mask": name, "docs": len(lens), "area": area}
+            row["maskc"] = timed_tflops(lambda: maskc.attention(q, k, v, mask), area)
+            if not args.no_baselines:
+                for tag, call in baselines(name, seqlen, lens, q, k, v).items():
+                    try:
+                        row[tag] = timed_tflops(call, area)
+                    except Exception as exc:  # a baseline that cannot run this case is reported, not fatal
+                        row[tag] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            print(json.dumps(row), file=log, flush=True)
+    plot(rows, args.out / f"kernel_{args.seqlens.replace(',', '_')}.png")
+    print_table(rows)
+    print(f"host overhead per maskc.attention call: {host_overhead_us():.1f} us")
+
+
+def host_overhead_us(calls: int = 2000) -> float:
+    """CPU time of one maskc.attention call, on a problem so small the GPU never holds the host back."""
+    mask = Mask.from_cu_seqlens([0, 128], causal=True)
+    q = torch.randn(128, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(128, HKV, D, device="cuda", dtype=torch.bfloat16)
+    for _ in range(50):
+        maskc.attention(q, k, k, mask)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        maskc.attention(q, k, k, mask)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def print_table(rows: list[dict]) -> None:
+    tags = ["maskc", "fa4", "sdpa_cudnn", "sdpa_flash", "flex"]
+    print(f"\n{'seqlen':>7} {'mask':22}" + "".join(f"{t:>11}" for t in tags) + "   (forward TFLOP/s)")
+    for r in rows:
+        cells = "".join(f"{r[t]:11.0f}" if isinstance(r.get(t), float) else f"{'-':>11}" for t in tags)
+        print(f"{r['seqlen']:>7} {r['mask']:22}{cells}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    names = list(dict.fromkeys(r["mask"] for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.5), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        sub = [r for r in rows if r["mask"] == name]
+        for tag in ("maskc", "fa4", "sdpa_cudnn", "sdpa_flash", "flex"):
+            pts = [(r["seqlen"], r[tag]) for r in sub if isinstance(r.get(tag), float)]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=tag)
+        ax.set_xscale("log", base=2)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("fwd TFLOP/s")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""maskc.attention on the GPU against the reference in float32, for every mask family.
+
+Kernels come from the artifact directories named in $MASKC_GPU_ARTIFACTS (colon-separated
+`maskc compile` outputs; how the GPU machine gets them) or are compiled on first use when
+the CUTLASS DSL is installed. Outputs are poisoned with NaN before each call (through the
+caching allocator, checked) so an element the kernel never writes fails the test.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import maskc
+from maskc.frontend import load
+from maskc.ir import AttnSlice, Mask
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    for directory in filter(None, os.environ.get("MASKC_GPU_ARTIFACTS", "").split(":")):
+        maskc.runtime.register_artifact(directory)
+
+
+def _docs(total: int, count: int, seed: int) -> np.ndarray:
+    """cu_seqlens of `count` documents over `total` tokens, lengths far from tile multiples."""
+    cuts = np.sort(np.random.default_rng(seed).choice(np.arange(1, total), size=count - 1, replace=False))
+    return np.r_[0, cuts, total]
+
+
+def _example(file: str, family: str | None = None, **params: object) -> Mask:
+    return load(ROOT / "examples" / f"{file}.mask")[family or file].lower(**params)
+
+
+def _random(seed: int, sq: int, sk: int, count: int = 10) -> Mask:
+    rng = np.random.default_rng(seed)
+    slices = []
+    for i in range(count):
+        qs, qe = sorted(rng.integers(0, sq + 1, 2).tolist())
+        ks, ke = sorted(rng.integers(0, sk + 1, 2).tolist())
+        slices.append(AttnSlice((qs, qe), (ks, ke), ("full", "causal", "inv_causal", "bi_causal")[i % 4]))
+    return Mask(slices, sq, sk)
+
+
+DOCS = [300, 1, 517, 1201, 64, 983]
+MASKS = {
+    "full": lambda: _example("full", n=1000),
+    "causal": lambda: _example("causal", n=1531),
+    "varlen_full": lambda: _example("varlen_full", docs=DOCS),
+    "varlen_causal": lambda: _example("varlen_causal", docs=DOCS),
+    "sliding_window": lambda: _example("sliding_window_causal", n=3001, window=300),
+    "varlen_sliding_window": lambda: _example("sliding_window_causal", "varlen_sliding_window_causal", docs=DOCS, window=200),
+    "varlen_block_causal": lambda: _example("varlen_block_causal", docs=DOCS, block=256),
+    "prefix_lm": lambda: _example("prefix_lm", docs=DOCS, prefix=100),
+    "global_sliding_window": lambda: _example("global_sliding_window", n=2500, globals=37, window=200),
+    "shared_question": lambda: _example("shared_question", docs=DOCS),
+    "primitives": lambda: _example("primitives", rows=300, cols=700),
+    "varlen_inv_causal": lambda: _example("primitives", "varlen_inv_causal", docs=DOCS),
+    "causal_short_k": lambda: Mask([AttnSlice((0, 1200), (0, 700), "causal")], 1200, 700),
+    "rows_without_keys": lambda: Mask([AttnSlice((0, 450), (0, 1500)), AttnSlice((900, 1000), (5, 77))], 1500, 1500),
+    "tiny_documents": lambda: Mask.from_cu_seqlens(_docs(2000, 150, seed=2), causal=True),
+    "random_overlapping": lambda: _random(7, 1700, 2300),
+    "random_unequal": lambda: _random(8, 613, 3001),
+}
+
+
+def _poisoned_call(q, k, v, mask, **kwargs):
+    """maskc.attention with its output buffers pre-filled with NaN through the caching allocator."""
+    tq, hq, d = q.shape
+    sizes = [(tq, hq, d, q.dtype), (tq, hq, torch.float32), (tq, hq, torch.float32)]
+    poison = [torch.full(s[:-1], math.nan, dtype=s[-1], device="cuda") for s in sizes]
+    ptrs = {p.data_ptr() for p in poison}
+    del poison
+    out, meta = maskc.attention(q, k, v, mask, **kwargs)
+    assert out.data_ptr() in ptrs or tq == 0, "the poisoned block was not reused: poisoning did not happen"
+    return out, meta
+
+
+def _check(mask: Mask, hq: int, hkv: int, d: int, dtype: str, *, softcap: float = 0.0, sink: bool = False, max_logits: bool = False, seed: int = 0) -> None:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tq, tk = mask.shape
+    q = torch.randn(tq, hq, d, device="cuda", generator=g).to(DTYPES[dtype])
+    k = torch.randn(tk, hkv, d, device="cuda", generator=g).to(DTYPES[dtype])
+    v = torch.randn(tk, hkv, d, device="cuda", generator=g).to(DTYPES[dtype])
+    sinks = torch.randn(3, hq, device="cuda", generator=g) * 2 if sink else None
+    out, meta = _poisoned_call(q, k, v, mask, softcap=softcap, sink=sinks, return_max_logits=max_logits)
+    torch.cuda.synchronize()
+    ref, ref_meta = maskc.reference_attention(
+        q.float(), k.float(), v.float(), mask, softcap=softcap, sink=sinks, return_max_logits=max_logits
+    )
+    assert not torch.isnan(out).any() and not torch.isnan(meta.lse).any(), "NaN or unwritten output"
+    rel = torch.linalg.vector_norm(out.float() - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30)
+    assert rel < (1e-2 if dtype == "bf16" else 5e-3), f"relative error {rel:.2e}"
+    assert torch.equal(torch.isneginf(meta.lse), torch.isneginf(ref_meta.lse))
+    finite = torch.isfinite(ref_meta.lse)
+    assert (meta.lse[finite] - ref_meta.lse[finite]).abs().max(initial=0) < 1e-3
+    empty = ~mask.dense_rows(0, tq).any(dim=1).cuda()
+    assert (out[empty] == 0).all(), "rows with no key must be 0"
+    if max_logits:
+        both = torch.isfinite(ref_meta.max_logits)
+        assert torch.equal(both, torch.isfinite(meta.max_logits))
+        assert (meta.max_logits[both] - ref_meta.max_logits[both]).abs().max(initial=0) < 2e-2
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_every_mask_family_gqa_64_8_d128_bf16(name: str) -> None:
+    _check(MASKS[name](), 64, 8, 128, "bf16")
+
+
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 8), (8, 1)])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_head_layouts_dims_and_dtypes(hq: int, hkv: int, d: int, dtype: str) -> None:
+    for name in ("varlen_causal", "random_overlapping", "rows_without_keys"):
+        _check(MASKS[name](), hq, hkv, d, dtype, seed=hash(name) % 1000)
+
+
+@pytest.mark.parametrize("d,dtype", [(128, "bf16"), (64, "fp16")])
+def test_softcap_sink_and_max_logits(d: int, dtype: str) -> None:
+    for name in ("causal", "varlen_block_causal", "rows_without_keys", "random_unequal"):
+        _check(MASKS[name](), 8, 8, d, dtype, softcap=5.0, sink=True, max_logits=True)
+
+
+@pytest.mark.parametrize("n", [1, 2, 63, 127, 128, 129, 1000, 4097, 16411, 65536])
+def test_sequence_lengths_from_1_to_64k(n: int) -> None:
+    _check(Mask.from_cu_seqlens([0, n], causal=True), 8, 8, 128, "bf16")
+
+
+def test_varlen_64k_with_real_document_counts() -> None:
+    _check(Mask.from_cu_seqlens(_docs(65536, 40, seed=3), causal=True), 8, 8, 128, "bf16")
+
+
+def test_kernel_runs_on_the_current_stream() -> None:
+    mask = MASKS["varlen_causal"]()
+    q = torch.randn(mask.seqlen_q, 8, 128, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    expected, _ = maskc.attention(q, q[:, :1].contiguous(), q[:, :1].contiguous(), mask)
+    with torch.cuda.stream(stream):
+        out, _ = maskc.attention(q, q[:, :1].contiguous(), q[:, :1].contiguous(), mask)
+    stream.synchronize()
+    assert torch.equal(out, expected)
+
+
+def test_gpu_input_errors() -> None:
+    mask = MASKS["causal"]()
+    q = torch.randn(mask.seqlen_q, 8, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        maskc.attention(q.float(), q.float(), q.float(), mask)
+    with pytest.raises(ValueError, match="contiguous"):
+        maskc.attention(q.transpose(0, 1).contiguous().transpose(0, 1), q, q, mask)
+    with pytest.raises(ValueError, match="do not match the mask"):
+        maskc.attention(q[:-1], q[:-1], q[:-1], mask)
+    with pytest.raises(maskc.MaskcError, match="head_dim 96 is not supported"):
+        x = torch.randn(mask.seqlen_q, 8, 96, device="cuda", dtype=torch.bfloat16)
+        maskc.attention(x, x, x, mask)
+    with pytest.raises(maskc.MaskcError, match="no backward"):
+        maskc.attention(q.requires_grad_(), q, q, mask)
