@@ -35,6 +35,7 @@ from common import pack_documents  # noqa: E402
 HQ, HKV, D = 64, 8, 128
 WINDOW = 1024
 BLOCK = 1024
+COLORS = {"maskc": "tab:blue", "fa4": "tab:orange", "sdpa_cudnn": "tab:green", "sdpa_flash": "tab:red", "flex": "tab:purple"}
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window_causal", "varlen_block_causal")
 
 
@@ -188,16 +189,17 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.5), squeeze=False)
     for ax, name in zip(axes[0], names):
         sub = [r for r in rows if r["mask"] == name]
-        for tag in ("maskc", "fa4", "sdpa_cudnn", "sdpa_flash", "flex"):
+        for tag, color in COLORS.items():
             pts = [(r["seqlen"], r[tag]) for r in sub if isinstance(r.get(tag), float)]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=tag)
+                ax.plot(*zip(*pts), marker="o", label=tag, color=color)
         ax.set_xscale("log", base=2)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("seqlen")
         ax.set_ylabel("fwd TFLOP/s")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    handles = [plt.Line2D([], [], color=c, marker="o", label=t) for t, c in COLORS.items()]
+    fig.legend(handles=handles, loc="upper center", ncol=len(COLORS), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
     fig.savefig(path, dpi=120)
 
 

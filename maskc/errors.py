@@ -32,3 +32,7 @@ class MaskSemanticError(MaskSyntaxError):
 
 class ArtifactError(MaskcError):
     """An artifact directory is missing, tampered with, or from an incompatible version."""
+
+
+class CompilerUnavailableError(MaskcError):
+    """Kernels must be compiled but the CUTLASS DSL is not installed here."""

@@ -9,8 +9,8 @@ decides the schedule the runtime builds for it.
 
 from __future__ import annotations
 
-import json
 import math
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +30,8 @@ ARCHS = {(9, 0): "sm_90a"}
 REQUEST_FIELDS = ("arch", "direction", "head_dim", "dtype", "num_heads_q", "num_heads_kv", "has_softcap", "has_sink", "has_max_logits")
 
 
-def _request_key(fields: dict[str, Any]) -> str:
-    return json.dumps({f: fields[f] for f in REQUEST_FIELDS}, sort_keys=True)
+def _request_key(fields: dict[str, Any]) -> tuple:
+    return tuple(fields[f] for f in REQUEST_FIELDS)
 
 
 class _Entry:
@@ -41,7 +41,7 @@ class _Entry:
         self.kernel, self.tile_m, self.tile_n = kernel, tile_m, tile_n
 
 
-_KERNELS: dict[str, _Entry] = {}
+_KERNELS: dict[tuple, _Entry] = {}
 
 
 def register_artifact(directory: str | Path) -> list[str]:
@@ -51,18 +51,16 @@ def register_artifact(directory: str | Path) -> list[str]:
     variants = manifest.get("variants", [])
     if not variants:
         return []
-    runtime = runtime_at(find_runtime_library(directory))
-    keys = []
     for v in variants:
         if v.get("abi") != abi_to_json(FORWARD_ABI):
             raise ArtifactError(f"kernel {v.get('key')!r} in {directory} was built for another argument ABI: recompile")
         if v.get("object") not in manifest["files"]:
             raise ArtifactError(f"kernel {v.get('key')!r} in {directory} has no hashed object file")
+    runtime = runtime_at(find_runtime_library(directory))
+    for v in variants:
         kernel = Kernel(runtime, (directory / v["object"]).read_bytes(), v["function"], FORWARD_ABI)
-        key = _request_key(v["fields"])
-        _KERNELS[key] = _Entry(kernel, v["fields"]["tile_m"], v["fields"]["tile_n"])
-        keys.append(v["key"])
-    return keys
+        _KERNELS[_request_key(v["fields"])] = _Entry(kernel, v["fields"]["tile_m"], v["fields"]["tile_n"])
+    return [v["key"] for v in variants]
 
 
 def _jit(request: dict[str, Any]) -> _Entry:
@@ -111,7 +109,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
 
 def _schedule_tensors(mask: Mask, tile_m: int, tile_n: int, device: torch.device) -> dict[str, torch.Tensor]:
     """The schedule on the device, built once per (mask, tile, device): masks are immutable."""
-    key = ("forward_schedule", tile_m, tile_n, str(device))
+    key = ("forward_schedule", tile_m, tile_n, device)
     cached = mask.memo.get(key)
     if cached is None:
         s = build_schedule(mask, tile_m, tile_n)
@@ -149,7 +147,7 @@ def attention(
         raise MaskcError("maskc.attention has no backward kernel yet; use maskc.reference_attention for gradients")
     if not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite number >= 0, got {softcap}")
-    capability = torch.cuda.get_device_capability(q.device)
+    capability, num_sms = _device_info(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if capability not in ARCHS:
         raise MaskcError(f"no maskc kernel for compute capability {capability}; supported: {sorted(ARCHS)}")
     tq, hq, d = q.shape
@@ -182,12 +180,15 @@ def attention(
     scalars = {
         "softmax_scale": 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale),
         "softcap": float(softcap),
-        "num_ctas": min(_num_sms(q.device), max(1, schedule["work_tile"].shape[0] * hq)),
+        "num_ctas": min(num_sms, max(1, schedule["work_tile"].shape[0] * hq)),
     }
     entry.kernel(tensors, scalars, torch.cuda.current_stream(q.device).cuda_stream)
     max_logits = row_max.amax(dim=0) if return_max_logits else None
     return out, AttentionMeta(lse=lse, max_logits=max_logits)
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+@lru_cache(maxsize=None)
+def _device_info(index: int) -> tuple[tuple[int, int], int]:
+    """(compute capability, multiprocessor count) of a GPU, asked once per process."""
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.multi_processor_count

@@ -159,19 +159,26 @@ class Kernel:
         self._args = (ctypes.c_void_p * (len(abi) + 1))(
             *(ctypes.addressof(s) for s in self._slots), ctypes.addressof(self._ret)
         )
-        self._dims = [arg.dynamic_dims() if isinstance(arg, TensorArg) else () for arg in abi]
+        # Per-call work split by argument kind up front, so a call is plain loops of stores.
+        self._tensors = [
+            (arg.name, slot, arg.dynamic_dims()) for arg, slot in zip(abi, self._slots) if isinstance(arg, TensorArg)
+        ]
+        self._scalars = [(arg.name, slot) for arg, slot in zip(abi, self._slots) if isinstance(arg, ScalarArg)]
+        self._stream = next(slot for arg, slot in zip(abi, self._slots) if isinstance(arg, StreamArg))
+        self._run = runtime.lib.CuteDSLRT_Function_Run
+        self._nargs = len(abi) + 1
 
     def __call__(self, tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, float | int], stream: int) -> None:
-        for arg, slot, dims in zip(self.abi, self._slots, self._dims):
-            if isinstance(arg, TensorArg):
-                t = tensors[arg.name]
-                slot.data = t.data_ptr()
-                for i, d in enumerate(dims):
-                    slot.dynamic_shapes[i] = t.shape[d]
-            elif isinstance(arg, StreamArg):
-                slot.value = stream
-            else:
-                slot.value = scalars[arg.name]
-        self.runtime.check(self.runtime.lib.CuteDSLRT_Function_Run(self._fn, self._args, len(self.abi) + 1), self.prefix)
+        for name, slot, dims in self._tensors:
+            t = tensors[name]
+            slot.data = t.data_ptr()
+            for i, d in enumerate(dims):
+                slot.dynamic_shapes[i] = t.shape[d]
+        for name, slot in self._scalars:
+            slot.value = scalars[name]
+        self._stream.value = stream
+        code = self._run(self._fn, self._args, self._nargs)
+        if code:
+            self.runtime.check(code, self.prefix)
         if self._ret.value != 0:
             raise RuntimeError(f"kernel {self.prefix} returned error code {self._ret.value}")

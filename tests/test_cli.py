@@ -43,6 +43,7 @@ def test_show_reports_exact_numbers(tmp_path: Path) -> None:
 
 
 def test_compile_writes_a_loadable_artifact(tmp_path: Path) -> None:
+    pytest.importorskip("cutlass", reason="compiling kernels needs the CUTLASS DSL")
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("100 200\n50\n")
     out = tmp_path / "art"
@@ -99,6 +100,7 @@ def test_help_documents_every_option() -> None:
 
 def test_readme_main_job_works(tmp_path: Path) -> None:
     """The README's first command, minus the environment set-up this test already runs in."""
+    pytest.importorskip("cutlass", reason="the README's set-up installs the CUTLASS DSL")
     readme = (ROOT / "README.md").read_text()
     command = next(line for line in readme.splitlines() if line.startswith("python3 -m venv"))
     steps = [s.strip() for s in command.split("&&") if s.strip().startswith(".venv/bin/maskc")]
@@ -109,3 +111,16 @@ def test_readme_main_job_works(tmp_path: Path) -> None:
         assert result.returncode == 0, (step, result.stderr)
     assert (tmp_path / "build" / "varlen_block_causal" / "manifest.json").is_file()
     assert list((tmp_path / "build").glob("*.png"))
+
+
+def test_compile_without_the_dsl_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from maskc import cli
+    from maskc.codegen import compile as compiler
+
+    real = compiler.importlib.util.find_spec
+    monkeypatch.setattr(compiler.importlib.util, "find_spec", lambda name, *a: None if name == "cutlass" else real(name, *a))
+    monkeypatch.setenv("MASKC_CACHE", str(tmp_path / "cache"))
+    assert cli.main(["compile", str(ROOT / "examples" / "causal.mask"), "-o", str(tmp_path / "out")]) == 2
+    assert "needs the CUTLASS DSL" in capsys.readouterr().err
+    assert cli.main(["compile", str(ROOT / "examples" / "causal.mask"), "-o", str(tmp_path / "ir"), "--ir-only"]) == 0
+    assert not (tmp_path / "ir" / "kernels").exists()

@@ -47,6 +47,7 @@ def test_library_missing_everywhere_is_a_clear_error(tmp_path: Path, monkeypatch
 
 
 def test_installed_wheel_library_is_found_without_importing_cutlass() -> None:
+    pytest.importorskip("nvidia_cutlass_dsl", reason="the CUTLASS DSL wheel is not installed")
     path = launch._installed_library()
     assert path is not None and path.name == launch.LIBRARY
 

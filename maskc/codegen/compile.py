@@ -20,6 +20,7 @@ from pathlib import Path
 
 from maskc.codegen.render import render
 from maskc.codegen.variant import KernelVariant
+from maskc.errors import CompilerUnavailableError
 from maskc.runtime.abi import FORWARD_ABI, STATIC_DIMS, ScalarArg, TensorArg
 
 #: The exported C symbol prefix of every forward kernel object.
@@ -103,12 +104,22 @@ def fake_fwd_arguments(variant: KernelVariant) -> list:
     return args
 
 
+def require_dsl() -> None:
+    """Fail clearly, before any work, where the CUTLASS DSL (the kernel compiler) is missing."""
+    if importlib.util.find_spec("cutlass") is None:
+        raise CompilerUnavailableError(
+            "compiling kernels needs the CUTLASS DSL: pip install 'maskc[cutlass]' (nvidia-cutlass-dsl); "
+            "`maskc compile --ir-only` writes the IR without kernels"
+        )
+
+
 def compile_variant(variant: KernelVariant, out_dir: str | Path, *, keep_ptx: bool = True) -> CompiledObject:
     """Render, compile for `variant.arch` and export `<key>.o` + `<key>.h` into `out_dir`.
 
     The rendered source is written to `<key>.py` next to the object (the DSL needs a real
     file); PTX is kept in `<key>.dump/` when `keep_ptx`.
     """
+    require_dsl()
     import cutlass.cute as cute
 
     start = time.perf_counter()
