@@ -211,3 +211,25 @@ def test_normalize_large_disjoint_mask_is_fast_path() -> None:
     mask = Mask.from_cu_seqlens(cu, causal=True)
     assert mask.area() == 4000 * 256 * 257 // 2
     assert len(mask.normalize()) == 4000
+
+
+@given(masks(max_len=30, max_slices=8))
+@settings(max_examples=200, deadline=None)
+def test_merge_ranges_is_equivalent_and_never_larger(mask: Mask) -> None:
+    from maskc.ir.merge import merge_ranges
+
+    merged = merge_ranges(mask)
+    assert torch.equal(merged.to_dense(), mask.to_dense())
+    assert len(merged) <= len(mask.normalize())
+    assert sum(s.area() for s in merged.slices) == mask.area()  # still disjoint
+
+
+def test_merge_ranges_fuses_chains_written_block_by_block() -> None:
+    from maskc.ir.merge import merge_ranges
+
+    blocks = [AttnSlice((b, b + 16), (0, b + 16), "causal") for b in range(0, 128, 16)]
+    assert merge_ranges(Mask(blocks, 128, 128)).slices == (AttnSlice((0, 128), (0, 128), "causal"),)
+    band = Mask.sliding_window([0, 64], left=8)
+    pieces = [AttnSlice((q0, q0 + 8), (max(0, q0 - 8), q0 + 8), "bi_causal") for q0 in range(8, 64, 8)]
+    split = Mask([band.slices[0], *pieces], 64, 64)
+    assert len(merge_ranges(split)) == 2

@@ -8,8 +8,8 @@ The kernels read a schedule as flat int32 arrays (the forward ABI):
   blocks; a full run (partial=0) has every element allowed and in range, so the kernel skips
   all masking there; runs of one item never overlap;
 - `work_lines [W+1]` / `lines [L, 6]`: per item, the row lines `(r0, r1, lo_a, lo_s, hi_a,
-  hi_s)` of the normalised slices crossing its rows: element (r, c) of a partial block is
-  allowed iff some line has r0 <= r < r1 and lo_a + lo_s*r <= c <= hi_a + hi_s*r.
+  hi_s)` of the merged, disjoint slices (`merge_ranges`) crossing its rows: element (r, c)
+  of a partial block is allowed iff some line has r0 <= r < r1 and lo_a + lo_s*r <= c <= hi_a + hi_s*r.
 
 Every q tile is a work item, also one with no k block, so the kernel writes every output
 row. Runs instead of per-block lists keep a 1M-token full mask at one run per tile.
@@ -24,6 +24,7 @@ import numpy as np
 
 from maskc.errors import MaskError
 from maskc.ir.mask import Mask
+from maskc.ir.merge import merge_ranges
 from maskc.ir.slices import RowLines
 
 
@@ -87,8 +88,8 @@ def build_schedule(mask: Mask, tile_m: int, tile_n: int) -> Schedule:
     if tile_m <= 0 or tile_n <= 0:
         raise MaskError(f"tile shape must be positive, got {tile_m} x {tile_n}")
     sq, sk = mask.shape
-    norm = mask.normalize()
-    lines = RowLines.of(norm.q_ranges, norm.k_ranges, norm.types)
+    merged = merge_ranges(mask)
+    lines = RowLines.of(merged.q_ranges, merged.k_ranges, merged.types)
     num_tiles = -(-sq // tile_m)
 
     # (line, q tile) pairs and the rows [a, b) of the line inside the tile.
