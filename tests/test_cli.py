@@ -124,3 +124,16 @@ def test_compile_without_the_dsl_is_a_clear_error(tmp_path: Path, monkeypatch: p
     assert "needs the CUTLASS DSL" in capsys.readouterr().err
     assert cli.main(["compile", str(ROOT / "examples" / "causal.mask"), "-o", str(tmp_path / "ir"), "--ir-only"]) == 0
     assert not (tmp_path / "ir" / "kernels").exists()
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_every_example_compiles_to_sm90_kernels_using_wgmma_and_tma(example: Path, tmp_path: Path) -> None:
+    pytest.importorskip("cutlass", reason="compiling kernels needs the CUTLASS DSL")
+    out = tmp_path / "art"
+    result = maskc("compile", str(example), "-o", str(out), "--arch", "sm_90a")
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["archs"] == ["sm_90a"] and manifest["variants"]
+    for variant in manifest["variants"]:
+        ptx = "".join(p.read_text() for p in (out / variant["object"]).parent.rglob("*.ptx"))
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
