@@ -5,7 +5,6 @@ from __future__ import annotations
 import platform
 import shutil
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -13,6 +12,7 @@ import numpy as np
 import torch
 
 import maskc
+from maskc.codegen.cache import toolchain
 from maskc.ir import Mask
 from maskc.runtime.manifest import read_manifest, write_manifest
 
@@ -36,13 +36,6 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, np.integer):
         return int(value)
     return value
-
-
-def _package_version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _gather_kernels(out: Path, kernels: Sequence[Path]) -> tuple[list[dict], list[str]]:
@@ -91,11 +84,7 @@ def write_artifact(
         }
     body = {
         "maskc_version": maskc.__version__,
-        "toolchain": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "nvidia-cutlass-dsl": _package_version("nvidia-cutlass-dsl"),
-        },
+        "toolchain": {"python": platform.python_version(), "torch": torch.__version__, **toolchain()},
         "source": f"source{source.suffix}" if source is not None else None,
         "masks": masks,
         "archs": sorted({v["fields"]["arch"] for v in variants}),
