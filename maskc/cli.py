@@ -124,7 +124,10 @@ def _heads(text: str) -> tuple[int, int]:
 
 
 def _kernel_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One request per combination of the kernel options (arch x head dim x heads x dtype)."""
+    """One request per combination of the kernel options (arch x head dim x heads x dtype), and
+    per GQA strategy (plain and PackGQA) when the heads allow PackGQA: the runtime picks per call."""
+    from maskc.ir.strategy import pack_gqa_supported
+
     return [
         {
             "arch": arch,
@@ -136,11 +139,13 @@ def _kernel_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
             "has_softcap": args.softcap,
             "has_sink": args.sink,
             "has_max_logits": args.max_logits,
+            "pack_gqa": pack,
         }
         for arch in args.arch
         for head_dim in args.head_dim
         for hq, hkv in args.heads
         for dtype in args.dtype
+        for pack in ((False, True) if pack_gqa_supported(hq, hkv) else (False,))  # both GQA strategies
     ]
 
 

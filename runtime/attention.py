@@ -19,7 +19,7 @@ import torch
 from maskc.errors import ArtifactError, MaskcError
 from maskc.ir import Mask
 from maskc.ir.schedule import build_schedule
-from maskc.ir.strategy import SUPPORTED_HEAD_DIMS
+from maskc.ir.strategy import SUPPORTED_HEAD_DIMS, pack_gqa_supported, select_pack_gqa, select_tiles
 from maskc.reference import AttentionMeta
 from maskc.runtime.abi import FORWARD_ABI, abi_to_json
 from maskc.runtime.launch import Kernel, find_runtime_library, runtime_at
@@ -27,18 +27,52 @@ from maskc.runtime.manifest import read_manifest
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 ARCHS = {(9, 0): "sm_90a"}
-REQUEST_FIELDS = ("arch", "direction", "head_dim", "dtype", "num_heads_q", "num_heads_kv", "has_softcap", "has_sink", "has_max_logits")
+REQUEST_FIELDS = (
+    "arch", "direction", "head_dim", "dtype", "num_heads_q", "num_heads_kv", "has_softcap", "has_sink", "has_max_logits",
+    "pack_gqa",
+)
 
 
 def _request_key(fields: dict[str, Any]) -> tuple:
-    return tuple(fields[f] for f in REQUEST_FIELDS)
+    return tuple(fields.get(f, False) if f == "pack_gqa" else fields[f] for f in REQUEST_FIELDS)
 
 
 class _Entry:
-    """A loaded kernel and the tile shape its schedule needs."""
+    """A loaded kernel and the tile shape its schedule needs: tile_m is in query tokens (with
+    PackGQA, the kernel's TILE_M packed rows hold TILE_M / G tokens), and items_per_tile the
+    work items of each q tile (query heads, or K/V heads with PackGQA)."""
 
-    def __init__(self, kernel: Kernel, tile_m: int, tile_n: int):
-        self.kernel, self.tile_m, self.tile_n = kernel, tile_m, tile_n
+    def __init__(self, kernel: Kernel, tile_m: int, tile_n: int, items_per_tile: int):
+        self.kernel, self.tile_m, self.tile_n, self.items_per_tile = kernel, tile_m, tile_n, items_per_tile
+
+
+def _entry(kernel: Kernel, fields: dict[str, Any]) -> _Entry:
+    hq, hkv = fields["num_heads_q"], fields["num_heads_kv"]
+    if fields.get("pack_gqa", False):
+        return _Entry(kernel, fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv)
+    return _Entry(kernel, fields["tile_m"], fields["tile_n"], hq)
+
+
+def _pack_gqa(mask: Mask, request: dict[str, Any], num_sms: int) -> bool:
+    """The GQA strategy for this call (maskc.ir.strategy.select_pack_gqa), cached in mask.memo."""
+    hq, hkv = request["num_heads_q"], request["num_heads_kv"]
+    if not pack_gqa_supported(hq, hkv):
+        return False
+    tiles = select_tiles(request["arch"], request["head_dim"])
+    key = ("pack_gqa", hq, hkv, tiles.tile_m, tiles.tile_n, num_sms)
+    cached = mask.memo.get(key)
+    if cached is None:
+        cached = mask.memo[key] = select_pack_gqa(mask, hq, hkv, tiles.tile_m, tiles.tile_n, num_sms)
+    return cached
+
+
+def _find_kernel(request: dict[str, Any], strategy_forced: bool) -> _Entry:
+    """A registered kernel for `request`; else, unless the caller forced the GQA strategy, one
+    of the other strategy (registered artifacts win over compiling); else compile `request`."""
+    entry = _KERNELS.get(_request_key(request))
+    if entry is None and not strategy_forced:
+        entry = _KERNELS.get(_request_key({**request, "pack_gqa": not request["pack_gqa"]}))
+    return entry or _jit(request)
 
 
 _KERNELS: dict[tuple, _Entry] = {}
@@ -59,7 +93,7 @@ def register_artifact(directory: str | Path) -> list[str]:
     runtime = runtime_at(find_runtime_library(directory))
     for v in variants:
         kernel = Kernel(runtime, (directory / v["object"]).read_bytes(), v["function"], FORWARD_ABI)
-        _KERNELS[_request_key(v["fields"])] = _Entry(kernel, v["fields"]["tile_m"], v["fields"]["tile_n"])
+        _KERNELS[_request_key(v["fields"])] = _entry(kernel, v["fields"])
     return [v["key"] for v in variants]
 
 
@@ -137,8 +171,13 @@ def attention(
     softcap: float = 0.0,
     sink: torch.Tensor | None = None,
     return_max_logits: bool = False,
+    pack_gqa: bool | None = None,
 ) -> tuple[torch.Tensor, AttentionMeta]:
     """Masked attention with maskc's kernels; the same contract as `maskc.reference_attention`.
+
+    pack_gqa: the GQA strategy. None (default) lets maskc.ir.strategy.select_pack_gqa decide
+    from the mask and the head counts (PackGQA packs the G = Hq / Hkv query heads of a K/V
+    head into one M tile); True / False force it (True needs G a power of two in [2, 64]).
 
     Forward only for now: inputs that require grad are refused rather than silently detached.
     """
@@ -162,7 +201,13 @@ def attention(
         "has_sink": sink is not None,
         "has_max_logits": return_max_logits,
     }
-    entry = _KERNELS.get(_request_key(request)) or _jit(request)
+    if pack_gqa is None:
+        request["pack_gqa"] = _pack_gqa(mask, request, num_sms)
+    else:
+        if pack_gqa and not pack_gqa_supported(hq, k.shape[1]):
+            raise MaskcError(f"pack_gqa needs Hq / Hkv a power of two in [2, 64]; got {hq} / {k.shape[1]}")
+        request["pack_gqa"] = bool(pack_gqa)
+    entry = _find_kernel(request, strategy_forced=pack_gqa is not None)
     schedule = _schedule_tensors(mask, entry.tile_m, entry.tile_n, q.device)
     out = torch.empty_like(q)
     lse = torch.empty(tq, hq, dtype=torch.float32, device=q.device)
@@ -180,7 +225,7 @@ def attention(
     scalars = {
         "softmax_scale": 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale),
         "softcap": float(softcap),
-        "num_ctas": min(num_sms, max(1, schedule["work_tile"].shape[0] * hq)),
+        "num_ctas": min(num_sms, max(1, schedule["work_tile"].shape[0] * entry.items_per_tile)),
     }
     entry.kernel(tensors, scalars, torch.cuda.current_stream(q.device).cuda_stream)
     max_logits = row_max.amax(dim=0) if return_max_logits else None

@@ -95,14 +95,14 @@ def _max_abs(x: torch.Tensor) -> float:
     return float(x.abs().max()) if x.numel() else 0.0
 
 
-def _check(mask: Mask, hq: int, hkv: int, d: int, dtype: str, *, softcap: float = 0.0, sink: bool = False, max_logits: bool = False, seed: int = 0) -> None:
+def _check(mask: Mask, hq: int, hkv: int, d: int, dtype: str, *, softcap: float = 0.0, sink: bool = False, max_logits: bool = False, seed: int = 0, pack_gqa: bool | None = None) -> None:
     g = torch.Generator(device="cuda").manual_seed(seed)
     tq, tk = mask.shape
     q = torch.randn(tq, hq, d, device="cuda", generator=g).to(DTYPES[dtype])
     k = torch.randn(tk, hkv, d, device="cuda", generator=g).to(DTYPES[dtype])
     v = torch.randn(tk, hkv, d, device="cuda", generator=g).to(DTYPES[dtype])
     sinks = torch.randn(3, hq, device="cuda", generator=g) * 2 if sink else None
-    out, meta = _poisoned_call(q, k, v, mask, softcap=softcap, sink=sinks, return_max_logits=max_logits)
+    out, meta = _poisoned_call(q, k, v, mask, softcap=softcap, sink=sinks, return_max_logits=max_logits, pack_gqa=pack_gqa)
     torch.cuda.synchronize()
     ref, ref_meta = maskc.reference_attention(
         q.float(), k.float(), v.float(), mask, softcap=softcap, sink=sinks, return_max_logits=max_logits
@@ -174,3 +174,37 @@ def test_gpu_input_errors() -> None:
         maskc.attention(x, x, x, mask)
     with pytest.raises(maskc.MaskcError, match="no backward"):
         maskc.attention(q.requires_grad_(), q, q, mask)
+
+
+# ---- PackGQA (the G query heads of a K/V head share an M tile) ---------------------------------
+
+
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 1)])
+@pytest.mark.parametrize("name", list(MASKS))
+def test_every_mask_family_pack_gqa(name: str, hq: int, hkv: int) -> None:
+    _check(MASKS[name](), hq, hkv, 128, "bf16", pack_gqa=True, seed=hash(name) % 1000)
+
+
+@pytest.mark.parametrize("d,dtype", [(128, "bf16"), (64, "fp16")])
+@pytest.mark.parametrize("pack_gqa", [True, False])
+def test_pack_gqa_with_softcap_sink_and_max_logits(d: int, dtype: str, pack_gqa: bool) -> None:
+    for name in ("varlen_causal", "rows_without_keys", "random_unequal"):
+        _check(MASKS[name](), 8, 2, d, dtype, softcap=5.0, sink=True, max_logits=True, pack_gqa=pack_gqa)
+
+
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 1)])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_pack_gqa_head_dim_64(hq: int, hkv: int, dtype: str) -> None:
+    for name in ("varlen_causal", "tiny_documents", "random_overlapping"):
+        _check(MASKS[name](), hq, hkv, 64, dtype, pack_gqa=True)
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 17, 129, 1000])
+def test_pack_gqa_short_sequences(n: int) -> None:
+    _check(Mask([AttnSlice((0, n), (0, 4099), "causal")], n, 4099), 64, 8, 128, "bf16", pack_gqa=True)
+
+
+def test_automatic_gqa_strategy_matches_both_forced() -> None:
+    mask = MASKS["tiny_documents"]()
+    _check(mask, 64, 8, 128, "bf16")  # the strategy pass decides
+    assert any(key[0] == "pack_gqa" for key in mask.memo), "the GQA strategy was not cached in mask.memo"

@@ -44,6 +44,18 @@ COMPILED = {
         has_max_logits=True,
     ),
     "d128_bf16_8x1_mqa": variant(num_heads_q=8, num_heads_kv=1),
+    "d128_bf16_64x8_pack_gqa": variant(pack_gqa=True),
+    "d64_fp16_8x1_pack_gqa_softcap_sink_maxlogits": variant(
+        head_dim=64,
+        dtype="fp16",
+        num_heads_q=8,
+        num_heads_kv=1,
+        tile_m=192,
+        has_softcap=True,
+        has_sink=True,
+        has_max_logits=True,
+        pack_gqa=True,
+    ),
 }
 
 
@@ -65,6 +77,9 @@ COMPILED = {
         ({"num_stages": 4}, "shared memory"),
         ({"num_heads_kv": 0}, "positive int"),
         ({"has_sink": 1}, "must be a bool"),
+        ({"pack_gqa": True, "num_heads_q": 8, "num_heads_kv": 8}, "pack_gqa needs"),
+        ({"pack_gqa": True, "num_heads_q": 12, "num_heads_kv": 4}, "power of two"),
+        ({"pack_gqa": 1}, "must be a bool"),
     ],
 )
 def test_bad_variants_raise_clear_errors(overrides, message):
@@ -115,6 +130,7 @@ DISABLED_MARKERS = {
     "has_softcap": ("softcap", "tanh"),
     "has_sink": ("sink", "Sink"),
     "has_max_logits": ("RowMax", "max_logits", "logit_scale"),
+    "pack_gqa": ("PACK_G", "packed_row", "row_heads"),
 }
 
 

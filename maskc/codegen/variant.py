@@ -47,6 +47,10 @@ class KernelVariant:
     has_softcap: bool = False
     has_sink: bool = False
     has_max_logits: bool = False
+    #: PackGQA: the M tile holds the G = num_heads_q / num_heads_kv query heads of one K/V head
+    #: for TILE_M / G consecutive tokens (packed row p = token * G + g), so each K/V block
+    #: serves G heads; work items walk K/V heads. See maskc.ir.strategy.select_pack_gqa.
+    pack_gqa: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -66,13 +70,20 @@ class KernelVariant:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise VariantError(f"{name} must be a positive int, got {value!r}")
-        for name in ("has_softcap", "has_sink", "has_max_logits"):
+        for name in ("has_softcap", "has_sink", "has_max_logits", "pack_gqa"):
             if not isinstance(getattr(self, name), bool):
                 raise VariantError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.num_heads_q % self.num_heads_kv:
             raise VariantError(
                 f"num_heads_q ({self.num_heads_q}) must be a multiple of num_heads_kv ({self.num_heads_kv})"
             )
+        if self.pack_gqa:
+            g = self.num_heads_q // self.num_heads_kv
+            if g < 2 or g & (g - 1) or g > WARPGROUP_ROWS:
+                raise VariantError(
+                    f"pack_gqa needs num_heads_q / num_heads_kv to be a power of two in [2, {WARPGROUP_ROWS}], "
+                    f"got {self.num_heads_q} / {self.num_heads_kv} = {g}"
+                )
         if self.tile_m not in (128, 192):
             raise VariantError(
                 f"tile_m {self.tile_m} is not supported; supported: 128 (2 consumer warpgroups), "
@@ -104,6 +115,11 @@ class KernelVariant:
         return self.num_heads_q // self.num_heads_kv
 
     @property
+    def tile_tokens(self) -> int:
+        """Query tokens of one M tile: the rows of the schedule's q tiles (TILE_M / G packed)."""
+        return self.tile_m // self.qheads_per_kvhead if self.pack_gqa else self.tile_m
+
+    @property
     def element_bytes(self) -> int:
         return 2
 
@@ -133,7 +149,7 @@ class KernelVariant:
         """A stable short name, usable as a file name and a C symbol prefix."""
         arch = self.arch.replace("_", "").rstrip("a")
         flags = "".join(
-            letter for letter, on in (("c", self.has_softcap), ("s", self.has_sink), ("m", self.has_max_logits)) if on
+            letter for letter, on in (("c", self.has_softcap), ("s", self.has_sink), ("m", self.has_max_logits), ("p", self.pack_gqa)) if on
         )
         return (
             f"attn_{self.direction}_{arch}_d{self.head_dim}_{self.dtype}_h{self.num_heads_q}x{self.num_heads_kv}"
