@@ -22,7 +22,7 @@ from maskc.ir.schedule import build_schedule
 from maskc.ir.strategy import SUPPORTED_HEAD_DIMS, pack_gqa_supported, select_pack_gqa, select_tiles
 from maskc.reference import AttentionMeta
 from maskc.runtime.abi import FORWARD_ABI, abi_to_json
-from maskc.runtime.launch import Kernel, find_runtime_library, runtime_at
+from maskc.runtime.launch import Kernel, find_runtime_library, installed_dsl_version, installed_library, runtime_at
 from maskc.runtime.manifest import read_manifest
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -90,11 +90,28 @@ def register_artifact(directory: str | Path) -> list[str]:
             raise ArtifactError(f"kernel {v.get('key')!r} in {directory} was built for another argument ABI: recompile")
         if v.get("object") not in manifest["files"]:
             raise ArtifactError(f"kernel {v.get('key')!r} in {directory} has no hashed object file")
-    runtime = runtime_at(find_runtime_library(directory))
+    library = find_runtime_library(directory)
+    _check_runtime_version(manifest, library, directory)
+    runtime = runtime_at(library)
     for v in variants:
         kernel = Kernel(runtime, (directory / v["object"]).read_bytes(), v["function"], FORWARD_ABI)
         _KERNELS[_request_key(v["fields"])] = _entry(kernel, v["fields"])
     return [v["key"] for v in variants]
+
+
+def _check_runtime_version(manifest: dict[str, Any], library: Path, directory: Path) -> None:
+    """Objects run on the runtime library of the DSL release that built them. A library shipped
+    with the artifacts (or named by $MASKC_CUTE_RUNTIME) is the user's choice; the installed
+    wheel's is checked against the release recorded in the manifest."""
+    built = manifest.get("toolchain", {}).get("nvidia-cutlass-dsl")
+    if built is None or library != installed_library():
+        return
+    installed = installed_dsl_version()
+    if installed != built:
+        raise ArtifactError(
+            f"kernels in {directory} were built with nvidia-cutlass-dsl {built}, but the runtime library "
+            f"found is nvidia-cutlass-dsl {installed}'s: recompile, or ship the runtime with `maskc compile --bundle-runtime`"
+        )
 
 
 def _jit(request: dict[str, Any]) -> _Entry:

@@ -14,6 +14,7 @@ import os
 import tempfile
 import threading
 from functools import lru_cache
+from importlib import metadata
 from pathlib import Path
 from typing import Mapping
 
@@ -26,7 +27,7 @@ LIBRARY = "libcute_dsl_runtime.so"
 ENV_LIBRARY = "MASKC_CUTE_RUNTIME"
 
 
-def _installed_library() -> Path | None:
+def installed_library() -> Path | None:
     """The library inside an installed nvidia-cutlass-dsl wheel, found without importing it."""
     spec = importlib.util.find_spec("nvidia_cutlass_dsl")
     if spec is None or not spec.submodule_search_locations:
@@ -37,6 +38,14 @@ def _installed_library() -> Path | None:
             if path.is_file():
                 return path
     return None
+
+
+def installed_dsl_version() -> str | None:
+    """The installed nvidia-cutlass-dsl release, read from package metadata (nothing is imported)."""
+    try:
+        return metadata.version("nvidia-cutlass-dsl")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _unpacked(xz: Path) -> Path:
@@ -72,7 +81,7 @@ def find_runtime_library(artifact_dir: str | Path | None = None) -> Path:
         searched.append(f"${ENV_LIBRARY}={env}")
         if Path(env).is_file():
             return _unpacked(Path(env)) if env.endswith(".xz") else Path(env)
-    installed = _installed_library()
+    installed = installed_library()
     searched.append("the nvidia-cutlass-dsl package")
     if installed is not None:
         return installed

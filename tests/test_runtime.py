@@ -38,7 +38,7 @@ def test_library_found_next_to_artifacts_plain_or_xz(tmp_path: Path, monkeypatch
 
 def test_library_missing_everywhere_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(launch.ENV_LIBRARY, raising=False)
-    monkeypatch.setattr(launch, "_installed_library", lambda: None)
+    monkeypatch.setattr(launch, "installed_library", lambda: None)
     with pytest.raises(ArtifactError, match=r"libcute_dsl_runtime.so not found; looked in: .*plain.*nvidia-cutlass-dsl"):
         launch.find_runtime_library(tmp_path / "plain")
     monkeypatch.setenv(launch.ENV_LIBRARY, str(tmp_path / "lib.so"))
@@ -48,7 +48,7 @@ def test_library_missing_everywhere_is_a_clear_error(tmp_path: Path, monkeypatch
 
 def test_installed_wheel_library_is_found_without_importing_cutlass() -> None:
     pytest.importorskip("nvidia_cutlass_dsl", reason="the CUTLASS DSL wheel is not installed")
-    path = launch._installed_library()
+    path = launch.installed_library()
     assert path is not None and path.name == launch.LIBRARY
 
 
@@ -83,3 +83,14 @@ def test_attention_refuses_cpu_tensors_and_non_tensors() -> None:
         maskc.attention(q, q, q, mask)
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
         maskc.attention([1, 2], q, q, mask)
+
+
+def test_kernels_built_with_another_dsl_release_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no runtime shipped beside them, objects must match the installed DSL's runtime library."""
+    pytest.importorskip("nvidia_cutlass_dsl", reason="the CUTLASS DSL wheel is not installed")
+    monkeypatch.delenv(launch.ENV_LIBRARY, raising=False)
+    (tmp_path / "k.o").write_bytes(b"object")
+    variant = {"key": "k", "object": "k.o", "function": "k", "abi": abi_to_json(FORWARD_ABI), "fields": {}}
+    write_manifest(tmp_path, {"toolchain": {"nvidia-cutlass-dsl": "0.0.1"}, "variants": [variant], "files": ["k.o"]})
+    with pytest.raises(ArtifactError, match=r"built with nvidia-cutlass-dsl 0.0.1, but the runtime library found is"):
+        register_artifact(tmp_path)

@@ -18,12 +18,13 @@ import lzma
 import os
 import shutil
 import tempfile
-from importlib import metadata, resources
+from importlib import resources
 from pathlib import Path
 
 import maskc
 from maskc.codegen.variant import KernelVariant
 from maskc.runtime.abi import FORWARD_ABI, abi_to_json
+from maskc.runtime.launch import installed_dsl_version
 from maskc.runtime.manifest import MANIFEST_NAME, write_manifest
 
 ENV_CACHE = "MASKC_CACHE"
@@ -36,11 +37,7 @@ def cache_root() -> Path:
 
 def toolchain() -> dict[str, str | None]:
     """Versions an object depends on, recorded in every manifest entry."""
-    try:
-        dsl = metadata.version("nvidia-cutlass-dsl")
-    except metadata.PackageNotFoundError:
-        dsl = None
-    return {"maskc": maskc.__version__, "nvidia-cutlass-dsl": dsl}
+    return {"maskc": maskc.__version__, "nvidia-cutlass-dsl": installed_dsl_version()}
 
 
 def _templates_digest() -> str:

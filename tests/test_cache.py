@@ -1,0 +1,57 @@
+"""The content-addressed kernel cache: a repeat compile is a no-op; concurrent compiles are safe."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from maskc.codegen import cache
+from maskc.codegen.jit import variant_for
+from maskc.runtime import read_manifest
+
+pytest.importorskip("cutlass", reason="compiling kernels needs the CUTLASS DSL")
+
+REQUEST = {
+    "arch": "sm_90a", "direction": "fwd", "head_dim": 128, "dtype": "bf16", "num_heads_q": 8, "num_heads_kv": 8,
+    "has_softcap": False, "has_sink": False, "has_max_logits": False, "pack_gqa": False,
+}  # fmt: skip
+
+
+def test_second_compile_is_a_no_op(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cache.ENV_CACHE, str(tmp_path))
+    first = cache.cached_kernel(variant_for(REQUEST))
+    manifest = read_manifest(first)
+    assert manifest["variants"][0]["key"] == variant_for(REQUEST).key()
+
+    def no_compiling(*args: object, **kwargs: object) -> None:
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr("maskc.codegen.compile.compile_variant", no_compiling)
+    assert cache.cached_kernel(variant_for(REQUEST)) == first
+    # Another variant or another template set is another address.
+    assert cache.entry_address(variant_for({**REQUEST, "num_heads_kv": 2})) != first.name
+    monkeypatch.setattr(cache, "_templates_digest", lambda: "edited templates")
+    assert cache.entry_address(variant_for(REQUEST)) != first.name
+
+
+def test_concurrent_compiles_share_one_entry(tmp_path: Path) -> None:
+    code = (
+        "import json, sys; from maskc.codegen.cache import cached_kernel; from maskc.codegen.jit import variant_for; "
+        "print(cached_kernel(variant_for(json.loads(sys.argv[1]))))"
+    )
+    env = {**os.environ, cache.ENV_CACHE: str(tmp_path)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, json.dumps(REQUEST)], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    paths = {p.communicate(timeout=300)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(paths) == 1
+    entries = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert [e.name for e in entries] == [Path(paths.pop()).name], "one entry, no leftover build directories"
+    read_manifest(entries[0])
