@@ -254,18 +254,18 @@ def _check_tensor(name: str, x: Any) -> torch.Tensor:
     return x
 
 
-def _validate(
+def check_attention_args(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: Mask,
+    *,
     softmax_scale: float | None,
     softcap: float,
     sink: torch.Tensor | None,
-    block_q: int,
-    block_k: int,
 ) -> float:
-    """Check every argument against the contract; return the effective softmax scale."""
+    """Check the arguments against the attention contract every implementation shares
+    (shapes, heads, mask lengths, sink, softcap, scale); return the effective softmax scale."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
         if x.ndim != 3:
@@ -301,8 +301,6 @@ def _validate(
             raise ValueError(f"sink is on {sink.device} but q is on {q.device}")
     if not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
-    if block_q <= 0 or block_k <= 0:
-        raise ValueError(f"block sizes must be positive, got ({block_q}, {block_k})")
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
@@ -330,7 +328,9 @@ def reference_attention(
     lse = -inf (logsumexp of the sinks with a sink). _block_q/_block_k size the tiles; tests
     shrink them to exercise the multi-tile paths.
     """
-    scale = _validate(q, k, v, mask, softmax_scale, softcap, sink, _block_q, _block_k)
+    if _block_q <= 0 or _block_k <= 0:
+        raise ValueError(f"block sizes must be positive, got ({_block_q}, {_block_k})")
+    scale = check_attention_args(q, k, v, mask, softmax_scale=softmax_scale, softcap=softcap, sink=sink)
     cfg = _Config(mask, scale, float(softcap), _block_q, _block_k, return_max_logits)
     out, lse, max_logits = _Attention.apply(q, k, v, sink, cfg)
     return out, AttentionMeta(lse=lse, max_logits=max_logits if return_max_logits else None)

@@ -9,7 +9,6 @@ decides the schedule the runtime builds for it.
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from maskc.errors import ArtifactError, MaskcError
 from maskc.ir import Mask
 from maskc.ir.schedule import build_schedule
 from maskc.ir.strategy import SUPPORTED_HEAD_DIMS, pack_gqa_supported, select_pack_gqa, select_tiles
-from maskc.reference import AttentionMeta
+from maskc.reference import AttentionMeta, check_attention_args
 from maskc.runtime.abi import FORWARD_ABI, abi_to_json
 from maskc.runtime.launch import Kernel, find_runtime_library, installed_dsl_version, installed_library, runtime_at
 from maskc.runtime.manifest import read_manifest
@@ -127,35 +126,31 @@ def _jit(request: dict[str, Any]) -> _Entry:
     return _KERNELS[_request_key(request)]
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sink: torch.Tensor | None) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
+def _check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    sink: torch.Tensor | None,
+    softmax_scale: float | None,
+    softcap: float,
+) -> float:
+    """What the kernels need beyond the shared contract (CUDA, bf16/fp16, contiguous, a head
+    dim with a kernel), then the contract itself; returns the effective softmax scale."""
+    named = [("q", q), ("k", k), ("v", v)] + ([("sink", sink)] if sink is not None else [])
+    for name, x in named:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.device.type != "cuda":
             raise ValueError(f"maskc.attention runs on CUDA tensors; {name} is on {x.device} (use maskc.reference_attention on CPU)")
-        if x.dtype not in DTYPES:
+        if name != "sink" and x.dtype not in DTYPES:
             raise TypeError(f"{name} has dtype {x.dtype}; maskc kernels take bfloat16 or float16")
-        if x.ndim != 3:
-            raise ValueError(f"{name} must be [seqlen, heads, head_dim], got shape {tuple(x.shape)}")
         if not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous (call .contiguous())")
-    if not isinstance(mask, Mask):
-        raise TypeError(f"mask must be a maskc.Mask, got {type(mask).__name__}")
-    if len({q.dtype, k.dtype, v.dtype}) != 1 or len({q.device, k.device, v.device}) != 1:
-        raise ValueError("q, k and v must share one dtype and one device")
-    if k.shape != v.shape or k.shape[2] != q.shape[2]:
-        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    scale = check_attention_args(q, k, v, mask, softmax_scale=softmax_scale, softcap=softcap, sink=sink)
     if q.shape[2] not in SUPPORTED_HEAD_DIMS:
         raise MaskcError(f"head_dim {q.shape[2]} is not supported; supported head dims: {SUPPORTED_HEAD_DIMS}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
-    if (q.shape[0], k.shape[0]) != mask.shape:
-        raise ValueError(f"q/k lengths ({q.shape[0]}, {k.shape[0]}) do not match the mask {mask.shape}")
-    if sink is not None:
-        if not isinstance(sink, torch.Tensor) or sink.dtype != torch.float32 or sink.ndim != 2:
-            raise ValueError("sink must be a float32 tensor [num_sinks, Hq]")
-        if sink.shape[1] != q.shape[1] or sink.device != q.device or not sink.is_contiguous():
-            raise ValueError(f"sink must be contiguous [num_sinks, {q.shape[1]}] on {q.device}")
+    return scale
 
 
 def _schedule_tensors(mask: Mask, tile_m: int, tile_n: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -198,11 +193,9 @@ def attention(
 
     Forward only for now: inputs that require grad are refused rather than silently detached.
     """
-    _check_inputs(q, k, v, mask, sink)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v) if x is not None):
+    scale = _check_inputs(q, k, v, mask, sink, softmax_scale, softcap)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         raise MaskcError("maskc.attention has no backward kernel yet; use maskc.reference_attention for gradients")
-    if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be a finite number >= 0, got {softcap}")
     capability, num_sms = _device_info(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if capability not in ARCHS:
         raise MaskcError(f"no maskc kernel for compute capability {capability}; supported: {sorted(ARCHS)}")
@@ -240,7 +233,7 @@ def attention(
         **schedule,
     }
     scalars = {
-        "softmax_scale": 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale),
+        "softmax_scale": scale,
         "softcap": float(softcap),
         "num_ctas": min(num_sms, max(1, schedule["work_tile"].shape[0] * entry.items_per_tile)),
     }
