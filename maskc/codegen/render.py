@@ -15,9 +15,6 @@ import jinja2
 
 from maskc.codegen.variant import WARPGROUP_ROWS, KernelVariant
 
-#: Bumped whenever a template changes what it generates (part of artifact cache keys).
-TEMPLATE_VERSION = 1
-
 _CUTLASS_DTYPES = {"bf16": "cutlass.BFloat16", "fp16": "cutlass.Float16"}
 _TORCH_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
@@ -49,7 +46,6 @@ def context(variant: KernelVariant) -> dict:
     return {
         "v": variant,
         "key": variant.key(),
-        "template_version": TEMPLATE_VERSION,
         "dtype_cutlass": _CUTLASS_DTYPES[variant.dtype],
         "dtype_torch": _TORCH_DTYPES[variant.dtype],
         "wg_rows": WARPGROUP_ROWS,
