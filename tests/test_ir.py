@@ -233,3 +233,13 @@ def test_merge_ranges_fuses_chains_written_block_by_block() -> None:
     pieces = [AttnSlice((q0, q0 + 8), (max(0, q0 - 8), q0 + 8), "bi_causal") for q0 in range(8, 64, 8)]
     split = Mask([band.slices[0], *pieces], 64, 64)
     assert len(merge_ranges(split)) == 2
+
+
+@given(masks())
+@settings(max_examples=300, deadline=None)
+def test_transpose_is_the_dense_transpose(mask: Mask) -> None:
+    t = mask.transpose()
+    assert t.shape == (mask.seqlen_k, mask.seqlen_q)
+    assert torch.equal(t.to_dense(), mask.to_dense().T)
+    assert len(t) <= 3 * len(mask.normalize())  # at most 3 pieces per normalised slice
+    assert t.transpose().equivalent(mask)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from maskc.errors import MaskError
 from maskc.ir import AttnSlice, Mask
-from maskc.ir.schedule import Schedule, build_schedule
+from maskc.ir.schedule import Schedule, build_backward_schedule, build_schedule
 
 from test_ir import masks
 
@@ -90,3 +90,17 @@ def test_a_full_mask_is_one_run_per_tile() -> None:
 def test_bad_tile_shape() -> None:
     with pytest.raises(MaskError, match="tile shape"):
         build_schedule(Mask([], 4, 4), 0, 128)
+
+
+@given(masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 16]), st.sampled_from([1, 4, 8]))
+@settings(max_examples=200, deadline=None)
+def test_backward_schedule_covers_exactly_the_transposed_mask(mask: Mask, tile_m: int, tile_n: int) -> None:
+    s = build_backward_schedule(mask, tile_m, tile_n)
+    assert (s.tile_m, s.tile_n) == (tile_n, tile_m)  # work items are k tiles, runs are q blocks
+    assert torch.equal(decode(s), mask.to_dense().T)
+
+
+def test_backward_schedule_of_causal_skips_blocks_above_the_diagonal() -> None:
+    s = build_backward_schedule(Mask.from_cu_seqlens([0, 1024], causal=True), 128, 128)
+    # k tile n is needed by q blocks n..7: the first key tile is the heaviest.
+    assert s.work_tile[0] == 0 and s.blocks_per_item().tolist() == [8, 7, 6, 5, 4, 3, 2, 1]

@@ -228,6 +228,19 @@ class Mask:
         """Equivalent mask with no empty slice and no two slices sharing a (query, key) pair."""
         return self._normalized
 
+    def transpose(self) -> Mask:
+        """The mask of keys attending queries (seqlen_k x seqlen_q): the backward's k-tile view.
+
+        Built from the normalised slices: transposing maps disjoint slices to disjoint slices,
+        so the result is itself normalised and is recorded as such (no second normalisation).
+        """
+        norm = self._normalized
+        lines = RowLines.of(norm._q, norm._k, norm._t).transposed()
+        q, k, t = lines.to_slices()
+        transposed = Mask.from_arrays(q, k, t, self._sk, self._sq)
+        transposed.__dict__["_normalized"] = transposed
+        return transposed
+
     def area(self) -> int:
         """Exact number of allowed (query, key) pairs; overlapping slices count once."""
         n = self._normalized

@@ -149,3 +149,11 @@ def build_schedule(mask: Mask, tile_m: int, tile_n: int) -> Schedule:
         work_lines=_as32(work_lines),
         lines=_as32(line_table.reshape(-1, 6)),
     )
+
+
+def build_backward_schedule(mask: Mask, tile_m: int, tile_n: int) -> Schedule:
+    """The transposed schedule the backward kernels read: for every k tile of `tile_n` keys,
+    runs of q blocks of `tile_m` queries, full or partial, with the lines of `mask.transpose()`
+    (rows are keys, columns queries). It is the forward schedule of the transposed mask, so one
+    scheduler and one line mask serve both directions."""
+    return build_schedule(mask.transpose(), tile_n, tile_m)

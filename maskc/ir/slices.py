@@ -125,6 +125,35 @@ class RowLines:
     def take(self, index: np.ndarray) -> RowLines:
         return RowLines(*(x[index] for x in (self.r0, self.r1, self.lo_a, self.lo_s, self.hi_a, self.hi_s)))
 
+    def transposed(self) -> RowLines:
+        """The same pairs with rows and keys swapped (of non-empty lines), at most 3 pieces each.
+
+        Key column c of a line is covered by rows [max(r0, c - hi_a), min(r1 - 1, c - lo_a)]
+        (the max only when the hi end moves, the min only when the lo end does); the columns
+        split where either bound stops being clipped, and every column in between is covered.
+        """
+        c0 = self.lo_a + self.lo_s * self.r0
+        c1 = self.hi_a + self.hi_s * (self.r1 - 1) + 1
+        # First column whose row range starts after r0 (hi end moving), and first whose row
+        # range ends at r1 - 1 (lo end moving); outside [c0, c1) when that never happens.
+        s1 = np.where(self.hi_s == 1, self.r0 + self.hi_a + 1, c1)
+        s2 = np.where(self.lo_s == 1, self.r1 + self.lo_a, c0)
+        cuts = np.sort(np.stack([np.clip(s1, c0, c1), np.clip(s2, c0, c1)]), axis=0)
+        starts = np.concatenate([c0, cuts[0], cuts[1]])
+        ends = np.concatenate([cuts[0], cuts[1], c1])
+        r0, r1 = np.tile(self.r0, 3), np.tile(self.r1, 3)
+        lo_moves = (np.tile(self.hi_s, 3) == 1) & (starts >= np.tile(s1, 3))
+        hi_moves = (np.tile(self.lo_s, 3) == 1) & (starts < np.tile(s2, 3))
+        lines = RowLines(
+            starts,
+            ends,
+            np.where(lo_moves, -np.tile(self.hi_a, 3), r0),
+            lo_moves.astype(np.int64),
+            np.where(hi_moves, -np.tile(self.lo_a, 3), r1 - 1),
+            hi_moves.astype(np.int64),
+        )
+        return lines.take(np.flatnonzero(lines.nonempty()))
+
     def to_slices(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Slices (q_ranges, k_ranges, types) exactly covering these (non-empty) row lines.
 
