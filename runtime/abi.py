@@ -74,3 +74,28 @@ def abi_to_json(abi: tuple[Arg, ...]) -> list[dict]:
         else:
             out.append({"kind": "stream", "name": arg.name})
     return out
+
+BACKWARD_ABI: tuple[Arg, ...] = (
+    TensorArg("q", "input", ("Tq", "Hq", "D")),
+    TensorArg("k", "input", ("Tk", "Hkv", "D")),
+    TensorArg("v", "input", ("Tk", "Hkv", "D")),
+    TensorArg("dout", "input", ("Tq", "Hq", "D")),
+    TensorArg("lse", "float32", ("Tq", "Hq")),
+    TensorArg("delta", "float32", ("Tq", "Hq")),
+    TensorArg("dq_accum", "float32", ("Tq", "Hq", "D")),
+    TensorArg("dk", "input", ("Tk", "Hkv", "D")),
+    TensorArg("dv", "input", ("Tk", "Hkv", "D")),
+    TensorArg("work_tile", "int32", ("W",)),
+    TensorArg("work_ranges", "int32", ("W1",)),
+    TensorArg("ranges", "int32", ("R", 3)),
+    TensorArg("work_lines", "int32", ("W1",)),
+    TensorArg("lines", "int32", ("L", 6)),
+    ScalarArg("softmax_scale", "float32"),
+    ScalarArg("softcap", "float32"),
+    ScalarArg("num_ctas", "int32"),
+    StreamArg(),
+)
+"""`attn_bwd`'s arguments: the backward schedule (`build_backward_schedule`: work items are k
+tiles, runs are q blocks, lines have keys as rows); `delta` = rowsum(dO * O) - dlse; dK/dV are
+owned per (k tile, kv head) and summed over the kv head's query heads; dQ is accumulated in fp32
+(zeroed by the caller)."""
