@@ -42,14 +42,7 @@ class StreamArg:
 
 Arg = Union[TensorArg, ScalarArg, StreamArg]
 
-FORWARD_ABI: tuple[Arg, ...] = (
-    TensorArg("q", "input", ("Tq", "Hq", "D")),
-    TensorArg("k", "input", ("Tk", "Hkv", "D")),
-    TensorArg("v", "input", ("Tk", "Hkv", "D")),
-    TensorArg("out", "input", ("Tq", "Hq", "D")),
-    TensorArg("lse", "float32", ("Tq", "Hq")),
-    TensorArg("row_max", "float32", ("Tq", "Hq")),
-    TensorArg("sink", "float32", ("S", "Hq")),
+SCHEDULE_AND_LAUNCH: tuple[Arg, ...] = (
     TensorArg("work_tile", "int32", ("W",)),
     TensorArg("work_ranges", "int32", ("W1",)),
     TensorArg("ranges", "int32", ("R", 3)),
@@ -59,6 +52,18 @@ FORWARD_ABI: tuple[Arg, ...] = (
     ScalarArg("softcap", "float32"),
     ScalarArg("num_ctas", "int32"),
     StreamArg(),
+)
+"""The tail every kernel shares: its tile schedule (maskc/ir/schedule.py) and launch scalars."""
+
+FORWARD_ABI: tuple[Arg, ...] = (
+    TensorArg("q", "input", ("Tq", "Hq", "D")),
+    TensorArg("k", "input", ("Tk", "Hkv", "D")),
+    TensorArg("v", "input", ("Tk", "Hkv", "D")),
+    TensorArg("out", "input", ("Tq", "Hq", "D")),
+    TensorArg("lse", "float32", ("Tq", "Hq")),
+    TensorArg("row_max", "float32", ("Tq", "Hq")),
+    TensorArg("sink", "float32", ("S", "Hq")),
+    *SCHEDULE_AND_LAUNCH,
 )
 """`attn_fwd`'s arguments, in order (see maskc/ir/schedule.py for the schedule tensors)."""
 
@@ -85,15 +90,7 @@ BACKWARD_ABI: tuple[Arg, ...] = (
     TensorArg("dq_accum", "float32", ("Tq", "Hq", "D")),
     TensorArg("dk", "input", ("Tk", "Hkv", "D")),
     TensorArg("dv", "input", ("Tk", "Hkv", "D")),
-    TensorArg("work_tile", "int32", ("W",)),
-    TensorArg("work_ranges", "int32", ("W1",)),
-    TensorArg("ranges", "int32", ("R", 3)),
-    TensorArg("work_lines", "int32", ("W1",)),
-    TensorArg("lines", "int32", ("L", 6)),
-    ScalarArg("softmax_scale", "float32"),
-    ScalarArg("softcap", "float32"),
-    ScalarArg("num_ctas", "int32"),
-    StreamArg(),
+    *SCHEDULE_AND_LAUNCH,
 )
 """`attn_bwd`'s arguments: the backward schedule (`build_backward_schedule`: work items are k
 tiles, runs are q blocks, lines have keys as rows); `delta` = rowsum(dO * O) - dlse; dK/dV are
