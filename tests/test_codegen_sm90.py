@@ -70,7 +70,7 @@ COMPILED = {
         ({"num_heads_q": 12, "num_heads_kv": 8}, "must be a multiple of num_heads_kv"),
         ({"dtype": "fp32"}, "dtype 'fp32' is not supported"),
         ({"arch": "sm_80"}, "arch 'sm_80' is not supported"),
-        ({"direction": "bwd"}, "direction 'bwd' is not supported"),
+        ({"direction": "sideways"}, "direction 'sideways' is not supported"),
         ({"tile_m": 64}, "tile_m 64 is not supported"),
         ({"tile_n": 120}, "multiple of 16"),
         ({"tile_m": 192, "head_dim": 128}, "needs head_dim 64"),

@@ -4,8 +4,9 @@ Works on a machine with no GPU (the CUTLASS DSL compiles for a named arch and th
 needs only its runtime libraries loaded). The CUTLASS DSL is imported lazily here, never
 by the runtime.
 
-The argument ABI is `maskc.runtime.abi.FORWARD_ABI`: the fake compile-time arguments
-below are derived from it, so the object and the runtime can never disagree.
+The argument ABI is `maskc.runtime.abi.FORWARD_ABI` (`BACKWARD_ABI` for direction "bwd"):
+the fake compile-time arguments below are derived from it, so the object and the runtime can
+never disagree.
 """
 
 from __future__ import annotations
@@ -21,10 +22,15 @@ from pathlib import Path
 from maskc.codegen.render import render
 from maskc.codegen.variant import KernelVariant
 from maskc.errors import CompilerUnavailableError
-from maskc.runtime.abi import FORWARD_ABI, STATIC_DIMS, ScalarArg, TensorArg
+from maskc.runtime.abi import BACKWARD_ABI, FORWARD_ABI, STATIC_DIMS, Arg, ScalarArg, TensorArg
 
 #: The exported C symbol prefix of every forward kernel object.
 FWD_FUNCTION_PREFIX = "attn_fwd"
+#: The exported C symbol prefix of every backward kernel object.
+BWD_FUNCTION_PREFIX = "attn_bwd"
+
+_ABIS = {"fwd": FORWARD_ABI, "bwd": BACKWARD_ABI}
+_PREFIXES = {"fwd": FWD_FUNCTION_PREFIX, "bwd": BWD_FUNCTION_PREFIX}
 
 _RUNTIME_LIBS_LOADED = False
 
@@ -74,8 +80,21 @@ def _import_source(path: Path, module_name: str):
     return module
 
 
+def abi_for(variant: KernelVariant) -> tuple[Arg, ...]:
+    """The argument ABI of `variant`'s exported function (by direction)."""
+    return _ABIS[variant.direction]
+
+
 def fake_fwd_arguments(variant: KernelVariant) -> list:
     """Compile-time stand-ins for FORWARD_ABI: one symbolic extent per dynamic dim name."""
+    return fake_arguments(variant, FORWARD_ABI)
+
+
+def fake_arguments(variant: KernelVariant, abi: tuple[Arg, ...] | None = None) -> list:
+    """Compile-time stand-ins for `abi` (default: the variant's direction's ABI): one symbolic
+    extent per dynamic dim name."""
+    if abi is None:
+        abi = abi_for(variant)
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -88,7 +107,7 @@ def fake_fwd_arguments(variant: KernelVariant) -> list:
     static = {"Hq": variant.num_heads_q, "Hkv": variant.num_heads_kv, "D": variant.head_dim}
     symbols: dict[str, object] = {}
     args: list = []
-    for arg in FORWARD_ABI:
+    for arg in abi:
         if isinstance(arg, TensorArg):
             shape = tuple(
                 d if isinstance(d, int) else static[d] if d in STATIC_DIMS else symbols.setdefault(d, cute.sym_int())
@@ -136,9 +155,10 @@ def compile_variant(variant: KernelVariant, out_dir: str | Path, *, keep_ptx: bo
         dump_dir.mkdir(exist_ok=True)
         options += f" --keep-ptx --dump-dir={dump_dir}"
     try:
-        compiled = cute.compile(module.attn_fwd, *fake_fwd_arguments(variant), options=options)
+        prefix = _PREFIXES[variant.direction]
+        compiled = cute.compile(getattr(module, prefix), *fake_arguments(variant), options=options)
         _load_runtime_libraries()
-        compiled.export_to_c(file_path=str(out), file_name=key, function_prefix=FWD_FUNCTION_PREFIX)
+        compiled.export_to_c(file_path=str(out), file_name=key, function_prefix=prefix)
     finally:
         sys.modules.pop(module.__name__, None)
 
@@ -153,6 +173,6 @@ def compile_variant(variant: KernelVariant, out_dir: str | Path, *, keep_ptx: bo
         object_path=out / f"{key}.o",
         header_path=out / f"{key}.h",
         ptx_path=ptx_path,
-        function_prefix=FWD_FUNCTION_PREFIX,
+        function_prefix=_PREFIXES[variant.direction],
         seconds=time.perf_counter() - start,
     )

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from maskc.errors import MaskcError
 
 SUPPORTED_ARCHS = ("sm_90a",)
-SUPPORTED_DIRECTIONS = ("fwd",)
+SUPPORTED_DIRECTIONS = ("fwd", "bwd")
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = ("bf16", "fp16")
 
@@ -84,6 +84,9 @@ class KernelVariant:
                     f"pack_gqa needs num_heads_q / num_heads_kv to be a power of two in [2, {WARPGROUP_ROWS}], "
                     f"got {self.num_heads_q} / {self.num_heads_kv} = {g}"
                 )
+        if self.direction == "bwd":
+            self._check_backward()
+            return
         if self.tile_m not in (128, 192):
             raise VariantError(
                 f"tile_m {self.tile_m} is not supported; supported: 128 (2 consumer warpgroups), "
@@ -103,12 +106,32 @@ class KernelVariant:
                 f"{SM90_SMEM_BYTES - _SMEM_RESERVE} an SM90 CTA has; use fewer stages or a smaller tile"
             )
 
+    def _check_backward(self) -> None:
+        """The backward kernel: work items are k tiles of tile_n keys (64 per consumer warpgroup),
+        runs are q blocks of tile_m queries; dK and dV accumulate in registers."""
+        if self.pack_gqa or self.has_sink or self.has_max_logits:
+            raise VariantError(
+                "the backward kernel has no pack_gqa / sink / max_logits variants (the sinks' gradient "
+                "is computed by the caller; lse already includes them)"
+            )
+        if self.tile_n != 128:
+            raise VariantError(f"backward tile_n {self.tile_n} is not supported; supported: 128 (2 consumer warpgroups)")
+        if self.tile_m != 64:
+            raise VariantError(f"backward tile_m {self.tile_m} is not supported; supported: 64 (registers)")
+        if not 1 <= self.num_stages <= 8:
+            raise VariantError(f"num_stages {self.num_stages} must be in [1, 8]")
+        if self.smem_bytes() > SM90_SMEM_BYTES - _SMEM_RESERVE:
+            raise VariantError(
+                f"variant needs {self.smem_bytes()} bytes of shared memory, more than the "
+                f"{SM90_SMEM_BYTES - _SMEM_RESERVE} an SM90 CTA has; use fewer stages"
+            )
+
     # ---- derived properties ---------------------------------------------------------------
 
     @property
     def num_mma_warpgroups(self) -> int:
-        """Consumer warpgroups: each owns 64 rows of the query tile."""
-        return self.tile_m // WARPGROUP_ROWS
+        """Consumer warpgroups: each owns 64 rows of the query tile (backward: 64 keys of the k tile)."""
+        return (self.tile_n if self.direction == "bwd" else self.tile_m) // WARPGROUP_ROWS
 
     @property
     def qheads_per_kvhead(self) -> int:
@@ -124,7 +147,15 @@ class KernelVariant:
         return 2
 
     def smem_bytes(self, q_stages: int = 1) -> int:
-        """Shared memory for the Q buffers (each also stages O) and the K and V stages."""
+        """Shared memory for the Q buffers (each also stages O) and the K and V stages.
+
+        Backward: the K and V tile, `num_stages` (Q, dO) block pairs and one dS^T block per
+        consumer warpgroup."""
+        if self.direction == "bwd":
+            kv = 2 * self.tile_n * self.head_dim
+            qdo = 2 * self.num_stages * self.tile_m * self.head_dim
+            ds = self.tile_n * self.tile_m
+            return (kv + qdo + ds) * self.element_bytes
         q = q_stages * self.tile_m * self.head_dim
         kv = 2 * self.num_stages * self.tile_n * self.head_dim
         return (q + kv) * self.element_bytes

@@ -1,0 +1,160 @@
+"""SM90 backward kernel codegen: variants, rendering, and ahead-of-time compilation (no GPU needed)."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+
+from maskc.codegen.render import render
+from maskc.codegen.variant import KernelVariant, VariantError
+
+
+def variant(**overrides) -> KernelVariant:
+    fields = dict(
+        arch="sm_90a",
+        direction="bwd",
+        head_dim=128,
+        dtype="bf16",
+        num_heads_q=8,
+        num_heads_kv=2,
+        tile_m=64,
+        tile_n=128,
+        num_stages=2,
+        has_softcap=False,
+    )
+    fields.update(overrides)
+    return KernelVariant(**fields)
+
+
+COMPILED = {
+    "d128_bf16_8x2": variant(),
+    "d64_fp16_8x8_softcap": variant(head_dim=64, dtype="fp16", num_heads_kv=8, has_softcap=True, num_stages=3),
+}
+
+
+# ---- variants --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"tile_m": 128}, "backward tile_m 128 is not supported"),
+        ({"tile_n": 192}, "backward tile_n 192 is not supported"),
+        ({"has_sink": True}, "no pack_gqa / sink / max_logits"),
+        ({"has_max_logits": True}, "no pack_gqa / sink / max_logits"),
+        ({"pack_gqa": True}, "no pack_gqa / sink / max_logits"),
+        ({"num_stages": 6}, "shared memory"),
+        ({"head_dim": 96}, "supported head dims: 64, 128"),
+    ],
+)
+def test_bad_backward_variants_raise_clear_errors(overrides, message):
+    with pytest.raises(VariantError, match=re.escape(message)):
+        variant(**overrides)
+
+
+def test_backward_variant_shape():
+    v = variant()
+    assert v.num_mma_warpgroups == 2  # 64 keys per consumer warpgroup
+    assert v.smem_bytes() == (2 * 128 * 128 + 2 * 2 * 64 * 128 + 128 * 64) * 2
+    assert v.key().startswith("attn_bwd_sm90_d128_bf16_h8x2_t64x128s2_")
+    assert v.key() != variant(has_softcap=True).key()
+
+
+# ---- rendering ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_rendered_source_is_readable_python(name):
+    source = render(COMPILED[name])
+    tree = ast.parse(source)
+    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert {"attn_bwd", "attn_bwd_kernel", "bwd_producer", "bwd_consumer", "bwd_block", "apply_line_mask"} <= names
+    assert source == render(COMPILED[name])
+    assert COMPILED[name].key() in source
+    assert "\n\n\n\n" not in source and "{{" not in source and "{%" not in source
+    assert max(len(line) for line in source.splitlines()) <= 130
+
+
+def test_entry_signature_is_the_backward_abi():
+    from maskc.runtime.abi import BACKWARD_ABI
+
+    tree = ast.parse(render(variant()))
+    entry = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "attn_bwd")
+    params = [a.arg for a in entry.args.args]
+    assert len(params) == len(BACKWARD_ABI)
+    expected = [
+        "mQ", "mK", "mV", "mdO", "mLSE", "mDelta", "mdQ", "mdK", "mdV", "mWorkTile", "mWorkRanges", "mRanges",
+        "mWorkLines", "mLines", "softmax_scale", "softcap", "num_ctas", "stream",
+    ]  # fmt: skip
+    assert params == expected
+
+
+def test_softcap_only_rendered_when_enabled():
+    off = render(variant())
+    on = render(variant(has_softcap=True))
+    assert "tanh" not in off and "dtanh" not in off
+    assert "dtanh" in on
+
+
+def test_mask_code_only_on_partial_blocks():
+    source = render(variant())
+    consumer = source[source.index("def bwd_consumer(") : source.index("def attn_bwd_kernel(")]
+    assert consumer.count("bwd_block(") == 2
+    assert "if mRanges[r, 2] != 0:" in consumer
+    block = source[source.index("def bwd_block(") : source.index("def bwd_consumer(")]
+    assert block.count("if const_expr(masked):") == 2
+
+
+# ---- compiling (CUTLASS DSL, no GPU) ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    pytest.importorskip("cutlass.cute")
+    from maskc.codegen.compile import compile_variant
+
+    out = tmp_path_factory.mktemp("sm90_bwd_objects")
+    return {name: compile_variant(v, out) for name, v in COMPILED.items()}
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_compiles_and_exports(compiled, name):
+    obj = compiled[name]
+    assert obj.function_prefix == "attn_bwd"
+    assert obj.object_path.is_file() and obj.object_path.stat().st_size > 10_000
+    assert obj.object_path.read_bytes()[:4] == b"\x7fELF"
+    header = obj.header_path.read_text()
+    assert "cute_dsl_attn_bwd_wrapper" in header and "float softmax_scale, float softcap, int32_t num_ctas" in header
+    assert obj.source_path.read_text() == render(obj.variant)
+    assert obj.seconds < 120
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_ptx_uses_wgmma_tma_atomics_and_setmaxnreg(compiled, name):
+    ptx = compiled[name].ptx_text
+    v = COMPILED[name]
+    assert ".target sm_90a" in ptx
+    assert "wgmma.mma_async" in ptx
+    assert f"m64n{v.tile_m}k16" in ptx and f"m64n{v.head_dim}k16" in ptx  # S^T / dP^T; dV, dK, dQ
+    assert "cp.async.bulk.tensor" in ptx  # TMA loads and the dK / dV stores
+    assert "red.global.add.f32" in ptx  # dQ accumulation
+    assert "stmatrix" in ptx  # dS^T and the dK / dV staging
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert "ex2.approx" in ptx
+    assert ("tanh.approx" in ptx) == v.has_softcap
+
+
+def test_exported_structs_match_what_the_runtime_packs(compiled):
+    """Each tensor struct in the header holds exactly the ABI's dynamic extents, no strides."""
+    from maskc.runtime.abi import BACKWARD_ABI, TensorArg
+
+    header = compiled["d128_bf16_8x2"].header_path.read_text()
+    structs = re.findall(r"typedef struct \{\s*void \*data;(.*?)\} \w+_Tensor_(\w+)_t;", header, flags=re.S)
+    tensors = [a for a in BACKWARD_ABI if isinstance(a, TensorArg)]
+    assert len(structs) == len(tensors)
+    for (body, _name), arg in zip(structs, tensors):
+        dims = re.findall(r"int32_t dynamic_shapes\[(\d+)\];", body)
+        assert [int(d) for d in dims] == ([len(arg.dynamic_dims())] if arg.dynamic_dims() else []), arg.name
+        assert "dynamic_strides" not in body, arg.name
