@@ -124,29 +124,23 @@ def _heads(text: str) -> tuple[int, int]:
 
 
 def _kernel_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One request per combination of the kernel options (arch x head dim x heads x dtype), and
-    per GQA strategy (plain and PackGQA) when the heads allow PackGQA: the runtime picks per call."""
+    """The kernels a training job needs, per (arch, head dim, heads, dtype): the forward per GQA
+    strategy (plain, and PackGQA when the heads allow it; the runtime picks per mask) and the
+    backward (softcap is its only feature: sinks and max logits need nothing in it)."""
     from maskc.ir.strategy import pack_gqa_supported
 
-    return [
-        {
-            "arch": arch,
-            "direction": "fwd",
-            "head_dim": head_dim,
-            "dtype": dtype,
-            "num_heads_q": hq,
-            "num_heads_kv": hkv,
-            "has_softcap": args.softcap,
-            "has_sink": args.sink,
-            "has_max_logits": args.max_logits,
-            "pack_gqa": pack,
-        }
-        for arch in args.arch
-        for head_dim in args.head_dim
-        for hq, hkv in args.heads
-        for dtype in args.dtype
-        for pack in ((False, True) if pack_gqa_supported(hq, hkv) else (False,))  # both GQA strategies
-    ]
+    requests = []
+    for arch in args.arch:
+        for head_dim in args.head_dim:
+            for hq, hkv in args.heads:
+                for dtype in args.dtype:
+                    base = {"arch": arch, "head_dim": head_dim, "dtype": dtype, "num_heads_q": hq, "num_heads_kv": hkv}
+                    for pack in (False, True) if pack_gqa_supported(hq, hkv) else (False,):
+                        requests.append({**base, "direction": "fwd", "has_softcap": args.softcap, "has_sink": args.sink,
+                                         "has_max_logits": args.max_logits, "pack_gqa": pack})  # fmt: skip
+                    requests.append({**base, "direction": "bwd", "has_softcap": args.softcap, "has_sink": False,
+                                     "has_max_logits": False, "pack_gqa": False})  # fmt: skip
+    return requests
 
 
 def _compile(args: argparse.Namespace) -> int:

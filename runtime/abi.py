@@ -96,3 +96,6 @@ BACKWARD_ABI: tuple[Arg, ...] = (
 tiles, runs are q blocks, lines have keys as rows); `delta` = rowsum(dO * O) - dlse; dK/dV are
 owned per (k tile, kv head) and summed over the kv head's query heads; dQ is accumulated in fp32
 (zeroed by the caller)."""
+
+ABIS: dict[str, tuple[Arg, ...]] = {"fwd": FORWARD_ABI, "bwd": BACKWARD_ABI}
+"""The ABI of each kernel direction."""

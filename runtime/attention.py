@@ -9,18 +9,19 @@ decides the schedule the runtime builds for it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from maskc.errors import ArtifactError, MaskcError
 from maskc.ir import Mask
-from maskc.ir.schedule import build_schedule
+from maskc.ir.schedule import build_backward_schedule, build_schedule
 from maskc.ir.strategy import SUPPORTED_HEAD_DIMS, pack_gqa_supported, select_pack_gqa, select_tiles
 from maskc.reference import AttentionMeta, check_attention_args
-from maskc.runtime.abi import FORWARD_ABI, abi_to_json
+from maskc.runtime.abi import ABIS, abi_to_json
 from maskc.runtime.launch import Kernel, find_runtime_library, installed_dsl_version, installed_library, runtime_at
 from maskc.runtime.manifest import read_manifest
 
@@ -47,6 +48,8 @@ class _Entry:
 
 def _entry(kernel: Kernel, fields: dict[str, Any]) -> _Entry:
     hq, hkv = fields["num_heads_q"], fields["num_heads_kv"]
+    if fields["direction"] == "bwd":  # items are (k tile, kv head); tile_m is the q block
+        return _Entry(kernel, fields["tile_m"], fields["tile_n"], hkv)
     if fields.get("pack_gqa", False):
         return _Entry(kernel, fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv)
     return _Entry(kernel, fields["tile_m"], fields["tile_n"], hq)
@@ -85,7 +88,8 @@ def register_artifact(directory: str | Path) -> list[str]:
     if not variants:
         return []
     for v in variants:
-        if v.get("abi") != abi_to_json(FORWARD_ABI):
+        abi = ABIS.get(v.get("fields", {}).get("direction", "fwd"))
+        if abi is None or v.get("abi") != abi_to_json(abi):
             raise ArtifactError(f"kernel {v.get('key')!r} in {directory} was built for another argument ABI: recompile")
         if v.get("object") not in manifest["files"]:
             raise ArtifactError(f"kernel {v.get('key')!r} in {directory} has no hashed object file")
@@ -93,7 +97,7 @@ def register_artifact(directory: str | Path) -> list[str]:
     _check_runtime_version(manifest, library, directory)
     runtime = runtime_at(library)
     for v in variants:
-        kernel = Kernel(runtime, (directory / v["object"]).read_bytes(), v["function"], FORWARD_ABI)
+        kernel = Kernel(runtime, (directory / v["object"]).read_bytes(), v["function"], ABIS[v["fields"]["direction"]])
         _KERNELS[_request_key(v["fields"])] = _entry(kernel, v["fields"])
     return [v["key"] for v in variants]
 
@@ -153,12 +157,12 @@ def _check_inputs(
     return scale
 
 
-def _schedule_tensors(mask: Mask, tile_m: int, tile_n: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The schedule on the device, built once per (mask, tile, device): masks are immutable."""
-    key = ("forward_schedule", tile_m, tile_n, device)
+def _schedule_tensors(mask: Mask, build: Callable, tile_m: int, tile_n: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """A schedule on the device, built once per (mask, direction, tile, device): masks are immutable."""
+    key = (build.__name__, tile_m, tile_n, device)
     cached = mask.memo.get(key)
     if cached is None:
-        s = build_schedule(mask, tile_m, tile_n)
+        s = build(mask, tile_m, tile_n)
         names = ("work_tile", "work_ranges", "ranges", "work_lines", "lines")
         cached = {n: _device_int32(a, device) for n, a in zip(names, s.arrays())}
         mask.memo[key] = cached
@@ -173,6 +177,78 @@ def _device_int32(array, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+@dataclass(frozen=True, eq=False)
+class _Call:
+    """Everything of one attention call but its tensors, shared by forward and backward."""
+
+    mask: Mask
+    scale: float
+    softcap: float
+    num_sms: int
+    forward: _Entry
+    backward: _Entry | None
+    return_max_logits: bool
+
+
+def _launch(entry: _Entry, build: Callable, call: _Call, tensors: dict, device: torch.device) -> None:
+    schedule = _schedule_tensors(call.mask, build, entry.tile_m, entry.tile_n, device)
+    scalars = {
+        "softmax_scale": call.scale,
+        "softcap": call.softcap,
+        "num_ctas": min(call.num_sms, max(1, schedule["work_tile"].shape[0] * entry.items_per_tile)),
+    }
+    entry.kernel({**tensors, **schedule}, scalars, torch.cuda.current_stream(device).cuda_stream)
+
+
+def _forward(q, k, v, sink, call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tq, hq, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(tq, hq, dtype=torch.float32, device=q.device)
+    row_max = torch.empty(tq, hq, dtype=torch.float32, device=q.device) if call.return_max_logits else lse
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "row_max": row_max}
+    tensors["sink"] = sink if sink is not None else lse[:1]
+    _launch(call.forward, build_schedule, call, tensors, q.device)
+    return out, lse, row_max
+
+
+def _backward(q, k, v, out, lse, sink, dout, dlse, call: _Call):
+    """dq, dk, dv from the backward kernel; dsink from its closed form (the sinks join the
+    softmax with no value: d sink = -sum over rows of P_sink * (rowsum(dO * O) - dlse))."""
+    delta = (dout.float() * out.float()).sum(dim=-1)
+    if dlse is not None:
+        delta = delta - dlse
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    tensors = {"q": q, "k": k, "v": v, "dout": dout.contiguous(), "lse": lse, "delta": delta.contiguous(),
+               "dq_accum": dq_accum, "dk": dk, "dv": dv}  # fmt: skip
+    _launch(call.backward, build_backward_schedule, call, tensors, q.device)
+    dsink = None
+    if sink is not None:
+        dsink = -(torch.exp(sink[None] - lse[:, None, :]) * delta[:, None, :]).sum(dim=0)
+    return dq_accum.to(q.dtype), dk, dv, dsink
+
+
+class _Attention(torch.autograd.Function):
+    """Saves q, k, v, out, lse (and the sinks); the backward kernel recomputes the rest."""
+
+    @staticmethod
+    def forward(ctx: Any, q, k, v, sink, call: _Call):  # type: ignore[override]
+        out, lse, row_max = _forward(q, k, v, sink, call)
+        if row_max is lse:  # no max logits asked for: a distinct output, so lse stays differentiable
+            row_max = lse.new_empty(0)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.call = call
+        ctx.mark_non_differentiable(row_max)
+        return out, lse, row_max
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dout, dlse, _drow_max):  # type: ignore[override]
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        dq, dk, dv, dsink = _backward(q, k, v, out, lse, sink, dout, dlse, ctx.call)
+        return dq, dk, dv, dsink, None
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -185,59 +261,38 @@ def attention(
     return_max_logits: bool = False,
     pack_gqa: bool | None = None,
 ) -> tuple[torch.Tensor, AttentionMeta]:
-    """Masked attention with maskc's kernels; the same contract as `maskc.reference_attention`.
+    """Masked attention with maskc's kernels; the same contract as `maskc.reference_attention`,
+    differentiable in q, k, v and sink (the gradient flows through lse too).
 
     pack_gqa: the GQA strategy. None (default) lets maskc.ir.strategy.select_pack_gqa decide
     from the mask and the head counts (PackGQA packs the G = Hq / Hkv query heads of a K/V
     head into one M tile); True / False force it (True needs G a power of two in [2, 64]).
-
-    Forward only for now: inputs that require grad are refused rather than silently detached.
     """
     scale = _check_inputs(q, k, v, mask, sink, softmax_scale, softcap)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        raise MaskcError("maskc.attention has no backward kernel yet; use maskc.reference_attention for gradients")
     capability, num_sms = _device_info(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if capability not in ARCHS:
         raise MaskcError(f"no maskc kernel for compute capability {capability}; supported: {sorted(ARCHS)}")
     tq, hq, d = q.shape
-    request = {
-        "arch": ARCHS[capability],
-        "direction": "fwd",
-        "head_dim": d,
-        "dtype": DTYPES[q.dtype],
-        "num_heads_q": hq,
-        "num_heads_kv": k.shape[1],
-        "has_softcap": softcap > 0,
-        "has_sink": sink is not None,
-        "has_max_logits": return_max_logits,
-    }
+    base = {"arch": ARCHS[capability], "head_dim": d, "dtype": DTYPES[q.dtype], "num_heads_q": hq,
+            "num_heads_kv": k.shape[1], "has_softcap": softcap > 0}  # fmt: skip
+    request = {**base, "direction": "fwd", "has_sink": sink is not None, "has_max_logits": return_max_logits}
     if pack_gqa is None:
         request["pack_gqa"] = _pack_gqa(mask, request, num_sms)
     else:
         if pack_gqa and not pack_gqa_supported(hq, k.shape[1]):
             raise MaskcError(f"pack_gqa needs Hq / Hkv a power of two in [2, 64]; got {hq} / {k.shape[1]}")
         request["pack_gqa"] = bool(pack_gqa)
-    entry = _find_kernel(request, strategy_forced=pack_gqa is not None)
-    schedule = _schedule_tensors(mask, entry.tile_m, entry.tile_n, q.device)
-    out = torch.empty_like(q)
-    lse = torch.empty(tq, hq, dtype=torch.float32, device=q.device)
-    row_max = torch.empty(tq, hq, dtype=torch.float32, device=q.device) if return_max_logits else lse
-    tensors = {
-        "q": q,
-        "k": k,
-        "v": v,
-        "out": out,
-        "lse": lse,
-        "row_max": row_max,
-        "sink": sink if sink is not None else lse[:1],
-        **schedule,
-    }
-    scalars = {
-        "softmax_scale": scale,
-        "softcap": float(softcap),
-        "num_ctas": min(num_sms, max(1, schedule["work_tile"].shape[0] * entry.items_per_tile)),
-    }
-    entry.kernel(tensors, scalars, torch.cuda.current_stream(q.device).cuda_stream)
+    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sink))
+    backward = None
+    if needs_grad:
+        backward_request = {**base, "direction": "bwd", "has_sink": False, "has_max_logits": False, "pack_gqa": False}
+        backward = _find_kernel(backward_request, strategy_forced=True)
+    call = _Call(mask, scale, float(softcap), num_sms, _find_kernel(request, strategy_forced=pack_gqa is not None),
+                 backward, return_max_logits)  # fmt: skip
+    if needs_grad:
+        out, lse, row_max = _Attention.apply(q, k, v, sink, call)
+    else:
+        out, lse, row_max = _forward(q, k, v, sink, call)
     max_logits = row_max.amax(dim=0) if return_max_logits else None
     return out, AttentionMeta(lse=lse, max_logits=max_logits)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import maskc
 from maskc.codegen.variant import KernelVariant
-from maskc.runtime.abi import FORWARD_ABI, abi_to_json
+from maskc.runtime.abi import ABIS, abi_to_json
 from maskc.runtime.launch import installed_dsl_version
 from maskc.runtime.manifest import MANIFEST_NAME, write_manifest
 
@@ -61,7 +61,7 @@ def variant_record(variant: KernelVariant, object_name: str, function: str) -> d
         "fields": dataclasses.asdict(variant),
         "object": object_name,
         "function": function,
-        "abi": abi_to_json(FORWARD_ABI),
+        "abi": abi_to_json(ABIS[variant.direction]),
         "experimental": False,
     }
 

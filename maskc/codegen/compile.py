@@ -22,14 +22,13 @@ from pathlib import Path
 from maskc.codegen.render import render
 from maskc.codegen.variant import KernelVariant
 from maskc.errors import CompilerUnavailableError
-from maskc.runtime.abi import BACKWARD_ABI, FORWARD_ABI, STATIC_DIMS, Arg, ScalarArg, TensorArg
+from maskc.runtime.abi import ABIS, STATIC_DIMS, Arg, ScalarArg, TensorArg
 
 #: The exported C symbol prefix of every forward kernel object.
 FWD_FUNCTION_PREFIX = "attn_fwd"
 #: The exported C symbol prefix of every backward kernel object.
 BWD_FUNCTION_PREFIX = "attn_bwd"
 
-_ABIS = {"fwd": FORWARD_ABI, "bwd": BACKWARD_ABI}
 _PREFIXES = {"fwd": FWD_FUNCTION_PREFIX, "bwd": BWD_FUNCTION_PREFIX}
 
 _RUNTIME_LIBS_LOADED = False
@@ -80,21 +79,10 @@ def _import_source(path: Path, module_name: str):
     return module
 
 
-def abi_for(variant: KernelVariant) -> tuple[Arg, ...]:
-    """The argument ABI of `variant`'s exported function (by direction)."""
-    return _ABIS[variant.direction]
-
-
-def fake_fwd_arguments(variant: KernelVariant) -> list:
-    """Compile-time stand-ins for FORWARD_ABI: one symbolic extent per dynamic dim name."""
-    return fake_arguments(variant, FORWARD_ABI)
-
-
-def fake_arguments(variant: KernelVariant, abi: tuple[Arg, ...] | None = None) -> list:
-    """Compile-time stand-ins for `abi` (default: the variant's direction's ABI): one symbolic
-    extent per dynamic dim name."""
-    if abi is None:
-        abi = abi_for(variant)
+def fake_arguments(variant: KernelVariant) -> list:
+    """Compile-time stand-ins for the ABI of the variant's direction: one symbolic extent per
+    dynamic dim name."""
+    abi: tuple[Arg, ...] = ABIS[variant.direction]
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream

@@ -27,15 +27,19 @@ class Tiles:
 
 
 _SM90 = {64: Tiles(192, 128, 2), 128: Tiles(128, 128, 2)}
+# Backward: k tiles of 128 keys (two consumer warpgroups, dK and dV in registers) against q
+# blocks of 64 queries, two (Q, dO) stages.
+_SM90_BACKWARD = Tiles(64, 128, 2)
 
 
-def select_tiles(arch: str, head_dim: int) -> Tiles:
-    """Tile shape of the forward kernel for `arch` and `head_dim`."""
+def select_tiles(arch: str, head_dim: int, direction: str = "fwd") -> Tiles:
+    """Tile shape of the `direction` kernel for `arch` and `head_dim` (backward: tile_m is the
+    q block, tile_n the k tile)."""
     if arch != "sm_90a":
-        raise MaskcError(f"no forward kernel for arch {arch!r}; supported: sm_90a")
+        raise MaskcError(f"no kernel for arch {arch!r}; supported: sm_90a")
     if head_dim not in _SM90:
         raise MaskcError(f"head_dim {head_dim} is not supported; supported head dims: {SUPPORTED_HEAD_DIMS}")
-    return _SM90[head_dim]
+    return _SM90_BACKWARD if direction == "bwd" else _SM90[head_dim]
 
 
 # ---- GQA strategy selection (PackGQA) ---------------------------------------------------------
