@@ -10,7 +10,8 @@ Each document alternates two tokens of its own, so a masked token is the one two
 away: predictable only from its own document, which the mask must therefore get right.
 
     python examples/train_tiny.py --attention reference --device cpu --steps 30 --seqlen 256
-    python examples/train_tiny.py --attention maskc --device cuda --steps 200 --compare
+    maskc compile examples/varlen_block_causal.mask -o tiny_kernels --head-dim 64 --heads 2:1 --bundle-runtime
+    python examples/train_tiny.py --attention maskc --device cuda --steps 200 --compare --artifacts tiny_kernels
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def train(attention: str, device: str, steps: int, seqlen: int, seed: int, dtype
     """Masked-token loss at every step of a fixed-seed run."""
     torch.manual_seed(seed)
     attend = maskc.attention if attention == "maskc" else maskc.reference_attention
-    model = TinyModel(dim=128, layers=2, heads_q=4, heads_kv=2, max_len=seqlen, attend=attend).to(device)
+    model = TinyModel(dim=128, layers=2, heads_q=2, heads_kv=1, max_len=seqlen, attend=attend).to(device)  # GQA, d=64
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     family = load(ROOT / "varlen_block_causal.mask")["varlen_block_causal"]
     gen = torch.Generator().manual_seed(seed)
@@ -131,7 +132,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare", action="store_true", help="also train with the reference attention and compare")
     parser.add_argument("--json", type=Path, help="write the loss curves here")
+    parser.add_argument("--artifacts", type=Path, action="append", default=[],
+                        help="a `maskc compile` directory with the kernels (else they compile on first use)")
     args = parser.parse_args()
+    for directory in args.artifacts:
+        maskc.runtime.register_artifact(directory)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     curves = {args.attention: train(args.attention, args.device, args.steps, args.seqlen, args.seed, dtype)}
     if args.compare and args.attention != "reference":
