@@ -66,6 +66,17 @@ def timed_tflops(fn: Callable[[], object], area: int) -> float:
     return 4 * area * HQ * D / ms / 1e9
 
 
+def timed_backward_tflops(fn: Callable[[], object], area: int, leaves: list[torch.Tensor]) -> float:
+    """Backward TFLOP/s (the seeds' 2.5 x forward FLOPs) of `fn`'s output, timed alone."""
+    from triton.testing import do_bench
+
+    out = fn()
+    out = out[0] if isinstance(out, tuple) else out
+    grad = torch.randn_like(out)
+    ms = do_bench(lambda: out.backward(grad, retain_graph=True), warmup=10, rep=60, return_mode="median", grad_to_none=leaves)
+    return 2.5 * 4 * area * HQ * D / ms / 1e9
+
+
 def baselines(name: str, seqlen: int, lens: np.ndarray, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable]:
     """The baseline calls that express mask `name` natively (seqlen-first q/k/v)."""
     import torch.nn.functional as F
@@ -121,6 +132,7 @@ def main() -> None:
     parser.add_argument("--seqlens", default="1024,2048,4096,8192,16384,32768,65536")
     parser.add_argument("--masks", default=",".join(MASKS))
     parser.add_argument("--no-baselines", action="store_true")
+    parser.add_argument("--backward", action="store_true", help="also time the backward of every implementation")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     # FlexAttention recompiles per shape and mask; past dynamo's default limits it would fall back to eager.
@@ -132,21 +144,25 @@ def main() -> None:
     rows = []
     for seqlen in map(int, args.seqlens.split(",")):
         torch.manual_seed(seqlen)
-        q = torch.randn(seqlen, HQ, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(seqlen, HKV, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(seqlen, HKV, D, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(seqlen, HQ, D, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
+        k = torch.randn(seqlen, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
+        v = torch.randn(seqlen, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
         masks, lens = build_masks(seqlen)
         for name in args.masks.split(","):
             mask = masks[name]
             area = mask.area()
             row = {"seqlen": seqlen, "mask": name, "docs": len(lens), "area": area}
-            row["maskc"] = timed_tflops(lambda: maskc.attention(q, k, v, mask), area)
+            calls = {"maskc": lambda: maskc.attention(q, k, v, mask)[0]}
             if not args.no_baselines:
-                for tag, call in baselines(name, seqlen, lens, q, k, v).items():
-                    try:
+                calls.update(baselines(name, seqlen, lens, q, k, v))
+            for tag, call in calls.items():
+                try:
+                    with torch.no_grad():
                         row[tag] = timed_tflops(call, area)
-                    except Exception as exc:  # a baseline that cannot run this case is reported, not fatal
-                        row[tag] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
+                    if args.backward:
+                        row[f"{tag}_bwd"] = timed_backward_tflops(call, area, [q, k, v])
+                except Exception as exc:  # a baseline that cannot run this case is reported, not fatal
+                    row[tag] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
             print(json.dumps(row), file=log, flush=True)
@@ -172,11 +188,14 @@ def host_overhead_us(calls: int = 2000) -> float:
 
 
 def print_table(rows: list[dict]) -> None:
-    tags = ["maskc", "fa4", "sdpa_cudnn", "sdpa_flash", "flex"]
-    print(f"\n{'seqlen':>7} {'mask':22}" + "".join(f"{t:>11}" for t in tags) + "   (forward TFLOP/s)")
-    for r in rows:
-        cells = "".join(f"{r[t]:11.0f}" if isinstance(r.get(t), float) else f"{'-':>11}" for t in tags)
-        print(f"{r['seqlen']:>7} {r['mask']:22}{cells}")
+    for suffix, what in (("", "forward"), ("_bwd", "backward")):
+        tags = [t + suffix for t in COLORS]
+        if not any(isinstance(r.get(t), float) for r in rows for t in tags):
+            continue
+        print(f"\n{'seqlen':>7} {'mask':22}" + "".join(f"{t:>14}" for t in tags) + f"   ({what} TFLOP/s)")
+        for r in rows:
+            cells = "".join(f"{r[t]:14.0f}" if isinstance(r.get(t), float) else f"{'-':>14}" for t in tags)
+            print(f"{r['seqlen']:>7} {r['mask']:22}{cells}")
 
 
 def plot(rows: list[dict], path: Path) -> None:
