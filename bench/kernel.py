@@ -192,9 +192,9 @@ def print_table(rows: list[dict]) -> None:
         tags = [t + suffix for t in COLORS]
         if not any(isinstance(r.get(t), float) for r in rows for t in tags):
             continue
-        print(f"\n{'seqlen':>7} {'mask':22}" + "".join(f"{t:>14}" for t in tags) + f"   ({what} TFLOP/s)")
+        print(f"\n{'seqlen':>7} {'mask':22}" + "".join(f"{t:>16}" for t in tags) + f"   ({what} TFLOP/s)")
         for r in rows:
-            cells = "".join(f"{r[t]:14.0f}" if isinstance(r.get(t), float) else f"{'-':>14}" for t in tags)
+            cells = "".join(f"{r[t]:16.0f}" if isinstance(r.get(t), float) else f"{'-':>16}" for t in tags)
             print(f"{r['seqlen']:>7} {r['mask']:22}{cells}")
 
 
