@@ -85,8 +85,19 @@ class KernelVariant:
                     f"got {self.num_heads_q} / {self.num_heads_kv} = {g}"
                 )
         if self.direction == "bwd":
-            self._check_backward()
-            return
+            self._check_backward_tiles()
+        else:
+            self._check_forward_tiles()
+        if not 1 <= self.num_stages <= 8:
+            raise VariantError(f"num_stages {self.num_stages} must be in [1, 8]")
+        if self.smem_bytes() > SM90_SMEM_BYTES - _SMEM_RESERVE:
+            raise VariantError(
+                f"variant needs {self.smem_bytes()} bytes of shared memory, more than the "
+                f"{SM90_SMEM_BYTES - _SMEM_RESERVE} an SM90 CTA has; use fewer stages or a smaller tile"
+            )
+
+    def _check_forward_tiles(self) -> None:
+        """The forward kernel: q tiles of 64 rows per consumer warpgroup, O in registers."""
         if self.tile_m not in (128, 192):
             raise VariantError(
                 f"tile_m {self.tile_m} is not supported; supported: 128 (2 consumer warpgroups), "
@@ -98,15 +109,8 @@ class KernelVariant:
             raise VariantError(f"tile_n {self.tile_n} must be a multiple of 16 in [64, 192]")
         if self.head_dim == 128 and self.tile_n > 176:
             raise VariantError(f"tile_n {self.tile_n} with head_dim 128 does not fit in registers; use <= 176")
-        if not 1 <= self.num_stages <= 8:
-            raise VariantError(f"num_stages {self.num_stages} must be in [1, 8]")
-        if self.smem_bytes() > SM90_SMEM_BYTES - _SMEM_RESERVE:
-            raise VariantError(
-                f"variant needs {self.smem_bytes()} bytes of shared memory, more than the "
-                f"{SM90_SMEM_BYTES - _SMEM_RESERVE} an SM90 CTA has; use fewer stages or a smaller tile"
-            )
 
-    def _check_backward(self) -> None:
+    def _check_backward_tiles(self) -> None:
         """The backward kernel: work items are k tiles of tile_n keys (64 per consumer warpgroup),
         runs are q blocks of tile_m queries; dK and dV accumulate in registers."""
         if self.pack_gqa or self.has_sink or self.has_max_logits:
@@ -118,13 +122,6 @@ class KernelVariant:
             raise VariantError(f"backward tile_n {self.tile_n} is not supported; supported: 128 (2 consumer warpgroups)")
         if self.tile_m != 64:
             raise VariantError(f"backward tile_m {self.tile_m} is not supported; supported: 64 (registers)")
-        if not 1 <= self.num_stages <= 8:
-            raise VariantError(f"num_stages {self.num_stages} must be in [1, 8]")
-        if self.smem_bytes() > SM90_SMEM_BYTES - _SMEM_RESERVE:
-            raise VariantError(
-                f"variant needs {self.smem_bytes()} bytes of shared memory, more than the "
-                f"{SM90_SMEM_BYTES - _SMEM_RESERVE} an SM90 CTA has; use fewer stages"
-            )
 
     # ---- derived properties ---------------------------------------------------------------
 
