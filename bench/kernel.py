@@ -35,7 +35,7 @@ from common import pack_documents  # noqa: E402
 HQ, HKV, D = 64, 8, 128
 WINDOW = 1024
 BLOCK = 1024
-COLORS = {"maskc": "tab:blue", "fa4": "tab:orange", "sdpa_cudnn": "tab:green", "sdpa_flash": "tab:red", "flex": "tab:purple"}
+COLORS = {"maskc": "tab:blue", "maskc_det": "tab:cyan", "fa4": "tab:orange", "sdpa_cudnn": "tab:green", "sdpa_flash": "tab:red", "flex": "tab:purple"}
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window_causal", "varlen_block_causal")
 
 
@@ -75,6 +75,24 @@ def timed_backward_tflops(fn: Callable[[], object], area: int, leaves: list[torc
     grad = torch.randn_like(out)
     ms = do_bench(lambda: out.backward(grad, retain_graph=True), warmup=10, rep=60, return_mode="median", grad_to_none=leaves)
     return 2.5 * 4 * area * HQ * D / ms / 1e9
+
+
+def peak_memory_mib(fn: Callable[[], object], leaves: list[torch.Tensor]) -> float:
+    """GPU memory one forward + backward of `fn` needs on top of its inputs (MiB): what grows
+    with the problem (FlexAttention's block mask, any S-sized buffer) shows up here."""
+    for x in leaves:
+        x.grad = None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    for x in leaves:
+        x.grad = None
+    return peak / 2**20
 
 
 def baselines(name: str, seqlen: int, lens: np.ndarray, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable]:
@@ -133,6 +151,9 @@ def main() -> None:
     parser.add_argument("--masks", default=",".join(MASKS))
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--backward", action="store_true", help="also time the backward of every implementation")
+    parser.add_argument(
+        "--deterministic", action="store_true", help="also maskc with deterministic=True (needs those kernels)"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     # FlexAttention recompiles per shape and mask; past dynamo's default limits it would fall back to eager.
@@ -153,6 +174,8 @@ def main() -> None:
             area = mask.area()
             row = {"seqlen": seqlen, "mask": name, "docs": len(lens), "area": area}
             calls = {"maskc": lambda: maskc.attention(q, k, v, mask)[0]}
+            if args.deterministic:
+                calls["maskc_det"] = lambda: maskc.attention(q, k, v, mask, deterministic=True)[0]
             if not args.no_baselines:
                 calls.update(baselines(name, seqlen, lens, q, k, v))
             for tag, call in calls.items():
@@ -161,6 +184,7 @@ def main() -> None:
                         row[tag] = timed_tflops(call, area)
                     if args.backward:
                         row[f"{tag}_bwd"] = timed_backward_tflops(call, area, [q, k, v])
+                        row[f"{tag}_mem"] = peak_memory_mib(call, [q, k, v])
                 except Exception as exc:  # a baseline that cannot run this case is reported, not fatal
                     row[tag] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
             rows.append(row)
@@ -188,11 +212,11 @@ def host_overhead_us(calls: int = 2000) -> float:
 
 
 def print_table(rows: list[dict]) -> None:
-    for suffix, what in (("", "forward"), ("_bwd", "backward")):
+    for suffix, what in (("", "forward TFLOP/s"), ("_bwd", "backward TFLOP/s"), ("_mem", "forward + backward peak MiB")):
         tags = [t + suffix for t in COLORS]
         if not any(isinstance(r.get(t), float) for r in rows for t in tags):
             continue
-        print(f"\n{'seqlen':>7} {'mask':22}" + "".join(f"{t:>16}" for t in tags) + f"   ({what} TFLOP/s)")
+        print(f"\n{'seqlen':>7} {'mask':22}" + "".join(f"{t:>16}" for t in tags) + f"   ({what})")
         for r in rows:
             cells = "".join(f"{r[t]:16.0f}" if isinstance(r.get(t), float) else f"{'-':>16}" for t in tags)
             print(f"{r['seqlen']:>7} {r['mask']:22}{cells}")

@@ -138,8 +138,10 @@ def _kernel_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
                     for pack in (False, True) if pack_gqa_supported(hq, hkv) else (False,):
                         requests.append({**base, "direction": "fwd", "has_softcap": args.softcap, "has_sink": args.sink,
                                          "has_max_logits": args.max_logits, "pack_gqa": pack})  # fmt: skip
-                    requests.append({**base, "direction": "bwd", "has_softcap": args.softcap, "has_sink": False,
-                                     "has_max_logits": False, "pack_gqa": False})  # fmt: skip
+                    for deterministic in (False, True) if args.deterministic else (False,):
+                        requests.append({**base, "direction": "bwd", "has_softcap": args.softcap, "has_sink": False,
+                                         "has_max_logits": False, "pack_gqa": False,
+                                         "deterministic": deterministic})  # fmt: skip
     return requests
 
 
@@ -196,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     kernel.add_argument("--softcap", action="store_true", help="variants with logit softcapping")
     kernel.add_argument("--sink", action="store_true", help="variants with attention sinks")
     kernel.add_argument("--max-logits", action="store_true", help="variants that also return max logits")
+    kernel.add_argument(
+        "--deterministic", action="store_true", help="also the deterministic backward (bitwise reproducible gradients)"
+    )
     kernel.add_argument("--bundle-runtime", action="store_true", help="ship libcute_dsl_runtime.so.xz in the artifact directory")
     kernel.add_argument("--ir-only", action="store_true", help="write the IR and manifest only, no kernels")
     comp.set_defaults(func=_compile)

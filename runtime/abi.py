@@ -23,6 +23,13 @@ class TensorArg:
     name: str
     dtype: Literal["input", "float32", "int32"]  # "input": the variant's bf16/fp16
     shape: tuple[Union[str, int], ...]
+    #: Bytes the kernel may assume its data pointer is aligned to; None: 16 for the bf16/fp16
+    #: inputs (TMA), the element size otherwise. The runtime checks it on every call.
+    align: int | None = None
+
+    @property
+    def alignment(self) -> int:
+        return self.align if self.align is not None else 16 if self.dtype == "input" else 4
 
     def dynamic_dims(self) -> tuple[int, ...]:
         """Positions of the dims whose extent is passed at run time."""
@@ -73,7 +80,9 @@ def abi_to_json(abi: tuple[Arg, ...]) -> list[dict]:
     out = []
     for arg in abi:
         if isinstance(arg, TensorArg):
-            out.append({"kind": "tensor", "name": arg.name, "dtype": arg.dtype, "shape": list(arg.shape)})
+            out.append(
+                {"kind": "tensor", "name": arg.name, "dtype": arg.dtype, "shape": list(arg.shape), "align": arg.alignment}
+            )
         elif isinstance(arg, ScalarArg):
             out.append({"kind": "scalar", "name": arg.name, "dtype": arg.dtype})
         else:
@@ -85,17 +94,26 @@ BACKWARD_ABI: tuple[Arg, ...] = (
     TensorArg("k", "input", ("Tk", "Hkv", "D")),
     TensorArg("v", "input", ("Tk", "Hkv", "D")),
     TensorArg("dout", "input", ("Tq", "Hq", "D")),
-    TensorArg("lse", "float32", ("Tq", "Hq")),
-    TensorArg("delta", "float32", ("Tq", "Hq")),
-    TensorArg("dq_accum", "float32", ("Tq", "Hq", "D")),
+    TensorArg("lse_log2", "float32", ("QP",), align=16),
+    TensorArg("delta", "float32", ("QP",), align=16),
+    TensorArg("dq_accum", "float32", ("Tq", "Hq", "D"), align=16),
     TensorArg("dk", "input", ("Tk", "Hkv", "D")),
     TensorArg("dv", "input", ("Tk", "Hkv", "D")),
+    TensorArg("dq_semaphore", "int32", ("QS",)),
+    TensorArg("work_blocks", "int32", ("WB",)),
+    TensorArg("block_rank", "int32", ("B",)),
     *SCHEDULE_AND_LAUNCH,
 )
 """`attn_bwd`'s arguments: the backward schedule (`build_backward_schedule`: work items are k
-tiles, runs are q blocks, lines have keys as rows); `delta` = rowsum(dO * O) - dlse; dK/dV are
-owned per (k tile, kv head) and summed over the kv head's query heads; dQ is accumulated in fp32
-(zeroed by the caller)."""
+tiles, runs are q blocks, lines have keys as rows). The per-query statistics are head-major and
+padded to whole q blocks (QP = Hq * ceil(Tq / tile_m) * tile_m; the kernel loads a block's with
+one TMA copy): `lse_log2` = lse * log2(e), +inf for padding and rows with no key (P = 0);
+`delta` = rowsum(dO * O) - dlse, 0 for padding. dK/dV are owned per (k tile, kv head) and
+summed over the kv head's query heads; dQ (times the softmax scale) is added to `dq_accum` in
+fp32 by TMA reductions (zeroed by the caller). Deterministic variants order those additions:
+`dq_semaphore` [Hq * ceil(Tq / tile_m) * 2] counts the additions landed per (head, q block,
+warpgroup) (zeroed by the caller), and `work_blocks` / `block_rank` come from
+`build_deterministic_backward_schedule`; other variants never read the three (one element each)."""
 
 ABIS: dict[str, tuple[Arg, ...]] = {"fwd": FORWARD_ABI, "bwd": BACKWARD_ABI}
 """The ABI of each kernel direction."""

@@ -9,6 +9,7 @@ decides the schedule the runtime builds for it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -16,9 +17,10 @@ from typing import Any, Callable
 
 import torch
 
+from maskc.codegen.variant import WARPGROUP_ROWS
 from maskc.errors import ArtifactError, MaskcError
 from maskc.ir import Mask
-from maskc.ir.schedule import build_backward_schedule, build_schedule
+from maskc.ir.schedule import build_backward_schedule, build_deterministic_backward_schedule, build_schedule
 from maskc.ir.strategy import SUPPORTED_HEAD_DIMS, pack_gqa_supported, select_pack_gqa, select_tiles
 from maskc.reference import AttentionMeta, check_attention_args
 from maskc.runtime.abi import ABIS, abi_to_json
@@ -26,15 +28,17 @@ from maskc.runtime.launch import Kernel, find_runtime_library, installed_dsl_ver
 from maskc.runtime.manifest import read_manifest
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+LOG2_E = math.log2(math.e)
 ARCHS = {(9, 0): "sm_90a"}
 REQUEST_FIELDS = (
     "arch", "direction", "head_dim", "dtype", "num_heads_q", "num_heads_kv", "has_softcap", "has_sink", "has_max_logits",
-    "pack_gqa",
+    "pack_gqa", "deterministic",
 )
+_OPTIONAL_FIELDS = ("pack_gqa", "deterministic")  # False where a request or manifest leaves them out
 
 
 def _request_key(fields: dict[str, Any]) -> tuple:
-    return tuple(fields.get(f, False) if f == "pack_gqa" else fields[f] for f in REQUEST_FIELDS)
+    return tuple(fields.get(f, False) if f in _OPTIONAL_FIELDS else fields[f] for f in REQUEST_FIELDS)
 
 
 class _Entry:
@@ -42,14 +46,15 @@ class _Entry:
     PackGQA, the kernel's TILE_M packed rows hold TILE_M / G tokens), and items_per_tile the
     work items of each q tile (query heads, or K/V heads with PackGQA)."""
 
-    def __init__(self, kernel: Kernel, tile_m: int, tile_n: int, items_per_tile: int):
+    def __init__(self, kernel: Kernel, tile_m: int, tile_n: int, items_per_tile: int, deterministic: bool = False):
         self.kernel, self.tile_m, self.tile_n, self.items_per_tile = kernel, tile_m, tile_n, items_per_tile
+        self.deterministic = deterministic
 
 
 def _entry(kernel: Kernel, fields: dict[str, Any]) -> _Entry:
     hq, hkv = fields["num_heads_q"], fields["num_heads_kv"]
     if fields["direction"] == "bwd":  # items are (k tile, kv head); tile_m is the q block
-        return _Entry(kernel, fields["tile_m"], fields["tile_n"], hkv)
+        return _Entry(kernel, fields["tile_m"], fields["tile_n"], hkv, fields.get("deterministic", False))
     if fields.get("pack_gqa", False):
         return _Entry(kernel, fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv)
     return _Entry(kernel, fields["tile_m"], fields["tile_n"], hq)
@@ -163,7 +168,7 @@ def _schedule_tensors(mask: Mask, build: Callable, tile_m: int, tile_n: int, dev
     cached = mask.memo.get(key)
     if cached is None:
         s = build(mask, tile_m, tile_n)
-        names = ("work_tile", "work_ranges", "ranges", "work_lines", "lines")
+        names = ("work_tile", "work_ranges", "ranges", "work_lines", "lines", "work_blocks", "block_rank")
         cached = {n: _device_int32(a, device) for n, a in zip(names, s.arrays())}
         mask.memo[key] = cached
     return cached
@@ -211,17 +216,37 @@ def _forward(q, k, v, sink, call: _Call) -> tuple[torch.Tensor, torch.Tensor, to
     return out, lse, row_max
 
 
+def _padded_head_major(x: torch.Tensor, tile_m: int, fill: float) -> torch.Tensor:
+    """[Tq, Hq] -> [Hq * ceil(Tq / tile_m) * tile_m]: the backward kernel's layout of per-query
+    statistics (one TMA copy per q block), padded with `fill`."""
+    tq, hq = x.shape
+    out = x.new_full((hq, -(-tq // tile_m) * tile_m), fill)
+    out[:, :tq] = x.t()
+    return out.view(-1)
+
+
 def _backward(q, k, v, out, lse, sink, dout, dlse, call: _Call):
     """dq, dk, dv from the backward kernel; dsink from its closed form (the sinks join the
     softmax with no value: d sink = -sum over rows of P_sink * (rowsum(dO * O) - dlse))."""
     delta = (dout.float() * out.float()).sum(dim=-1)
     if dlse is not None:
         delta = delta - dlse
+    # Rows with no key (lse = -inf) and the padding get lse = +inf, so P = 0 there.
+    lse_log2 = torch.where(lse == -math.inf, math.inf, lse * LOG2_E)
+    entry = call.backward
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    tensors = {"q": q, "k": k, "v": v, "dout": dout.contiguous(), "lse": lse, "delta": delta.contiguous(),
-               "dq_accum": dq_accum, "dk": dk, "dv": dv}  # fmt: skip
-    _launch(call.backward, build_backward_schedule, call, tensors, q.device)
+    tensors = {"q": q, "k": k, "v": v, "dout": dout.contiguous(), "dq_accum": dq_accum, "dk": dk, "dv": dv,
+               "lse_log2": _padded_head_major(lse_log2, entry.tile_m, math.inf),
+               "delta": _padded_head_major(delta, entry.tile_m, 0.0)}  # fmt: skip
+    if entry.deterministic:  # one counter per (head, q block, consumer warpgroup)
+        semaphores = q.shape[1] * -(-q.shape[0] // entry.tile_m) * (entry.tile_n // WARPGROUP_ROWS)
+        tensors["dq_semaphore"] = torch.zeros(semaphores, dtype=torch.int32, device=q.device)
+        _launch(entry, build_deterministic_backward_schedule, call, tensors, q.device)
+    else:
+        unused = torch.zeros(1, dtype=torch.int32, device=q.device)
+        tensors.update(dq_semaphore=unused, work_blocks=unused, block_rank=unused)
+        _launch(entry, build_backward_schedule, call, tensors, q.device)
     dsink = None
     if sink is not None:
         dsink = -(torch.exp(sink[None] - lse[:, None, :]) * delta[:, None, :]).sum(dim=0)
@@ -260,6 +285,7 @@ def attention(
     sink: torch.Tensor | None = None,
     return_max_logits: bool = False,
     pack_gqa: bool | None = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, AttentionMeta]:
     """Masked attention with maskc's kernels; the same contract as `maskc.reference_attention`,
     differentiable in q, k, v and sink (the gradient flows through lse too).
@@ -267,6 +293,8 @@ def attention(
     pack_gqa: the GQA strategy. None (default) lets maskc.ir.strategy.select_pack_gqa decide
     from the mask and the head counts (PackGQA packs the G = Hq / Hkv query heads of a K/V
     head into one M tile); True / False force it (True needs G a power of two in [2, 64]).
+    deterministic: the backward adds each q block's dQ contributions in a fixed order, so the
+    gradients are bitwise identical from run to run (a little slower).
     """
     scale = _check_inputs(q, k, v, mask, sink, softmax_scale, softcap)
     capability, num_sms = _device_info(q.device.index if q.device.index is not None else torch.cuda.current_device())
@@ -285,7 +313,8 @@ def attention(
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sink))
     backward = None
     if needs_grad:
-        backward_request = {**base, "direction": "bwd", "has_sink": False, "has_max_logits": False, "pack_gqa": False}
+        backward_request = {**base, "direction": "bwd", "has_sink": False, "has_max_logits": False, "pack_gqa": False,
+                            "deterministic": bool(deterministic)}  # fmt: skip
         backward = _find_kernel(backward_request, strategy_forced=True)
     call = _Call(mask, scale, float(softcap), num_sms, _find_kernel(request, strategy_forced=pack_gqa is not None),
                  backward, return_max_logits)  # fmt: skip

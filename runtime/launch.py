@@ -170,7 +170,9 @@ class Kernel:
         )
         # Per-call work split by argument kind up front, so a call is plain loops of stores.
         self._tensors = [
-            (arg.name, slot, arg.dynamic_dims()) for arg, slot in zip(abi, self._slots) if isinstance(arg, TensorArg)
+            (arg.name, slot, arg.dynamic_dims(), arg.alignment)
+            for arg, slot in zip(abi, self._slots)
+            if isinstance(arg, TensorArg)
         ]
         self._scalars = [(arg.name, slot) for arg, slot in zip(abi, self._slots) if isinstance(arg, ScalarArg)]
         self._stream = next(slot for arg, slot in zip(abi, self._slots) if isinstance(arg, StreamArg))
@@ -178,9 +180,11 @@ class Kernel:
         self._nargs = len(abi) + 1
 
     def __call__(self, tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, float | int], stream: int) -> None:
-        for name, slot, dims in self._tensors:
+        for name, slot, dims, align in self._tensors:
             t = tensors[name]
             slot.data = t.data_ptr()
+            if slot.data % align:
+                raise ValueError(f"{self.prefix}: tensor {name!r} must be {align}-byte aligned (got address {slot.data:#x})")
             for i, d in enumerate(dims):
                 slot.dynamic_shapes[i] = t.shape[d]
         for name, slot in self._scalars:

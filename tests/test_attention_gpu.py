@@ -172,6 +172,11 @@ def test_gpu_input_errors() -> None:
     with pytest.raises(maskc.MaskcError, match="head_dim 96 is not supported"):
         x = torch.randn(mask.seqlen_q, 8, 96, device="cuda", dtype=torch.bfloat16)
         maskc.attention(x, x, x, mask)
+    # Contiguous but 2 bytes off a 16-byte boundary: TMA cannot read it.
+    shifted = torch.empty(q.numel() + 1, device="cuda", dtype=torch.bfloat16)[1:].view(q.shape).copy_(q)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        kv = torch.randn(mask.seqlen_k, 2, 128, device="cuda", dtype=torch.bfloat16)
+        maskc.attention(shifted, kv, kv, mask)
 
 
 # ---- PackGQA (the G query heads of a K/V head share an M tile) ---------------------------------
@@ -221,7 +226,10 @@ def _grads(fn, q, k, v, sink, mask, dout, dlse, **kwargs):
     return [x.grad.float() for x in leaves] + ([sink_leaf.grad.float()] if sink_leaf is not None else [])
 
 
-def _check_grads(mask: Mask, hq: int, hkv: int, d: int, dtype: str, *, softcap: float = 0.0, sink: bool = False, seed: int = 0) -> None:
+def _check_grads(
+    mask: Mask, hq: int, hkv: int, d: int, dtype: str, *, softcap: float = 0.0, sink: bool = False, seed: int = 0,
+    deterministic: bool = False,
+) -> None:
     """The issue's rule: maskc's gradient error against a float64 reference is at most twice
     that of the reference run in the low precision, plus a small floor; no NaN anywhere."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -234,7 +242,7 @@ def _check_grads(mask: Mask, hq: int, hkv: int, d: int, dtype: str, *, softcap: 
     dlse = torch.randn(tq, hq, device="cuda", generator=g)
     exact = _grads(maskc.reference_attention, q.double(), k.double(), v.double(), sinks, mask, dout.double(), dlse.double(), softcap=softcap)
     low = _grads(maskc.reference_attention, q, k, v, sinks, mask, dout, dlse, softcap=softcap)
-    ours = _grads(maskc.attention, q, k, v, sinks, mask, dout, dlse, softcap=softcap)
+    ours = _grads(maskc.attention, q, k, v, sinks, mask, dout, dlse, softcap=softcap, deterministic=deterministic)
     for name, o, lo, ex in zip(("dq", "dk", "dv", "dsink"), ours, low, exact):
         assert not torch.isnan(o).any(), f"{name} has NaN"
         err = float((o.double() - ex).abs().max())
@@ -263,3 +271,20 @@ def test_gradients_head_layouts_dims_and_dtypes(hq: int, hkv: int, d: int, dtype
 def test_gradients_with_softcap_and_sink(d: int, dtype: str) -> None:
     for name in ("causal", "rows_without_keys", "random_unequal"):
         _check_grads(MASKS[name](), 8, 2, d, dtype, softcap=5.0, sink=True)
+
+
+@pytest.mark.parametrize("name,hq,hkv,d,dtype", [
+    ("causal", 8, 2, 128, "bf16"), ("varlen_block_causal", 64, 8, 128, "bf16"), ("random_overlapping", 8, 8, 64, "fp16"),
+])  # fmt: skip
+def test_deterministic_gradients_are_bitwise_reproducible(name: str, hq: int, hkv: int, d: int, dtype: str) -> None:
+    mask = MASKS[name]()
+    _check_grads(mask, hq, hkv, d, dtype, deterministic=True)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tq, tk = mask.shape
+    q, k, v = (torch.randn(t, h, d, device="cuda", generator=g).to(DTYPES[dtype]) for t, h in ((tq, hq), (tk, hkv), (tk, hkv)))
+    dout = torch.randn(tq, hq, d, device="cuda", generator=g)
+    dlse = torch.randn(tq, hq, device="cuda", generator=g)
+    runs = [_grads(maskc.attention, q, k, v, None, mask, dout, dlse, deterministic=True) for _ in range(3)]
+    for other in runs[1:]:
+        for name_, a, b in zip(("dq", "dk", "dv"), runs[0], other):
+            assert torch.equal(a, b), f"{name_} differs between deterministic runs"

@@ -30,7 +30,8 @@ def variant(**overrides) -> KernelVariant:
 
 COMPILED = {
     "d128_bf16_8x2": variant(),
-    "d64_fp16_8x8_softcap": variant(head_dim=64, dtype="fp16", num_heads_kv=8, has_softcap=True, num_stages=3),
+    "d64_fp16_8x8_softcap": variant(head_dim=64, dtype="fp16", num_heads_kv=8, has_softcap=True, num_stages=4),
+    "d128_bf16_8x2_deterministic": variant(deterministic=True),
 }
 
 
@@ -46,6 +47,7 @@ COMPILED = {
         ({"has_max_logits": True}, "no pack_gqa / sink / max_logits"),
         ({"pack_gqa": True}, "no pack_gqa / sink / max_logits"),
         ({"num_stages": 6}, "shared memory"),
+        ({"num_stages": 3}, "must be even"),
         ({"head_dim": 96}, "supported head dims: 64, 128"),
     ],
 )
@@ -57,9 +59,22 @@ def test_bad_backward_variants_raise_clear_errors(overrides, message):
 def test_backward_variant_shape():
     v = variant()
     assert v.num_mma_warpgroups == 2  # 64 keys per consumer warpgroup
-    assert v.smem_bytes() == (2 * 128 * 128 + 2 * 2 * 64 * 128 + 128 * 64) * 2
+    # K, V; two (Q, dO) stages; two dS^T buffers; fp32 dQ staging and two stages of lse / delta
+    assert v.smem_bytes() == (2 * 128 * 128 + 2 * 2 * 64 * 128 + 2 * 128 * 64) * 2 + (64 * 128 + 2 * 2 * 64) * 4
     assert v.key().startswith("attn_bwd_sm90_d128_bf16_h8x2_t64x128s2_")
     assert v.key() != variant(has_softcap=True).key()
+    assert variant(deterministic=True).key().startswith("attn_bwd_sm90_d128_bf16_h8x2_t64x128s2_d_")
+
+
+def test_deterministic_is_a_backward_option():
+    with pytest.raises(VariantError, match="deterministic is a backward option"):
+        variant(direction="fwd", tile_m=128, deterministic=True)
+
+
+def test_semaphores_only_in_deterministic_kernels():
+    plain, ordered = render(variant()), render(variant(deterministic=True))
+    assert "load_acquire" not in plain and "signal_landed" not in plain
+    assert ordered.count("signal_landed(mSemaphore, pending)") == 2  # before each wait, at each item's end
 
 
 # ---- rendering ---------------------------------------------------------------------------------
@@ -85,8 +100,8 @@ def test_entry_signature_is_the_backward_abi():
     params = [a.arg for a in entry.args.args]
     assert len(params) == len(BACKWARD_ABI)
     expected = [
-        "mQ", "mK", "mV", "mdO", "mLSE", "mDelta", "mdQ", "mdK", "mdV", "mWorkTile", "mWorkRanges", "mRanges",
-        "mWorkLines", "mLines", "softmax_scale", "softcap", "num_ctas", "stream",
+        "mQ", "mK", "mV", "mdO", "mLSE", "mDelta", "mdQ", "mdK", "mdV", "mSemaphore", "mWorkBlocks", "mBlockRank",
+        "mWorkTile", "mWorkRanges", "mRanges", "mWorkLines", "mLines", "softmax_scale", "softcap", "num_ctas", "stream",
     ]  # fmt: skip
     assert params == expected
 
@@ -132,18 +147,21 @@ def test_compiles_and_exports(compiled, name):
 
 
 @pytest.mark.parametrize("name", sorted(COMPILED))
-def test_ptx_uses_wgmma_tma_atomics_and_setmaxnreg(compiled, name):
+def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     ptx = compiled[name].ptx_text
     v = COMPILED[name]
     assert ".target sm_90a" in ptx
     assert "wgmma.mma_async" in ptx
-    assert f"m64n{v.tile_m}k16" in ptx and f"m64n{v.head_dim}k16" in ptx  # S^T / dP^T; dV, dK, dQ
+    assert f"m64n{v.tile_m}k16" in ptx and f"m64n{v.head_dim}k16" in ptx  # S^T / dP^T; dV, dK
+    assert f"m64n{v.head_dim // 2}k16" in ptx  # each warpgroup's half of dQ
     assert "cp.async.bulk.tensor" in ptx  # TMA loads and the dK / dV stores
-    assert "red.global.add.f32" in ptx  # dQ accumulation
+    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add", ptx)  # dQ += by TMA
+    assert "red.global" not in ptx and "atom.global" not in ptx  # no per-element atomics
     assert "stmatrix" in ptx  # dS^T and the dK / dV staging
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert "ex2.approx" in ptx
     assert ("tanh.approx" in ptx) == v.has_softcap
+    assert ("ld.global.acquire.gpu" in ptx and "red.release.gpu.global.add" in ptx) == v.deterministic
 
 
 def test_exported_structs_match_what_the_runtime_packs(compiled):

@@ -15,7 +15,7 @@ from maskc.codegen import LoweredMask, write_artifact
 from maskc.errors import ArtifactError
 from maskc.ir import Mask
 from maskc.runtime import launch, register_artifact
-from maskc.runtime.abi import FORWARD_ABI, TensorArg, abi_to_json
+from maskc.runtime.abi import BACKWARD_ABI, FORWARD_ABI, TensorArg, abi_to_json
 from maskc.runtime.manifest import write_manifest
 
 
@@ -59,8 +59,11 @@ def test_abi_structs_hold_only_dynamic_extents() -> None:
     struct = launch._tensor_struct(by_name["ranges"])
     assert ctypes.sizeof(struct) == 16  # void* + int32[1], padded
     assert json.loads(json.dumps(abi_to_json(FORWARD_ABI)))[0] == {
-        "kind": "tensor", "name": "q", "dtype": "input", "shape": ["Tq", "Hq", "D"]
+        "kind": "tensor", "name": "q", "dtype": "input", "shape": ["Tq", "Hq", "D"], "align": 16
     }
+    backward = {a.name: a for a in BACKWARD_ABI if isinstance(a, TensorArg)}
+    assert backward["lse_log2"].alignment == 16 and backward["dq_accum"].alignment == 16  # TMA operands
+    assert by_name["sink"].alignment == 4  # the caller's tensor: only element alignment is assumed
 
 
 def test_artifact_without_kernels_registers_nothing(tmp_path: Path) -> None:

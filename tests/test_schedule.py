@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from maskc.errors import MaskError
 from maskc.ir import AttnSlice, Mask
-from maskc.ir.schedule import Schedule, build_backward_schedule, build_schedule
+from maskc.ir.schedule import Schedule, build_backward_schedule, build_deterministic_backward_schedule, build_schedule
 
 from test_ir import masks
 
@@ -104,3 +104,25 @@ def test_backward_schedule_of_causal_skips_blocks_above_the_diagonal() -> None:
     s = build_backward_schedule(Mask.from_cu_seqlens([0, 1024], causal=True), 128, 128)
     # k tile n is needed by q blocks n..7: the first key tile is the heaviest.
     assert s.work_tile[0] == 0 and s.blocks_per_item().tolist() == [8, 7, 6, 5, 4, 3, 2, 1]
+
+
+@given(masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 16]), st.sampled_from([1, 4, 8]))
+@settings(max_examples=200, deadline=None)
+def test_deterministic_backward_schedule_orders_dq_additions(mask: Mask, tile_m: int, tile_n: int) -> None:
+    s = build_deterministic_backward_schedule(mask, tile_m, tile_n)
+    assert torch.equal(decode(s), mask.to_dense().T)  # the same blocks as the plain schedule
+    assert s.work_tile.tolist() == sorted(s.work_tile.tolist())  # k tile order: waits go to earlier items
+    # Walk the pairs in kernel order: each (k tile, q block) has as rank the number of lower
+    # k tiles adding to that q block; each item's pairs start at its work_blocks offset.
+    seen: dict[int, list[int]] = {}
+    pairs = []
+    for w, tile in enumerate(s.work_tile.tolist()):
+        assert s.work_blocks[w] == len(pairs)
+        for r in range(s.work_ranges[w], s.work_ranges[w + 1]):
+            for m in range(s.ranges[r, 0], s.ranges[r, 1]):
+                pairs.append((tile, m))
+                seen.setdefault(m, []).append(tile)
+    assert s.work_blocks[-1] == len(pairs) == len(s.block_rank)
+    for (tile, m), rank in zip(pairs, s.block_rank.tolist()):
+        assert rank == sum(t < tile for t in seen[m])
+    assert len(s.arrays()) == 7  # the kernel also gets work_blocks and block_rank

@@ -102,8 +102,9 @@ def fake_arguments(variant: KernelVariant) -> list:
                 for d in arg.shape
             )
             order = tuple(range(len(shape) - 1, -1, -1))  # compact row-major
-            align = 16 if arg.dtype == "input" else 4
-            args.append(make_fake_compact_tensor(dtypes[arg.dtype], shape, stride_order=order, assumed_align=align))
+            args.append(
+                make_fake_compact_tensor(dtypes[arg.dtype], shape, stride_order=order, assumed_align=arg.alignment)
+            )
         elif isinstance(arg, ScalarArg):
             args.append(dtypes[arg.dtype](0))
         else:

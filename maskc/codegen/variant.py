@@ -51,6 +51,9 @@ class KernelVariant:
     #: for TILE_M / G consecutive tokens (packed row p = token * G + g), so each K/V block
     #: serves G heads; work items walk K/V heads. See maskc.ir.strategy.select_pack_gqa.
     pack_gqa: bool = False
+    #: Backward only: dQ additions in a fixed order (k tiles in ascending order per q block,
+    #: through semaphores), so gradients are bitwise identical from run to run.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -70,7 +73,7 @@ class KernelVariant:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise VariantError(f"{name} must be a positive int, got {value!r}")
-        for name in ("has_softcap", "has_sink", "has_max_logits", "pack_gqa"):
+        for name in ("has_softcap", "has_sink", "has_max_logits", "pack_gqa", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise VariantError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.num_heads_q % self.num_heads_kv:
@@ -87,6 +90,8 @@ class KernelVariant:
         if self.direction == "bwd":
             self._check_backward_tiles()
         else:
+            if self.deterministic:
+                raise VariantError("deterministic is a backward option (the forward is deterministic already)")
             self._check_forward_tiles()
         if not 1 <= self.num_stages <= 8:
             raise VariantError(f"num_stages {self.num_stages} must be in [1, 8]")
@@ -122,6 +127,8 @@ class KernelVariant:
             raise VariantError(f"backward tile_n {self.tile_n} is not supported; supported: 128 (2 consumer warpgroups)")
         if self.tile_m != 64:
             raise VariantError(f"backward tile_m {self.tile_m} is not supported; supported: 64 (registers)")
+        if self.num_stages % 2:
+            raise VariantError(f"backward num_stages {self.num_stages} must be even (blocks alternate two dS buffers)")
 
     # ---- derived properties ---------------------------------------------------------------
 
@@ -146,13 +153,14 @@ class KernelVariant:
     def smem_bytes(self, q_stages: int = 1) -> int:
         """Shared memory for the Q buffers (each also stages O) and the K and V stages.
 
-        Backward: the K and V tile, `num_stages` (Q, dO) block pairs and one dS^T block per
-        consumer warpgroup."""
+        Backward: the K and V tile, `num_stages` (Q, dO) blocks with their fp32 lse / delta
+        rows, two dS^T blocks of the k tile and the fp32 dQ staging tile."""
         if self.direction == "bwd":
             kv = 2 * self.tile_n * self.head_dim
             qdo = 2 * self.num_stages * self.tile_m * self.head_dim
-            ds = self.tile_n * self.tile_m
-            return (kv + qdo + ds) * self.element_bytes
+            ds = 2 * self.tile_n * self.tile_m
+            fp32 = self.tile_m * self.head_dim + 2 * self.num_stages * self.tile_m
+            return (kv + qdo + ds) * self.element_bytes + 4 * fp32
         q = q_stages * self.tile_m * self.head_dim
         kv = 2 * self.num_stages * self.tile_n * self.head_dim
         return (q + kv) * self.element_bytes
@@ -177,7 +185,12 @@ class KernelVariant:
         """A stable short name, usable as a file name and a C symbol prefix."""
         arch = self.arch.replace("_", "").rstrip("a")
         flags = "".join(
-            letter for letter, on in (("c", self.has_softcap), ("s", self.has_sink), ("m", self.has_max_logits), ("p", self.pack_gqa)) if on
+            letter
+            for letter, on in (
+                ("c", self.has_softcap), ("s", self.has_sink), ("m", self.has_max_logits), ("p", self.pack_gqa),
+                ("d", self.deterministic),
+            )
+            if on
         )
         return (
             f"attn_{self.direction}_{arch}_d{self.head_dim}_{self.dtype}_h{self.num_heads_q}x{self.num_heads_kv}"

@@ -83,8 +83,9 @@ def _merge_runs(tile: np.ndarray, begin: np.ndarray, end: np.ndarray) -> tuple[n
     return tile[first], begin[first], np.maximum.reduceat(end, first)
 
 
-def build_schedule(mask: Mask, tile_m: int, tile_n: int) -> Schedule:
-    """The forward schedule of `mask` for (tile_m x tile_n) tiles."""
+def build_schedule(mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool = True) -> Schedule:
+    """The forward schedule of `mask` for (tile_m x tile_n) tiles; work items heaviest first, or
+    in tile order (`heaviest_first=False`)."""
     if tile_m <= 0 or tile_n <= 0:
         raise MaskError(f"tile shape must be positive, got {tile_m} x {tile_n}")
     sq, sk = mask.shape
@@ -125,8 +126,11 @@ def build_schedule(mask: Mask, tile_m: int, tile_n: int) -> Schedule:
     run_partial = np.r_[np.ones(part[0].size, np.int64), np.zeros(full[0].size, np.int64)]
 
     # Heaviest tiles first; ties keep tile order.
-    weight = np.bincount(run_tile, weights=run_end - run_begin, minlength=num_tiles)
-    work_tile = np.lexsort((np.arange(num_tiles), -weight))
+    if heaviest_first:
+        weight = np.bincount(run_tile, weights=run_end - run_begin, minlength=num_tiles)
+        work_tile = np.lexsort((np.arange(num_tiles), -weight))
+    else:
+        work_tile = np.arange(num_tiles)
     rank = np.empty(num_tiles, np.int64)
     rank[work_tile] = np.arange(num_tiles)
 
@@ -157,3 +161,42 @@ def build_backward_schedule(mask: Mask, tile_m: int, tile_n: int) -> Schedule:
     (rows are keys, columns queries). It is the forward schedule of the transposed mask, so one
     scheduler and one line mask serve both directions."""
     return build_schedule(mask.transpose(), tile_n, tile_m)
+
+
+@dataclass(frozen=True, eq=False)
+class DeterministicBackwardSchedule(Schedule):
+    """A backward schedule in k tile order plus the order of the dQ additions: the k tiles
+    touching a q block add their dQ in ascending tile order, so dQ is bitwise reproducible.
+
+    - `work_blocks [W+1]`: per item, CSR offsets of its (run, q block) pairs in run order;
+    - `block_rank [B]`: for each pair, how many lower k tiles touch the same q block (the
+      kernel waits until that many additions to the block have landed before adding its own).
+    """
+
+    work_blocks: np.ndarray
+    block_rank: np.ndarray
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return (*super().arrays(), self.work_blocks, self.block_rank)
+
+
+def build_deterministic_backward_schedule(mask: Mask, tile_m: int, tile_n: int) -> DeterministicBackwardSchedule:
+    """`build_backward_schedule` with items in k tile order (a CTA then only ever waits for
+    lower items, which the persistent grid started earlier: no deadlock) and the dQ ranks."""
+    s = build_schedule(mask.transpose(), tile_n, tile_m, heaviest_first=False)
+    lengths = (s.ranges[:, 1] - s.ranges[:, 0]).astype(np.int64)
+    run_work = np.repeat(np.arange(s.num_work), np.diff(s.work_ranges))
+    _, q_block = _expand(s.ranges[:, 0].astype(np.int64), s.ranges[:, 1].astype(np.int64) - 1)
+    k_tile = np.repeat(s.work_tile[run_work], lengths)
+    order = np.lexsort((k_tile, q_block))  # by q block, then k tile
+    sorted_block = q_block[order]
+    group_start = np.r_[0, np.flatnonzero(sorted_block[1:] != sorted_block[:-1]) + 1]
+    first_of_group = np.repeat(group_start, np.diff(np.r_[group_start, sorted_block.size]))
+    rank = np.empty(order.size, np.int64)
+    rank[order] = np.arange(order.size) - first_of_group
+    work_blocks = np.r_[0, np.cumsum(np.bincount(run_work, weights=lengths, minlength=s.num_work))]
+    return DeterministicBackwardSchedule(
+        **{f: getattr(s, f) for f in Schedule.__dataclass_fields__},
+        work_blocks=_as32(work_blocks),
+        block_rank=_as32(rank),
+    )
