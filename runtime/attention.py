@@ -225,10 +225,22 @@ def _padded_head_major(x: torch.Tensor, tile_m: int, fill: float) -> torch.Tenso
     return out.view(-1)
 
 
+def _rowwise_dot(a: torch.Tensor, b: torch.Tensor, budget: int = 1 << 26) -> torch.Tensor:
+    """[Tq, Hq] float32 sum over the head dim of a * b, computed in float32 a slab of rows at a
+    time so the float32 copies stay within `budget` bytes whatever the sequence length."""
+    tq, hq, d = a.shape
+    rows = max(1, budget // (8 * hq * d))
+    out = torch.empty(tq, hq, dtype=torch.float32, device=a.device)
+    for start in range(0, tq, rows):
+        part = slice(start, start + rows)
+        torch.sum(a[part].float() * b[part].float(), dim=-1, out=out[part])
+    return out
+
+
 def _backward(q, k, v, out, lse, sink, dout, dlse, call: _Call):
     """dq, dk, dv from the backward kernel; dsink from its closed form (the sinks join the
     softmax with no value: d sink = -sum over rows of P_sink * (rowsum(dO * O) - dlse))."""
-    delta = (dout.float() * out.float()).sum(dim=-1)
+    delta = _rowwise_dot(dout, out)
     if dlse is not None:
         delta = delta - dlse
     # Rows with no key (lse = -inf) and the padding get lse = +inf, so P = 0 there.
