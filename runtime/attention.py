@@ -5,6 +5,15 @@ is installed, are compiled on first use into the content-addressed cache (JIT). 
 is found by its *request* — arch, head dim, dtype, head counts, feature flags — the fields
 a call determines; the tile shape it was built with comes from its manifest entry and
 decides the schedule the runtime builds for it.
+
+The kernel launches are the torch.library custom ops `maskc::attn_fwd` and `maskc::attn_bwd`
+(fake implementations for tracing, autograd through `register_autograd`), so `maskc.attention`
+runs inside `torch.compile(fullgraph=True)`. Op arguments are tensors and scalars only: a
+kernel is its index in `_LOADED`, a schedule is its list of device tensors. Everything the
+mask decides (GQA strategy, kernels, schedules) comes from `_plan`, which torch.compile runs
+once per compilation, treating the result as constant: a compiled graph is specialised to its
+mask (guarded on `Mask.__eq__` or identity, depending on the torch release), so a new mask
+means a new compilation.
 """
 
 from __future__ import annotations
@@ -12,16 +21,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
+import torch.utils._pytree as pytree
 
 from maskc.errors import ArtifactError, MaskcError
 from maskc.ir import Mask
 from maskc.ir.schedule import build_backward_schedule, build_schedule
 from maskc.ir.strategy import SUPPORTED_HEAD_DIMS, pack_gqa_supported, select_pack_gqa, select_tiles
 from maskc.reference import AttentionMeta, check_attention_args
-from maskc.runtime.abi import ABIS, abi_to_json
+from maskc.runtime.abi import ABIS, SCHEDULE_AND_LAUNCH, TensorArg, abi_to_json
 from maskc.runtime.launch import Kernel, find_runtime_library, installed_dsl_version, installed_library, runtime_at
 from maskc.runtime.manifest import read_manifest
 
@@ -31,6 +41,11 @@ REQUEST_FIELDS = (
     "arch", "direction", "head_dim", "dtype", "num_heads_q", "num_heads_kv", "has_softcap", "has_sink", "has_max_logits",
     "pack_gqa",
 )
+SCHEDULE_TENSORS = tuple(a.name for a in SCHEDULE_AND_LAUNCH if isinstance(a, TensorArg))
+"""The schedule's tensors in ABI order: how a schedule travels as an op's list argument."""
+
+# A Mask is immutable and compares by value: torch.compile may hand it to `_plan` as a constant.
+pytree.register_constant(Mask)
 
 
 def _request_key(fields: dict[str, Any]) -> tuple:
@@ -40,10 +55,13 @@ def _request_key(fields: dict[str, Any]) -> tuple:
 class _Entry:
     """A loaded kernel and the tile shape its schedule needs: tile_m is in query tokens (with
     PackGQA, the kernel's TILE_M packed rows hold TILE_M / G tokens), and items_per_tile the
-    work items of each q tile (query heads, or K/V heads with PackGQA)."""
+    work items of each q tile (query heads, or K/V heads with PackGQA). `index` is its place in
+    `_LOADED`: what the custom ops take to name it."""
 
     def __init__(self, kernel: Kernel, tile_m: int, tile_n: int, items_per_tile: int):
         self.kernel, self.tile_m, self.tile_n, self.items_per_tile = kernel, tile_m, tile_n, items_per_tile
+        self.index = len(_LOADED)
+        _LOADED.append(self)
 
 
 def _entry(kernel: Kernel, fields: dict[str, Any]) -> _Entry:
@@ -78,6 +96,7 @@ def _find_kernel(request: dict[str, Any], strategy_forced: bool) -> _Entry:
 
 
 _KERNELS: dict[tuple, _Entry] = {}
+_LOADED: list[_Entry] = []
 
 
 def register_artifact(directory: str | Path) -> list[str]:
@@ -145,8 +164,7 @@ def _check_inputs(
     for name, x in named:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.device.type != "cuda":
-            raise ValueError(f"maskc.attention runs on CUDA tensors; {name} is on {x.device} (use maskc.reference_attention on CPU)")
+        _check_device(name, x)
         if name != "sink" and x.dtype not in DTYPES:
             raise TypeError(f"{name} has dtype {x.dtype}; maskc kernels take bfloat16 or float16")
         if not x.is_contiguous():
@@ -157,15 +175,18 @@ def _check_inputs(
     return scale
 
 
-def _schedule_tensors(mask: Mask, build: Callable, tile_m: int, tile_n: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """A schedule on the device, built once per (mask, direction, tile, device): masks are immutable."""
+def _check_device(name: str, x: torch.Tensor) -> None:
+    if x.device.type != "cuda":
+        raise ValueError(f"maskc.attention runs on CUDA tensors; {name} is on {x.device} (use maskc.reference_attention on CPU)")
+
+
+def _schedule_tensors(mask: Mask, build: Callable, tile_m: int, tile_n: int, device: torch.device) -> list[torch.Tensor]:
+    """A schedule on the device (SCHEDULE_TENSORS order), built once per (mask, direction, tile,
+    device): masks are immutable."""
     key = (build.__name__, tile_m, tile_n, device)
     cached = mask.memo.get(key)
     if cached is None:
-        s = build(mask, tile_m, tile_n)
-        names = ("work_tile", "work_ranges", "ranges", "work_lines", "lines")
-        cached = {n: _device_int32(a, device) for n, a in zip(names, s.arrays())}
-        mask.memo[key] = cached
+        cached = mask.memo[key] = [_device_int32(a, device) for a in build(mask, tile_m, tile_n).arrays()]
     return cached
 
 
@@ -177,37 +198,95 @@ def _device_int32(array, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+class _Launch(NamedTuple):
+    """One kernel launch of a call as op arguments: the kernel's index in `_LOADED`, its
+    schedule on the device (SCHEDULE_TENSORS order) and its grid size."""
+
+    kernel: int
+    schedule: list[torch.Tensor]
+    num_ctas: int
+
+
+_NO_LAUNCH = _Launch(-1, [], 0)
+"""The backward of a call that needs no gradient: nothing is planned or built for it."""
+
+
+def _launch_of(entry: _Entry, mask: Mask, build: Callable, num_sms: int, device: torch.device) -> _Launch:
+    schedule = _schedule_tensors(mask, build, entry.tile_m, entry.tile_n, device)
+    return _Launch(entry.index, schedule, min(num_sms, max(1, schedule[0].shape[0] * entry.items_per_tile)))
+
+
+@torch.compiler.assume_constant_result
+def _plan(
+    mask: Mask,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim: int,
+    has_softcap: bool,
+    has_sink: bool,
+    return_max_logits: bool,
+    pack_gqa: bool | None,
+    needs_grad: bool,
+) -> tuple[_Launch, _Launch]:
+    """The forward and backward launches of a call, which its mask, device, shapes and flags
+    decide: GQA strategy, kernels (registered or compiled), schedules, all cached. It takes
+    no tensor, so torch.compile runs it once per compilation and keeps the result as constants
+    instead of tracing the numpy schedule passes."""
+    capability, num_sms = _device_info(device)
+    if capability not in ARCHS:
+        raise MaskcError(f"no maskc kernel for compute capability {capability}; supported: {sorted(ARCHS)}")
+    base = {"arch": ARCHS[capability], "head_dim": head_dim, "dtype": DTYPES[dtype], "num_heads_q": num_heads_q,
+            "num_heads_kv": num_heads_kv, "has_softcap": has_softcap}  # fmt: skip
+    request = {**base, "direction": "fwd", "has_sink": has_sink, "has_max_logits": return_max_logits}
+    if pack_gqa is None:
+        request["pack_gqa"] = _pack_gqa(mask, request, num_sms)
+    else:
+        if pack_gqa and not pack_gqa_supported(num_heads_q, num_heads_kv):
+            raise MaskcError(f"pack_gqa needs Hq / Hkv a power of two in [2, 64]; got {num_heads_q} / {num_heads_kv}")
+        request["pack_gqa"] = bool(pack_gqa)
+    forward = _find_kernel(request, strategy_forced=pack_gqa is not None)
+    forward_launch = _launch_of(forward, mask, build_schedule, num_sms, device)
+    if not needs_grad:
+        return forward_launch, _NO_LAUNCH
+    backward = _find_kernel({**base, "direction": "bwd", "has_sink": False, "has_max_logits": False, "pack_gqa": False},
+                            strategy_forced=True)  # fmt: skip
+    return forward_launch, _launch_of(backward, mask, build_backward_schedule, num_sms, device)
+
+
 @dataclass(frozen=True, eq=False)
 class _Call:
-    """Everything of one attention call but its tensors, shared by forward and backward."""
+    """One kernel launch with its scalars, rebuilt inside an op from the op's arguments."""
 
-    mask: Mask
+    kernel: _Entry
+    schedule: list[torch.Tensor]
+    num_ctas: int
     scale: float
     softcap: float
-    num_sms: int
-    forward: _Entry
-    backward: _Entry | None
-    return_max_logits: bool
+    return_max_logits: bool = False
+    deterministic: bool = False
 
 
-def _launch(entry: _Entry, build: Callable, call: _Call, tensors: dict, device: torch.device) -> None:
-    schedule = _schedule_tensors(call.mask, build, entry.tile_m, entry.tile_n, device)
-    scalars = {
-        "softmax_scale": call.scale,
-        "softcap": call.softcap,
-        "num_ctas": min(call.num_sms, max(1, schedule["work_tile"].shape[0] * entry.items_per_tile)),
-    }
-    entry.kernel({**tensors, **schedule}, scalars, torch.cuda.current_stream(device).cuda_stream)
+def _launch(call: _Call, tensors: dict, device: torch.device) -> None:
+    scalars = {"softmax_scale": call.scale, "softcap": call.softcap, "num_ctas": call.num_ctas}
+    schedule = dict(zip(SCHEDULE_TENSORS, call.schedule))
+    call.kernel.kernel({**tensors, **schedule}, scalars, torch.cuda.current_stream(device).cuda_stream)
+
+
+def _forward_outputs(q: torch.Tensor, return_max_logits: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out, lse and row_max of a forward; row_max is empty unless asked for (op outputs never alias)."""
+    tq, hq, _ = q.shape
+    lse = torch.empty(tq, hq, dtype=torch.float32, device=q.device)
+    row_max = torch.empty((tq, hq) if return_max_logits else (0,), dtype=torch.float32, device=q.device)
+    return torch.empty_like(q), lse, row_max
 
 
 def _forward(q, k, v, sink, call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    tq, hq, _ = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty(tq, hq, dtype=torch.float32, device=q.device)
-    row_max = torch.empty(tq, hq, dtype=torch.float32, device=q.device) if call.return_max_logits else lse
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "row_max": row_max}
+    out, lse, row_max = _forward_outputs(q, call.return_max_logits)
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "row_max": row_max if call.return_max_logits else lse}
     tensors["sink"] = sink if sink is not None else lse[:1]
-    _launch(call.forward, build_schedule, call, tensors, q.device)
+    _launch(call, tensors, q.device)
     return out, lse, row_max
 
 
@@ -221,32 +300,95 @@ def _backward(q, k, v, out, lse, sink, dout, dlse, call: _Call):
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     tensors = {"q": q, "k": k, "v": v, "dout": dout.contiguous(), "lse": lse, "delta": delta.contiguous(),
                "dq_accum": dq_accum, "dk": dk, "dv": dv}  # fmt: skip
-    _launch(call.backward, build_backward_schedule, call, tensors, q.device)
+    _launch(call, tensors, q.device)
     dsink = None
     if sink is not None:
         dsink = -(torch.exp(sink[None] - lse[:, None, :]) * delta[:, None, :]).sum(dim=0)
     return dq_accum.to(q.dtype), dk, dv, dsink
 
 
-class _Attention(torch.autograd.Function):
-    """Saves q, k, v, out, lse (and the sinks); the backward kernel recomputes the rest."""
+@torch.library.custom_op("maskc::attn_fwd", mutates_args=(), device_types="cuda")
+def _attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sink: torch.Tensor | None,
+    schedule: list[torch.Tensor],
+    kernel: int,
+    num_ctas: int,
+    softmax_scale: float,
+    softcap: float,
+    return_max_logits: bool,
+    bwd_schedule: list[torch.Tensor],
+    bwd_kernel: int,
+    bwd_num_ctas: int,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out, lse and row_max ([0] unless return_max_logits) from the forward kernel `kernel`.
+    The bwd_* arguments and `deterministic` are the backward's launch, carried here because
+    autograd sees only a forward op's inputs (bwd_kernel < 0: none was planned)."""
+    return _forward(q, k, v, sink, _Call(_LOADED[kernel], schedule, num_ctas, softmax_scale, softcap, return_max_logits))
 
-    @staticmethod
-    def forward(ctx: Any, q, k, v, sink, call: _Call):  # type: ignore[override]
-        out, lse, row_max = _forward(q, k, v, sink, call)
-        if row_max is lse:  # no max logits asked for: a distinct output, so lse stays differentiable
-            row_max = lse.new_empty(0)
-        ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.call = call
-        ctx.mark_non_differentiable(row_max)
-        return out, lse, row_max
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, dout, dlse, _drow_max):  # type: ignore[override]
-        q, k, v, out, lse, sink = ctx.saved_tensors
-        dq, dk, dv, dsink = _backward(q, k, v, out, lse, sink, dout, dlse, ctx.call)
-        return dq, dk, dv, dsink, None
+@_attn_fwd.register_fake
+def _attn_fwd_fake(q, k, v, sink, schedule, kernel, num_ctas, softmax_scale, softcap, return_max_logits,
+                   bwd_schedule, bwd_kernel, bwd_num_ctas, deterministic=False):  # fmt: skip
+    return _forward_outputs(q, return_max_logits)
+
+
+@torch.library.custom_op("maskc::attn_bwd", mutates_args=(), device_types="cuda")
+def _attn_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sink: torch.Tensor | None,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    schedule: list[torch.Tensor],
+    kernel: int,
+    num_ctas: int,
+    softmax_scale: float,
+    softcap: float,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv and dsink (empty without sinks: ops return tensors) from the backward kernel."""
+    call = _Call(_LOADED[kernel], schedule, num_ctas, softmax_scale, softcap, deterministic=deterministic)
+    dq, dk, dv, dsink = _backward(q, k, v, out, lse, sink, dout, dlse, call)
+    return dq, dk, dv, dsink if dsink is not None else lse.new_empty(0)
+
+
+@_attn_bwd.register_fake
+def _attn_bwd_fake(q, k, v, out, lse, sink, dout, dlse, schedule, kernel, num_ctas, softmax_scale, softcap,
+                   deterministic=False):  # fmt: skip
+    dsink = torch.empty_like(sink) if sink is not None else lse.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    """Saves q, k, v, out, lse, the sinks and the backward's launch; the kernel recomputes the rest."""
+    q, k, v, sink, _, _, _, scale, softcap, _, bwd_schedule, bwd_kernel, bwd_num_ctas, deterministic = inputs
+    out, lse, row_max = output
+    ctx.save_for_backward(q, k, v, out, lse, sink, *bwd_schedule)
+    ctx.launch = (bwd_kernel, bwd_num_ctas, scale, softcap, deterministic)
+    ctx.mark_non_differentiable(row_max)
+
+
+def _attn_fwd_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None, _drow_max: Any) -> tuple:
+    q, k, v, out, lse, sink, *schedule = ctx.saved_tensors
+    kernel, num_ctas, scale, softcap, deterministic = ctx.launch
+    dq, dk, dv, dsink = torch.ops.maskc.attn_bwd(
+        q, k, v, out, lse, sink, dout, dlse, schedule, kernel, num_ctas, scale, softcap, deterministic
+    )
+    schedule_grads = [None] * len(SCHEDULE_TENSORS)  # a list input gets a list of (no) gradients
+    grads = (dq, dk, dv, dsink if sink is not None else None, schedule_grads, None, None, None, None, None,
+             schedule_grads, None, None, None)  # fmt: skip
+    # One gradient per input given: the dispatcher drops trailing arguments left at their default.
+    return grads[: len(ctx.needs_input_grad)]
+
+
+_attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_setup_context)
 
 
 def attention(
@@ -262,43 +404,28 @@ def attention(
     pack_gqa: bool | None = None,
 ) -> tuple[torch.Tensor, AttentionMeta]:
     """Masked attention with maskc's kernels; the same contract as `maskc.reference_attention`,
-    differentiable in q, k, v and sink (the gradient flows through lse too).
+    differentiable in q, k, v and sink (the gradient flows through lse too). Works inside
+    torch.compile(fullgraph=True); build the Mask outside the compiled region.
 
     pack_gqa: the GQA strategy. None (default) lets maskc.ir.strategy.select_pack_gqa decide
     from the mask and the head counts (PackGQA packs the G = Hq / Hkv query heads of a K/V
     head into one M tile); True / False force it (True needs G a power of two in [2, 64]).
     """
     scale = _check_inputs(q, k, v, mask, sink, softmax_scale, softcap)
-    capability, num_sms = _device_info(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    if capability not in ARCHS:
-        raise MaskcError(f"no maskc kernel for compute capability {capability}; supported: {sorted(ARCHS)}")
-    tq, hq, d = q.shape
-    base = {"arch": ARCHS[capability], "head_dim": d, "dtype": DTYPES[q.dtype], "num_heads_q": hq,
-            "num_heads_kv": k.shape[1], "has_softcap": softcap > 0}  # fmt: skip
-    request = {**base, "direction": "fwd", "has_sink": sink is not None, "has_max_logits": return_max_logits}
-    if pack_gqa is None:
-        request["pack_gqa"] = _pack_gqa(mask, request, num_sms)
-    else:
-        if pack_gqa and not pack_gqa_supported(hq, k.shape[1]):
-            raise MaskcError(f"pack_gqa needs Hq / Hkv a power of two in [2, 64]; got {hq} / {k.shape[1]}")
-        request["pack_gqa"] = bool(pack_gqa)
+    _, hq, d = q.shape
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sink))
-    backward = None
-    if needs_grad:
-        backward_request = {**base, "direction": "bwd", "has_sink": False, "has_max_logits": False, "pack_gqa": False}
-        backward = _find_kernel(backward_request, strategy_forced=True)
-    call = _Call(mask, scale, float(softcap), num_sms, _find_kernel(request, strategy_forced=pack_gqa is not None),
-                 backward, return_max_logits)  # fmt: skip
-    if needs_grad:
-        out, lse, row_max = _Attention.apply(q, k, v, sink, call)
-    else:
-        out, lse, row_max = _forward(q, k, v, sink, call)
+    fwd, bwd = _plan(mask, q.device, q.dtype, hq, k.shape[1], d, softcap > 0, sink is not None, return_max_logits,
+                     pack_gqa, needs_grad)  # fmt: skip
+    out, lse, row_max = torch.ops.maskc.attn_fwd(
+        q, k, v, sink, fwd.schedule, fwd.kernel, fwd.num_ctas, scale, float(softcap), return_max_logits,
+        bwd.schedule, bwd.kernel, bwd.num_ctas,
+    )  # fmt: skip
     max_logits = row_max.amax(dim=0) if return_max_logits else None
     return out, AttentionMeta(lse=lse, max_logits=max_logits)
 
 
 @lru_cache(maxsize=None)
-def _device_info(index: int) -> tuple[tuple[int, int], int]:
+def _device_info(device: torch.device) -> tuple[tuple[int, int], int]:
     """(compute capability, multiprocessor count) of a GPU, asked once per process."""
-    props = torch.cuda.get_device_properties(index)
+    props = torch.cuda.get_device_properties(device)
     return (props.major, props.minor), props.multi_processor_count
