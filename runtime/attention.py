@@ -9,7 +9,7 @@ decides the schedule the runtime builds for it.
 The kernel launches are the torch.library custom ops `maskc::attn_fwd` and `maskc::attn_bwd`
 (fake implementations for tracing, autograd through `register_autograd`), so `maskc.attention`
 runs inside `torch.compile(fullgraph=True)`. Op arguments are tensors and scalars only: a
-kernel is its index in `_LOADED`, a schedule is its list of device tensors. Everything the
+kernel is its index in `_LOADED`, a schedule one int32 device tensor. Everything the
 mask decides (GQA strategy, kernels, schedules) comes from `_plan`, which torch.compile runs
 once per compilation, treating the result as constant: a compiled graph is specialised to its
 mask (guarded on `Mask.__eq__` or identity, depending on the torch release), so a new mask
@@ -18,11 +18,13 @@ means a new compilation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
@@ -41,8 +43,8 @@ REQUEST_FIELDS = (
     "arch", "direction", "head_dim", "dtype", "num_heads_q", "num_heads_kv", "has_softcap", "has_sink", "has_max_logits",
     "pack_gqa",
 )
-SCHEDULE_TENSORS = tuple(a.name for a in SCHEDULE_AND_LAUNCH if isinstance(a, TensorArg))
-"""The schedule's tensors in ABI order: how a schedule travels as an op's list argument."""
+SCHEDULE_ARGS = tuple(a for a in SCHEDULE_AND_LAUNCH if isinstance(a, TensorArg))
+"""The schedule's tensors in ABI order; every dim but the first has a fixed extent."""
 
 # A Mask is immutable and compares by value: torch.compile may hand it to `_plan` as a constant.
 pytree.register_constant(Mask)
@@ -180,40 +182,43 @@ def _check_device(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"maskc.attention runs on CUDA tensors; {name} is on {x.device} (use maskc.reference_attention on CPU)")
 
 
-def _schedule_tensors(mask: Mask, build: Callable, tile_m: int, tile_n: int, device: torch.device) -> list[torch.Tensor]:
-    """A schedule on the device (SCHEDULE_TENSORS order), built once per (mask, direction, tile,
-    device): masks are immutable."""
+def _schedule_tensors(
+    mask: Mask, build: Callable, tile_m: int, tile_n: int, device: torch.device
+) -> tuple[torch.Tensor, list[int]]:
+    """A schedule on the device as one int32 tensor holding its arrays back to back (one copy,
+    one op argument) and the row count of each, built once per (mask, direction, tile, device):
+    masks are immutable. An empty array gets a zero row (never read) so it has an address."""
     key = (build.__name__, tile_m, tile_n, device)
     cached = mask.memo.get(key)
     if cached is None:
-        cached = mask.memo[key] = [_device_int32(a, device) for a in build(mask, tile_m, tile_n).arrays()]
+        arrays = [a if len(a) else np.zeros((1, *a.shape[1:]), np.int32) for a in build(mask, tile_m, tile_n).arrays()]
+        flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays])).to(device)
+        cached = mask.memo[key] = (flat, [a.shape[0] for a in arrays])
     return cached
 
 
-def _device_int32(array, device: torch.device) -> torch.Tensor:
-    """A schedule array on the device; an empty one gets a zero row (never read) so it has an address."""
-    t = torch.from_numpy(array)
-    if t.shape[0] == 0:
-        t = torch.zeros((1, *t.shape[1:]), dtype=torch.int32)
-    return t.to(device)
+def _schedule_views(flat: torch.Tensor, rows: list[int]) -> dict[str, torch.Tensor]:
+    """The schedule's tensors by ABI name, cut back out of its flat tensor."""
+    parts = flat.split([r * math.prod(a.shape[1:]) for r, a in zip(rows, SCHEDULE_ARGS)])
+    return {a.name: p.view(r, *a.shape[1:]) if len(a.shape) > 1 else p for a, p, r in zip(SCHEDULE_ARGS, parts, rows)}
 
 
-class _Launch(NamedTuple):
-    """One kernel launch of a call as op arguments: the kernel's index in `_LOADED`, its
-    schedule on the device (SCHEDULE_TENSORS order) and its grid size."""
+class _LaunchArgs(NamedTuple):
+    """One kernel launch as op arguments: its schedule (`_schedule_tensors`) and `launch`, the
+    kernel's index in `_LOADED`, the grid size and the row count of each schedule array.
+    Few op arguments keep the dispatcher's per-call cost down."""
 
-    kernel: int
-    schedule: list[torch.Tensor]
-    num_ctas: int
+    schedule: torch.Tensor | None
+    launch: list[int]
 
 
-_NO_LAUNCH = _Launch(-1, [], 0)
+_NO_LAUNCH = _LaunchArgs(None, [])
 """The backward of a call that needs no gradient: nothing is planned or built for it."""
 
 
-def _launch_of(entry: _Entry, mask: Mask, build: Callable, num_sms: int, device: torch.device) -> _Launch:
-    schedule = _schedule_tensors(mask, build, entry.tile_m, entry.tile_n, device)
-    return _Launch(entry.index, schedule, min(num_sms, max(1, schedule[0].shape[0] * entry.items_per_tile)))
+def _launch_args(entry: _Entry, mask: Mask, build: Callable, num_sms: int, device: torch.device) -> _LaunchArgs:
+    schedule, rows = _schedule_tensors(mask, build, entry.tile_m, entry.tile_n, device)
+    return _LaunchArgs(schedule, [entry.index, min(num_sms, max(1, rows[0] * entry.items_per_tile)), *rows])
 
 
 @torch.compiler.assume_constant_result
@@ -229,7 +234,7 @@ def _plan(
     return_max_logits: bool,
     pack_gqa: bool | None,
     needs_grad: bool,
-) -> tuple[_Launch, _Launch]:
+) -> tuple[_LaunchArgs, _LaunchArgs]:
     """The forward and backward launches of a call, which its mask, device, shapes and flags
     decide: GQA strategy, kernels (registered or compiled), schedules, all cached. It takes
     no tensor, so torch.compile runs it once per compilation and keeps the result as constants
@@ -247,12 +252,12 @@ def _plan(
             raise MaskcError(f"pack_gqa needs Hq / Hkv a power of two in [2, 64]; got {num_heads_q} / {num_heads_kv}")
         request["pack_gqa"] = bool(pack_gqa)
     forward = _find_kernel(request, strategy_forced=pack_gqa is not None)
-    forward_launch = _launch_of(forward, mask, build_schedule, num_sms, device)
+    forward_launch = _launch_args(forward, mask, build_schedule, num_sms, device)
     if not needs_grad:
         return forward_launch, _NO_LAUNCH
     backward = _find_kernel({**base, "direction": "bwd", "has_sink": False, "has_max_logits": False, "pack_gqa": False},
                             strategy_forced=True)  # fmt: skip
-    return forward_launch, _launch_of(backward, mask, build_backward_schedule, num_sms, device)
+    return forward_launch, _launch_args(backward, mask, build_backward_schedule, num_sms, device)
 
 
 @dataclass(frozen=True, eq=False)
@@ -260,18 +265,22 @@ class _Call:
     """One kernel launch with its scalars, rebuilt inside an op from the op's arguments."""
 
     kernel: _Entry
-    schedule: list[torch.Tensor]
     num_ctas: int
+    schedule: dict[str, torch.Tensor]
     scale: float
     softcap: float
     return_max_logits: bool = False
     deterministic: bool = False
 
+    @classmethod
+    def of(cls, schedule: torch.Tensor, launch: list[int], scale: float, softcap: float, **flags: bool) -> _Call:
+        kernel, num_ctas, *rows = launch
+        return cls(_LOADED[kernel], num_ctas, _schedule_views(schedule, rows), scale, softcap, **flags)
+
 
 def _launch(call: _Call, tensors: dict, device: torch.device) -> None:
     scalars = {"softmax_scale": call.scale, "softcap": call.softcap, "num_ctas": call.num_ctas}
-    schedule = dict(zip(SCHEDULE_TENSORS, call.schedule))
-    call.kernel.kernel({**tensors, **schedule}, scalars, torch.cuda.current_stream(device).cuda_stream)
+    call.kernel.kernel({**tensors, **call.schedule}, scalars, torch.cuda.current_stream(device).cuda_stream)
 
 
 def _forward_outputs(q: torch.Tensor, return_max_logits: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -313,26 +322,26 @@ def _attn_fwd(
     k: torch.Tensor,
     v: torch.Tensor,
     sink: torch.Tensor | None,
-    schedule: list[torch.Tensor],
-    kernel: int,
-    num_ctas: int,
+    schedule: torch.Tensor,
+    launch: list[int],
     softmax_scale: float,
     softcap: float,
     return_max_logits: bool,
-    bwd_schedule: list[torch.Tensor],
-    bwd_kernel: int,
-    bwd_num_ctas: int,
+    bwd_schedule: torch.Tensor | None,
+    bwd_launch: list[int],
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """out, lse and row_max ([0] unless return_max_logits) from the forward kernel `kernel`.
-    The bwd_* arguments and `deterministic` are the backward's launch, carried here because
-    autograd sees only a forward op's inputs (bwd_kernel < 0: none was planned)."""
-    return _forward(q, k, v, sink, _Call(_LOADED[kernel], schedule, num_ctas, softmax_scale, softcap, return_max_logits))
+    """out, lse and row_max ([0] unless return_max_logits) from the forward kernel; `schedule`
+    and `launch` as in `_LaunchArgs`. bwd_schedule, bwd_launch and `deterministic` are the
+    backward's, carried here because autograd sees only a forward op's inputs (bwd_launch is
+    empty when no backward was planned)."""
+    call = _Call.of(schedule, launch, softmax_scale, softcap, return_max_logits=return_max_logits)
+    return _forward(q, k, v, sink, call)
 
 
 @_attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, sink, schedule, kernel, num_ctas, softmax_scale, softcap, return_max_logits,
-                   bwd_schedule, bwd_kernel, bwd_num_ctas, deterministic=False):  # fmt: skip
+def _attn_fwd_fake(q, k, v, sink, schedule, launch, softmax_scale, softcap, return_max_logits, bwd_schedule, bwd_launch,
+                   deterministic=False):  # fmt: skip
     return _forward_outputs(q, return_max_logits)
 
 
@@ -346,44 +355,39 @@ def _attn_bwd(
     sink: torch.Tensor | None,
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
-    schedule: list[torch.Tensor],
-    kernel: int,
-    num_ctas: int,
+    schedule: torch.Tensor,
+    launch: list[int],
     softmax_scale: float,
     softcap: float,
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv and dsink (empty without sinks: ops return tensors) from the backward kernel."""
-    call = _Call(_LOADED[kernel], schedule, num_ctas, softmax_scale, softcap, deterministic=deterministic)
+    call = _Call.of(schedule, launch, softmax_scale, softcap, deterministic=deterministic)
     dq, dk, dv, dsink = _backward(q, k, v, out, lse, sink, dout, dlse, call)
     return dq, dk, dv, dsink if dsink is not None else lse.new_empty(0)
 
 
 @_attn_bwd.register_fake
-def _attn_bwd_fake(q, k, v, out, lse, sink, dout, dlse, schedule, kernel, num_ctas, softmax_scale, softcap,
-                   deterministic=False):  # fmt: skip
+def _attn_bwd_fake(q, k, v, out, lse, sink, dout, dlse, schedule, launch, softmax_scale, softcap, deterministic=False):
     dsink = torch.empty_like(sink) if sink is not None else lse.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     """Saves q, k, v, out, lse, the sinks and the backward's launch; the kernel recomputes the rest."""
-    q, k, v, sink, _, _, _, scale, softcap, _, bwd_schedule, bwd_kernel, bwd_num_ctas, deterministic = inputs
+    q, k, v, sink, _, _, scale, softcap, _, bwd_schedule, bwd_launch, deterministic = inputs
     out, lse, row_max = output
-    ctx.save_for_backward(q, k, v, out, lse, sink, *bwd_schedule)
-    ctx.launch = (bwd_kernel, bwd_num_ctas, scale, softcap, deterministic)
+    ctx.save_for_backward(q, k, v, out, lse, sink, bwd_schedule)
+    ctx.launch = (bwd_launch, scale, softcap, deterministic)
     ctx.mark_non_differentiable(row_max)
 
 
 def _attn_fwd_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None, _drow_max: Any) -> tuple:
-    q, k, v, out, lse, sink, *schedule = ctx.saved_tensors
-    kernel, num_ctas, scale, softcap, deterministic = ctx.launch
-    dq, dk, dv, dsink = torch.ops.maskc.attn_bwd(
-        q, k, v, out, lse, sink, dout, dlse, schedule, kernel, num_ctas, scale, softcap, deterministic
-    )
-    schedule_grads = [None] * len(SCHEDULE_TENSORS)  # a list input gets a list of (no) gradients
-    grads = (dq, dk, dv, dsink if sink is not None else None, schedule_grads, None, None, None, None, None,
-             schedule_grads, None, None, None)  # fmt: skip
+    q, k, v, out, lse, sink, schedule = ctx.saved_tensors
+    launch, scale, softcap, deterministic = ctx.launch
+    dq, dk, dv, dsink = torch.ops.maskc.attn_bwd(q, k, v, out, lse, sink, dout, dlse, schedule, launch, scale, softcap,
+                                                 deterministic)  # fmt: skip
+    grads = (dq, dk, dv, dsink if sink is not None else None) + (None,) * 8
     # One gradient per input given: the dispatcher drops trailing arguments left at their default.
     return grads[: len(ctx.needs_input_grad)]
 
@@ -416,10 +420,8 @@ def attention(
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sink))
     fwd, bwd = _plan(mask, q.device, q.dtype, hq, k.shape[1], d, softcap > 0, sink is not None, return_max_logits,
                      pack_gqa, needs_grad)  # fmt: skip
-    out, lse, row_max = torch.ops.maskc.attn_fwd(
-        q, k, v, sink, fwd.schedule, fwd.kernel, fwd.num_ctas, scale, float(softcap), return_max_logits,
-        bwd.schedule, bwd.kernel, bwd.num_ctas,
-    )  # fmt: skip
+    out, lse, row_max = torch.ops.maskc.attn_fwd(q, k, v, sink, fwd.schedule, fwd.launch, scale, float(softcap),
+                                                 return_max_logits, bwd.schedule, bwd.launch)  # fmt: skip
     max_logits = row_max.amax(dim=0) if return_max_logits else None
     return out, AttentionMeta(lse=lse, max_logits=max_logits)
 

@@ -45,7 +45,7 @@ class Block(torch.nn.Module):
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
+    a, b = a.detach().float(), b.detach().float()
     finite = torch.isfinite(b)
     return float(torch.linalg.vector_norm(a[finite] - b[finite]) / torch.linalg.vector_norm(b[finite]).clamp_min(1e-30))
 

@@ -21,7 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import maskc
 from maskc import reference
-from maskc.ir import Mask
+from maskc.ir import AttnSlice, Mask
+from maskc.ir.schedule import build_backward_schedule, build_schedule
 from maskc.ir.strategy import select_tiles
 
 HQ, HKV, D = 8, 2, 128
@@ -35,7 +36,7 @@ rt = importlib.import_module("maskc.runtime.attention")  # the module: maskc.run
 def test_ops_are_registered_with_tensor_and_scalar_arguments_only() -> None:
     fwd = torch.ops.maskc.attn_fwd.default._schema
     bwd = torch.ops.maskc.attn_bwd.default._schema
-    allowed = {"Tensor", "Optional[Tensor]", "List[Tensor]", "int", "float", "bool"}
+    allowed = {"Tensor", "Optional[Tensor]", "List[int]", "float", "bool"}
     for schema in (fwd, bwd):
         assert {str(a.type) for a in schema.arguments} <= allowed, schema
         assert [a for a in schema.arguments if a.name == "deterministic"][0].default_value is False
@@ -51,9 +52,9 @@ def test_fake_implementations_give_exact_shapes(return_max_logits: bool, with_si
         q = torch.empty(tq, HQ, D, dtype=torch.bfloat16, device="cuda")
         k = torch.empty(tk, HKV, D, dtype=torch.bfloat16, device="cuda")
         sink = torch.empty(3, HQ, dtype=torch.float32, device="cuda") if with_sink else None
-        schedule = [torch.empty(n, dtype=torch.int32, device="cuda") for n in (4, 5)]
-        out, lse, row_max = torch.ops.maskc.attn_fwd(q, k, k, sink, schedule, 0, 132, 0.1, 0.0, return_max_logits, [], -1, 0)
-        dq, dk, dv, dsink = torch.ops.maskc.attn_bwd(q, k, k, out, lse, sink, out, lse, schedule, 1, 132, 0.1, 0.0, True)
+        schedule, launch = torch.empty(40, dtype=torch.int32, device="cuda"), [0, 132, 2, 3, 2, 3, 4]
+        out, lse, row_max = torch.ops.maskc.attn_fwd(q, k, k, sink, schedule, launch, 0.1, 0.0, return_max_logits, None, [])
+        dq, dk, dv, dsink = torch.ops.maskc.attn_bwd(q, k, k, out, lse, sink, out, lse, schedule, launch, 0.1, 0.0, True)
     assert (out.shape, out.dtype, out.device.type) == (q.shape, torch.bfloat16, "cuda")
     assert (lse.shape, lse.dtype) == ((tq, HQ), torch.float32)
     assert (row_max.shape, row_max.dtype) == ((tq, HQ) if return_max_logits else (0,), torch.float32)
@@ -73,17 +74,17 @@ class _Doubles:
     def config(self, scale: float, softcap: float, return_max_logits: bool = False) -> Any:
         return reference._Config(self.mask, scale, softcap, reference.BLOCK_Q, reference.BLOCK_K, return_max_logits)
 
-    def forward(self, q, k, v, sink, schedule, kernel, num_ctas, softmax_scale, softcap, return_max_logits,
-                bwd_schedule, bwd_kernel, bwd_num_ctas, deterministic=False):  # fmt: skip
-        self.calls.append(("fwd", {"kernel": kernel, "schedule": len(schedule), "num_ctas": num_ctas,
-                                   "bwd_kernel": bwd_kernel, "bwd_schedule": len(bwd_schedule)}))  # fmt: skip
+    def forward(self, q, k, v, sink, schedule, launch, softmax_scale, softcap, return_max_logits, bwd_schedule, bwd_launch,
+                deterministic=False):  # fmt: skip
+        self.calls.append(("fwd", {"schedule": schedule, "launch": launch, "bwd_schedule": bwd_schedule,
+                                   "bwd_launch": bwd_launch}))  # fmt: skip
         out, lse, max_logits = reference._forward(q, k, v, sink, self.config(softmax_scale, softcap, return_max_logits))
         row_max = max_logits.expand(q.shape[0], -1).contiguous() if return_max_logits else lse.new_empty(0)
         return out, lse, row_max
 
-    def backward(self, q, k, v, out, lse, sink, dout, dlse, schedule, kernel, num_ctas, softmax_scale, softcap,
+    def backward(self, q, k, v, out, lse, sink, dout, dlse, schedule, launch, softmax_scale, softcap,
                  deterministic=False):  # fmt: skip
-        self.calls.append(("bwd", {"kernel": kernel, "schedule": len(schedule), "deterministic": deterministic}))
+        self.calls.append(("bwd", {"schedule": schedule, "launch": launch, "deterministic": deterministic}))
         dlse = torch.zeros_like(lse) if dlse is None else dlse
         dq, dk, dv, dsink = reference._backward(q, k, v, out, lse, sink, dout, dlse, self.config(softmax_scale, softcap))
         return dq, dk, dv, dsink if dsink is not None else lse.new_empty(0)
@@ -150,6 +151,18 @@ def _targets(gm: torch.fx.GraphModule) -> set[Any]:
     return {n.target for n in gm.graph.nodes if n.op == "call_function"}
 
 
+@pytest.mark.parametrize("build", [build_schedule, build_backward_schedule])
+@pytest.mark.parametrize("mask", [MASK, Mask([], 5, 7), Mask([AttnSlice((0, 450), (0, 1500)), AttnSlice((900, 1000), (5, 77))], 1500, 1500)])  # fmt: skip
+def test_a_flat_schedule_cuts_back_into_the_abi_arrays(mask: Mask, build: Any) -> None:
+    """One op argument per schedule: the kernel still gets each array, empty ones as a zero row."""
+    flat, rows = rt._schedule_tensors(mask, build, 128, 128, torch.device("cpu"))
+    views = rt._schedule_views(flat, rows)
+    assert flat.dtype == torch.int32 and list(views) == [a.name for a in rt.SCHEDULE_ARGS]
+    for arg, array in zip(rt.SCHEDULE_ARGS, build(mask, 128, 128).arrays()):
+        expected = torch.from_numpy(array) if len(array) else torch.zeros(1, *array.shape[1:], dtype=torch.int32)
+        assert torch.equal(views[arg.name], expected), arg.name
+
+
 def test_eager_matches_the_reference_through_the_ops(cpu_ops: _Doubles) -> None:
     """The autograd wiring: dq, dk, dv and the lse gradient reach the right inputs."""
     q, k, v = _inputs(MASK)
@@ -187,10 +200,10 @@ def test_no_backward_is_planned_without_grad(cpu_ops: _Doubles) -> None:
         out, meta = maskc.attention(q, k, v, MASK)
     assert out.grad_fn is None and meta.lse.grad_fn is None
     (name, args), = cpu_ops.calls
-    assert args["bwd_kernel"] == -1 and args["bwd_schedule"] == 0 and args["schedule"] == len(rt.SCHEDULE_TENSORS)
-    assert rt._LOADED[args["kernel"]] in (cpu_ops.entries["fwd", False], cpu_ops.entries["fwd", True])
+    assert args["bwd_schedule"] is None and args["bwd_launch"] == []
+    assert rt._LOADED[args["launch"][0]] in (cpu_ops.entries["fwd", False], cpu_ops.entries["fwd", True])
     out, _ = maskc.attention(q, k, v, MASK)
-    assert out.grad_fn is not None and rt._LOADED[cpu_ops.calls[-1][1]["bwd_kernel"]] is cpu_ops.entries["bwd", False]
+    assert out.grad_fn is not None and rt._LOADED[cpu_ops.calls[-1][1]["bwd_launch"][0]] is cpu_ops.entries["bwd", False]
 
 
 @pytest.mark.parametrize("features", [False, True], ids=["plain", "softcap_sink_max_logits"])
@@ -247,7 +260,7 @@ def test_compiled_graph_is_specialised_to_its_mask(cpu_ops: _Doubles) -> None:
 
 def test_explain_reports_no_graph_break(cpu_ops: _Doubles) -> None:
     q, k, v = _inputs(MASK)
-    explanation = torch._dynamo.explain(lambda q, k, v: maskc.attention(q, k, v, MASK, return_max_logits=False)[0])(q, k, v)
+    explanation = torch._dynamo.explain(lambda q, k, v: maskc.attention(q, k, v, MASK)[0])(q, k, v)
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
 
 
@@ -260,9 +273,11 @@ def test_plan_errors_are_the_eager_errors(cpu_ops: _Doubles) -> None:
 def test_deterministic_flows_from_the_forward_op_to_the_backward_op(cpu_ops: _Doubles) -> None:
     """The flag a deterministic backward variant will read: given to attn_fwd, it reaches attn_bwd."""
     q, k, v = _inputs(MASK)
-    schedule = [torch.zeros(1, dtype=torch.int32)] * len(rt.SCHEDULE_TENSORS)
+    schedule, launch = torch.zeros(10, dtype=torch.int32), [0, 1, 1, 2, 1, 2, 1]
     for deterministic in (False, True):
-        out, lse, _ = torch.ops.maskc.attn_fwd(q, k, v, None, schedule, 0, 1, D**-0.5, 0.0, False, schedule, 2, 1,
+        bwd_launch = [2, *launch[1:]]
+        out, lse, _ = torch.ops.maskc.attn_fwd(q, k, v, None, schedule, launch, D**-0.5, 0.0, False, schedule, bwd_launch,
                                                deterministic)  # fmt: skip
         _loss(out, lse).backward()
-        assert cpu_ops.calls[-1] == ("bwd", {"kernel": 2, "schedule": len(schedule), "deterministic": deterministic})
+        name, args = cpu_ops.calls[-1]
+        assert (name, args["launch"][0], args["deterministic"]) == ("bwd", 2, deterministic)
