@@ -5,6 +5,15 @@ is installed, are compiled on first use into the content-addressed cache (JIT). 
 is found by its *request* — arch, head dim, dtype, head counts, feature flags — the fields
 a call determines; the tile shape it was built with comes from its manifest entry and
 decides the schedule the runtime builds for it.
+
+The kernel launches are the torch.library custom ops `maskc::attn_fwd` and `maskc::attn_bwd`
+(fake implementations for tracing, autograd through `register_autograd`), so `maskc.attention`
+runs inside `torch.compile(fullgraph=True)`. Op arguments are tensors and scalars only: a
+kernel is its index in `_LOADED`, a schedule one int32 device tensor. Everything the
+mask decides (GQA strategy, kernels, schedules) comes from `_plan`, which torch.compile runs
+once per compilation, treating the result as constant: a compiled graph is specialised to its
+mask (guarded on `Mask.__eq__` or identity, depending on the torch release), so a new mask
+means a new compilation.
 """
 
 from __future__ import annotations
@@ -13,9 +22,11 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
+import numpy as np
 import torch
+import torch.utils._pytree as pytree
 
 from maskc.codegen.variant import WARPGROUP_ROWS
 from maskc.errors import ArtifactError, MaskcError
@@ -23,7 +34,7 @@ from maskc.ir import Mask
 from maskc.ir.schedule import build_backward_schedule, build_deterministic_backward_schedule, build_schedule
 from maskc.ir.strategy import SUPPORTED_HEAD_DIMS, pack_gqa_supported, select_pack_gqa, select_tiles
 from maskc.reference import AttentionMeta, check_attention_args
-from maskc.runtime.abi import ABIS, abi_to_json
+from maskc.runtime.abi import ABIS, BACKWARD_ABI, SCHEDULE_AND_LAUNCH, TensorArg, abi_to_json
 from maskc.runtime.launch import Kernel, find_runtime_library, installed_dsl_version, installed_library, runtime_at
 from maskc.runtime.manifest import read_manifest
 
@@ -35,6 +46,15 @@ REQUEST_FIELDS = (
     "pack_gqa", "deterministic",
 )
 _OPTIONAL_FIELDS = ("pack_gqa", "deterministic")  # False where a request or manifest leaves them out
+SCHEDULE_ARGS = (
+    *(a for a in SCHEDULE_AND_LAUNCH if isinstance(a, TensorArg)),
+    *(a for a in BACKWARD_ABI if a.name in ("work_blocks", "block_rank")),
+)
+"""A schedule's tensors in `Schedule.arrays()` order (the deterministic backward's has all seven,
+others the first five); every dim but the first has a fixed extent."""
+
+# A Mask is immutable and compares by value: torch.compile may hand it to `_plan` as a constant.
+pytree.register_constant(Mask)
 
 
 def _request_key(fields: dict[str, Any]) -> tuple:
@@ -44,11 +64,14 @@ def _request_key(fields: dict[str, Any]) -> tuple:
 class _Entry:
     """A loaded kernel and the tile shape its schedule needs: tile_m is in query tokens (with
     PackGQA, the kernel's TILE_M packed rows hold TILE_M / G tokens), and items_per_tile the
-    work items of each q tile (query heads, or K/V heads with PackGQA)."""
+    work items of each q tile (query heads, or K/V heads with PackGQA). `index` is its place in
+    `_LOADED`: what the custom ops take to name it."""
 
     def __init__(self, kernel: Kernel, tile_m: int, tile_n: int, items_per_tile: int, deterministic: bool = False):
         self.kernel, self.tile_m, self.tile_n, self.items_per_tile = kernel, tile_m, tile_n, items_per_tile
         self.deterministic = deterministic
+        self.index = len(_LOADED)
+        _LOADED.append(self)
 
 
 def _entry(kernel: Kernel, fields: dict[str, Any]) -> _Entry:
@@ -83,6 +106,7 @@ def _find_kernel(request: dict[str, Any], strategy_forced: bool) -> _Entry:
 
 
 _KERNELS: dict[tuple, _Entry] = {}
+_LOADED: list[_Entry] = []
 
 
 def register_artifact(directory: str | Path) -> list[str]:
@@ -150,8 +174,7 @@ def _check_inputs(
     for name, x in named:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.device.type != "cuda":
-            raise ValueError(f"maskc.attention runs on CUDA tensors; {name} is on {x.device} (use maskc.reference_attention on CPU)")
+        _check_device(name, x)
         if name != "sink" and x.dtype not in DTYPES:
             raise TypeError(f"{name} has dtype {x.dtype}; maskc kernels take bfloat16 or float16")
         if not x.is_contiguous():
@@ -162,57 +185,126 @@ def _check_inputs(
     return scale
 
 
-def _schedule_tensors(mask: Mask, build: Callable, tile_m: int, tile_n: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """A schedule on the device, built once per (mask, direction, tile, device): masks are immutable."""
+def _check_device(name: str, x: torch.Tensor) -> None:
+    if x.device.type != "cuda":
+        raise ValueError(f"maskc.attention runs on CUDA tensors; {name} is on {x.device} (use maskc.reference_attention on CPU)")
+
+
+def _schedule_tensors(
+    mask: Mask, build: Callable, tile_m: int, tile_n: int, device: torch.device
+) -> tuple[torch.Tensor, list[int]]:
+    """A schedule on the device as one int32 tensor holding its arrays back to back (one copy,
+    one op argument) and the row count of each, built once per (mask, direction, tile, device):
+    masks are immutable. An empty array gets a zero row (never read) so it has an address."""
     key = (build.__name__, tile_m, tile_n, device)
     cached = mask.memo.get(key)
     if cached is None:
-        s = build(mask, tile_m, tile_n)
-        names = ("work_tile", "work_ranges", "ranges", "work_lines", "lines", "work_blocks", "block_rank")
-        cached = {n: _device_int32(a, device) for n, a in zip(names, s.arrays())}
-        mask.memo[key] = cached
+        arrays = [a if len(a) else np.zeros((1, *a.shape[1:]), np.int32) for a in build(mask, tile_m, tile_n).arrays()]
+        flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays])).to(device)
+        cached = mask.memo[key] = (flat, [a.shape[0] for a in arrays])
     return cached
 
 
-def _device_int32(array, device: torch.device) -> torch.Tensor:
-    """A schedule array on the device; an empty one gets a zero row (never read) so it has an address."""
-    t = torch.from_numpy(array)
-    if t.shape[0] == 0:
-        t = torch.zeros((1, *t.shape[1:]), dtype=torch.int32)
-    return t.to(device)
+def _schedule_views(flat: torch.Tensor, rows: list[int]) -> dict[str, torch.Tensor]:
+    """The schedule's tensors by ABI name, cut back out of its flat tensor."""
+    parts = flat.split([r * math.prod(a.shape[1:]) for r, a in zip(rows, SCHEDULE_ARGS)])
+    return {a.name: p.view(r, *a.shape[1:]) if len(a.shape) > 1 else p for a, p, r in zip(SCHEDULE_ARGS, parts, rows)}
+
+
+class _LaunchArgs(NamedTuple):
+    """One kernel launch as op arguments: its schedule (`_schedule_tensors`) and `launch`, the
+    kernel's index in `_LOADED`, the grid size and the row count of each schedule array.
+    Few op arguments keep the dispatcher's per-call cost down."""
+
+    schedule: torch.Tensor | None
+    launch: list[int]
+
+
+_NO_LAUNCH = _LaunchArgs(None, [])
+"""The backward of a call that needs no gradient: nothing is planned or built for it."""
+
+
+def _launch_args(entry: _Entry, mask: Mask, build: Callable, num_sms: int, device: torch.device) -> _LaunchArgs:
+    schedule, rows = _schedule_tensors(mask, build, entry.tile_m, entry.tile_n, device)
+    return _LaunchArgs(schedule, [entry.index, min(num_sms, max(1, rows[0] * entry.items_per_tile)), *rows])
+
+
+@torch.compiler.assume_constant_result
+def _plan(
+    mask: Mask,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim: int,
+    has_softcap: bool,
+    has_sink: bool,
+    return_max_logits: bool,
+    pack_gqa: bool | None,
+    needs_grad: bool,
+    deterministic: bool,
+) -> tuple[_LaunchArgs, _LaunchArgs]:
+    """The forward and backward launches of a call, which its mask, device, shapes and flags
+    decide: GQA strategy, kernels (registered or compiled), schedules, all cached. It takes
+    no tensor, so torch.compile runs it once per compilation and keeps the result as constants
+    instead of tracing the numpy schedule passes."""
+    capability, num_sms = _device_info(device)
+    if capability not in ARCHS:
+        raise MaskcError(f"no maskc kernel for compute capability {capability}; supported: {sorted(ARCHS)}")
+    base = {"arch": ARCHS[capability], "head_dim": head_dim, "dtype": DTYPES[dtype], "num_heads_q": num_heads_q,
+            "num_heads_kv": num_heads_kv, "has_softcap": has_softcap}  # fmt: skip
+    request = {**base, "direction": "fwd", "has_sink": has_sink, "has_max_logits": return_max_logits}
+    if pack_gqa is None:
+        request["pack_gqa"] = _pack_gqa(mask, request, num_sms)
+    else:
+        if pack_gqa and not pack_gqa_supported(num_heads_q, num_heads_kv):
+            raise MaskcError(f"pack_gqa needs Hq / Hkv a power of two in [2, 64]; got {num_heads_q} / {num_heads_kv}")
+        request["pack_gqa"] = bool(pack_gqa)
+    forward = _find_kernel(request, strategy_forced=pack_gqa is not None)
+    forward_launch = _launch_args(forward, mask, build_schedule, num_sms, device)
+    if not needs_grad:
+        return forward_launch, _NO_LAUNCH
+    backward = _find_kernel({**base, "direction": "bwd", "has_sink": False, "has_max_logits": False, "pack_gqa": False,
+                             "deterministic": deterministic}, strategy_forced=True)  # fmt: skip
+    build = build_deterministic_backward_schedule if deterministic else build_backward_schedule
+    return forward_launch, _launch_args(backward, mask, build, num_sms, device)
 
 
 @dataclass(frozen=True, eq=False)
 class _Call:
-    """Everything of one attention call but its tensors, shared by forward and backward."""
+    """One kernel launch with its scalars, rebuilt inside an op from the op's arguments."""
 
-    mask: Mask
+    kernel: _Entry
+    num_ctas: int
+    schedule: dict[str, torch.Tensor]
     scale: float
     softcap: float
-    num_sms: int
-    forward: _Entry
-    backward: _Entry | None
-    return_max_logits: bool
+    return_max_logits: bool = False
+
+    @classmethod
+    def of(cls, schedule: torch.Tensor, launch: list[int], scale: float, softcap: float, **flags: bool) -> _Call:
+        kernel, num_ctas, *rows = launch
+        return cls(_LOADED[kernel], num_ctas, _schedule_views(schedule, rows), scale, softcap, **flags)
 
 
-def _launch(entry: _Entry, build: Callable, call: _Call, tensors: dict, device: torch.device) -> None:
-    schedule = _schedule_tensors(call.mask, build, entry.tile_m, entry.tile_n, device)
-    scalars = {
-        "softmax_scale": call.scale,
-        "softcap": call.softcap,
-        "num_ctas": min(call.num_sms, max(1, schedule["work_tile"].shape[0] * entry.items_per_tile)),
-    }
-    entry.kernel({**tensors, **schedule}, scalars, torch.cuda.current_stream(device).cuda_stream)
+def _launch(call: _Call, tensors: dict, device: torch.device) -> None:
+    scalars = {"softmax_scale": call.scale, "softcap": call.softcap, "num_ctas": call.num_ctas}
+    call.kernel.kernel({**tensors, **call.schedule}, scalars, torch.cuda.current_stream(device).cuda_stream)
+
+
+def _forward_outputs(q: torch.Tensor, return_max_logits: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out, lse and row_max of a forward; row_max is empty unless asked for (op outputs never alias)."""
+    tq, hq, _ = q.shape
+    lse = torch.empty(tq, hq, dtype=torch.float32, device=q.device)
+    row_max = torch.empty((tq, hq) if return_max_logits else (0,), dtype=torch.float32, device=q.device)
+    return torch.empty_like(q), lse, row_max
 
 
 def _forward(q, k, v, sink, call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    tq, hq, _ = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty(tq, hq, dtype=torch.float32, device=q.device)
-    row_max = torch.empty(tq, hq, dtype=torch.float32, device=q.device) if call.return_max_logits else lse
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "row_max": row_max}
+    out, lse, row_max = _forward_outputs(q, call.return_max_logits)
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "row_max": row_max if call.return_max_logits else lse}
     tensors["sink"] = sink if sink is not None else lse[:1]
-    _launch(call.forward, build_schedule, call, tensors, q.device)
+    _launch(call, tensors, q.device)
     return out, lse, row_max
 
 
@@ -245,7 +337,7 @@ def _backward(q, k, v, out, lse, sink, dout, dlse, call: _Call):
         delta = delta - dlse
     # Rows with no key (lse = -inf) and the padding get lse = +inf, so P = 0 there.
     lse_log2 = torch.where(lse == -math.inf, math.inf, lse * LOG2_E)
-    entry = call.backward
+    entry = call.kernel
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     tensors = {"q": q, "k": k, "v": v, "dout": dout.contiguous(), "dq_accum": dq_accum, "dk": dk, "dv": dv,
@@ -254,36 +346,109 @@ def _backward(q, k, v, out, lse, sink, dout, dlse, call: _Call):
     if entry.deterministic:  # one counter per (head, q block, consumer warpgroup)
         semaphores = q.shape[1] * -(-q.shape[0] // entry.tile_m) * (entry.tile_n // WARPGROUP_ROWS)
         tensors["dq_semaphore"] = torch.zeros(semaphores, dtype=torch.int32, device=q.device)
-        _launch(entry, build_deterministic_backward_schedule, call, tensors, q.device)
     else:
         unused = torch.zeros(1, dtype=torch.int32, device=q.device)
         tensors.update(dq_semaphore=unused, work_blocks=unused, block_rank=unused)
-        _launch(entry, build_backward_schedule, call, tensors, q.device)
+    _launch(call, tensors, q.device)
     dsink = None
     if sink is not None:
         dsink = -(torch.exp(sink[None] - lse[:, None, :]) * delta[:, None, :]).sum(dim=0)
     return dq_accum.to(q.dtype), dk, dv, dsink
 
 
-class _Attention(torch.autograd.Function):
-    """Saves q, k, v, out, lse (and the sinks); the backward kernel recomputes the rest."""
+def _attn_fwd_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sink: torch.Tensor | None,
+    schedule: torch.Tensor,
+    launch: list[int],
+    softmax_scale: float,
+    softcap: float,
+    return_max_logits: bool,
+    bwd_schedule: torch.Tensor | None,
+    bwd_launch: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out, lse and row_max ([0] unless return_max_logits) from the forward kernel; `schedule`
+    and `launch` as in `_LaunchArgs`. bwd_schedule and bwd_launch are the backward's (its
+    kernel, deterministic or not, included), carried here because autograd sees only a forward
+    op's inputs (bwd_launch is empty when no backward was planned)."""
+    call = _Call.of(schedule, launch, softmax_scale, softcap, return_max_logits=return_max_logits)
+    return _forward(q, k, v, sink, call)
+
+
+_attn_fwd = torch.library.custom_op("maskc::attn_fwd", _attn_fwd_impl, mutates_args=(), device_types="cuda")
+
+
+@_attn_fwd.register_fake
+def _attn_fwd_fake(q, k, v, sink, schedule, launch, softmax_scale, softcap, return_max_logits, bwd_schedule, bwd_launch):
+    return _forward_outputs(q, return_max_logits)
+
+
+def _attn_bwd_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sink: torch.Tensor | None,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    schedule: torch.Tensor,
+    launch: list[int],
+    softmax_scale: float,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv and dsink (empty without sinks: ops return tensors) from the backward kernel."""
+    call = _Call.of(schedule, launch, softmax_scale, softcap)
+    dq, dk, dv, dsink = _backward(q, k, v, out, lse, sink, dout, dlse, call)
+    return dq, dk, dv, dsink if dsink is not None else lse.new_empty(0)
+
+
+_attn_bwd = torch.library.custom_op("maskc::attn_bwd", _attn_bwd_impl, mutates_args=(), device_types="cuda")
+
+
+@_attn_bwd.register_fake
+def _attn_bwd_fake(q, k, v, out, lse, sink, dout, dlse, schedule, launch, softmax_scale, softcap):
+    dsink = torch.empty_like(sink) if sink is not None else lse.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    """Saves q, k, v, out, lse, the sinks and the backward's launch; the kernel recomputes the rest."""
+    q, k, v, sink, _, _, scale, softcap, _, bwd_schedule, bwd_launch = inputs
+    out, lse, row_max = output
+    ctx.save_for_backward(q, k, v, out, lse, sink, bwd_schedule)
+    ctx.launch = (bwd_launch, scale, softcap)
+    ctx.mark_non_differentiable(row_max)
+
+
+def _attn_fwd_backward(
+    ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None, _drow_max: Any, attn_bwd: Callable = torch.ops.maskc.attn_bwd
+) -> tuple:
+    q, k, v, out, lse, sink, schedule = ctx.saved_tensors
+    launch, scale, softcap = ctx.launch
+    dq, dk, dv, dsink = attn_bwd(q, k, v, out, lse, sink, dout, dlse, schedule, launch, scale, softcap)
+    return (dq, dk, dv, dsink if sink is not None else None) + (None,) * 7
+
+
+_attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """Eager mode: the ops' own implementations and autograd wiring, minus the dispatcher, which
+    costs a custom op 25-60 us of host time per call; torch.compile traces the ops instead."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, sink, call: _Call):  # type: ignore[override]
-        out, lse, row_max = _forward(q, k, v, sink, call)
-        if row_max is lse:  # no max logits asked for: a distinct output, so lse stays differentiable
-            row_max = lse.new_empty(0)
-        ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.call = call
-        ctx.mark_non_differentiable(row_max)
-        return out, lse, row_max
+    def forward(ctx: Any, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        output = _attn_fwd_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, dout, dlse, _drow_max):  # type: ignore[override]
-        q, k, v, out, lse, sink = ctx.saved_tensors
-        dq, dk, dv, dsink = _backward(q, k, v, out, lse, sink, dout, dlse, ctx.call)
-        return dq, dk, dv, dsink, None
+    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor, drow_max: torch.Tensor) -> tuple:  # type: ignore[override]
+        return _attn_fwd_backward(ctx, dout, dlse, drow_max, attn_bwd=_attn_bwd_impl)
 
 
 def attention(
@@ -300,7 +465,8 @@ def attention(
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, AttentionMeta]:
     """Masked attention with maskc's kernels; the same contract as `maskc.reference_attention`,
-    differentiable in q, k, v and sink (the gradient flows through lse too).
+    differentiable in q, k, v and sink (the gradient flows through lse too). Works inside
+    torch.compile(fullgraph=True); build the Mask outside the compiled region.
 
     pack_gqa: the GQA strategy. None (default) lets maskc.ir.strategy.select_pack_gqa decide
     from the mask and the head counts (PackGQA packs the G = Hq / Hkv query heads of a K/V
@@ -309,37 +475,23 @@ def attention(
     gradients are bitwise identical from run to run (a little slower).
     """
     scale = _check_inputs(q, k, v, mask, sink, softmax_scale, softcap)
-    capability, num_sms = _device_info(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    if capability not in ARCHS:
-        raise MaskcError(f"no maskc kernel for compute capability {capability}; supported: {sorted(ARCHS)}")
-    tq, hq, d = q.shape
-    base = {"arch": ARCHS[capability], "head_dim": d, "dtype": DTYPES[q.dtype], "num_heads_q": hq,
-            "num_heads_kv": k.shape[1], "has_softcap": softcap > 0}  # fmt: skip
-    request = {**base, "direction": "fwd", "has_sink": sink is not None, "has_max_logits": return_max_logits}
-    if pack_gqa is None:
-        request["pack_gqa"] = _pack_gqa(mask, request, num_sms)
-    else:
-        if pack_gqa and not pack_gqa_supported(hq, k.shape[1]):
-            raise MaskcError(f"pack_gqa needs Hq / Hkv a power of two in [2, 64]; got {hq} / {k.shape[1]}")
-        request["pack_gqa"] = bool(pack_gqa)
+    _, hq, d = q.shape
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sink))
-    backward = None
-    if needs_grad:
-        backward_request = {**base, "direction": "bwd", "has_sink": False, "has_max_logits": False, "pack_gqa": False,
-                            "deterministic": bool(deterministic)}  # fmt: skip
-        backward = _find_kernel(backward_request, strategy_forced=True)
-    call = _Call(mask, scale, float(softcap), num_sms, _find_kernel(request, strategy_forced=pack_gqa is not None),
-                 backward, return_max_logits)  # fmt: skip
-    if needs_grad:
-        out, lse, row_max = _Attention.apply(q, k, v, sink, call)
+    fwd, bwd = _plan(mask, q.device, q.dtype, hq, k.shape[1], d, softcap > 0, sink is not None, return_max_logits,
+                     pack_gqa, needs_grad, bool(deterministic))  # fmt: skip
+    inputs = (q, k, v, sink, fwd.schedule, fwd.launch, scale, float(softcap), return_max_logits, bwd.schedule, bwd.launch)
+    if torch.compiler.is_compiling():
+        out, lse, row_max = torch.ops.maskc.attn_fwd(*inputs)
+    elif needs_grad:
+        out, lse, row_max = _EagerAttention.apply(*inputs)
     else:
-        out, lse, row_max = _forward(q, k, v, sink, call)
+        out, lse, row_max = _attn_fwd_impl(*inputs)
     max_logits = row_max.amax(dim=0) if return_max_logits else None
     return out, AttentionMeta(lse=lse, max_logits=max_logits)
 
 
 @lru_cache(maxsize=None)
-def _device_info(index: int) -> tuple[tuple[int, int], int]:
+def _device_info(device: torch.device) -> tuple[tuple[int, int], int]:
     """(compute capability, multiprocessor count) of a GPU, asked once per process."""
-    props = torch.cuda.get_device_properties(index)
+    props = torch.cuda.get_device_properties(device)
     return (props.major, props.minor), props.multi_processor_count
