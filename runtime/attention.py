@@ -295,9 +295,10 @@ def _launch(call: _Call, tensors: dict, device: torch.device) -> None:
 def _forward_outputs(q: torch.Tensor, return_max_logits: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """out, lse and row_max of a forward; row_max is empty unless asked for (op outputs never alias)."""
     tq, hq, _ = q.shape
+    out = torch.empty_like(q)
     lse = torch.empty(tq, hq, dtype=torch.float32, device=q.device)
     row_max = torch.empty((tq, hq) if return_max_logits else (0,), dtype=torch.float32, device=q.device)
-    return torch.empty_like(q), lse, row_max
+    return out, lse, row_max
 
 
 def _forward(q, k, v, sink, call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
