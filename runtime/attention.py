@@ -19,6 +19,7 @@ means a new compilation.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -206,9 +207,17 @@ def _schedule_tensors(
 
 
 def _schedule_views(flat: torch.Tensor, rows: list[int]) -> dict[str, torch.Tensor]:
-    """The schedule's tensors by ABI name, cut back out of its flat tensor."""
-    parts = flat.split([r * math.prod(a.shape[1:]) for r, a in zip(rows, SCHEDULE_ARGS)])
-    return {a.name: p.view(r, *a.shape[1:]) if len(a.shape) > 1 else p for a, p, r in zip(SCHEDULE_ARGS, parts, rows)}
+    """The schedule's tensors by ABI name, cut back out of its flat tensor (once per tensor:
+    views cost host time on every call otherwise)."""
+    views = _VIEWS.get(flat)
+    if views is None:
+        parts = flat.split([r * math.prod(a.shape[1:]) for r, a in zip(rows, SCHEDULE_ARGS)])
+        views = {a.name: p.view(r, *a.shape[1:]) for a, p, r in zip(SCHEDULE_ARGS, parts, rows)}
+        _VIEWS[flat] = views
+    return views
+
+
+_VIEWS: weakref.WeakKeyDictionary[torch.Tensor, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
 class _LaunchArgs(NamedTuple):
@@ -247,7 +256,30 @@ def _plan(
     """The forward and backward launches of a call, which its mask, device, shapes and flags
     decide: GQA strategy, kernels (registered or compiled), schedules, all cached. It takes
     no tensor, so torch.compile runs it once per compilation and keeps the result as constants
-    instead of tracing the numpy schedule passes."""
+    instead of tracing the numpy schedule passes. Eager calls find it in `mask.memo` (the key
+    counts the loaded kernels, so registering artifacts later plans anew)."""
+    key = ("plan", device, dtype, num_heads_q, num_heads_kv, head_dim, has_softcap, has_sink, return_max_logits, pack_gqa,
+           needs_grad, deterministic, len(_LOADED))  # fmt: skip
+    cached = mask.memo.get(key)
+    if cached is None:
+        cached = mask.memo[key] = _make_plan(mask, *key[1:-1])
+    return cached
+
+
+def _make_plan(
+    mask: Mask,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim: int,
+    has_softcap: bool,
+    has_sink: bool,
+    return_max_logits: bool,
+    pack_gqa: bool | None,
+    needs_grad: bool,
+    deterministic: bool,
+) -> tuple[_LaunchArgs, _LaunchArgs]:
     capability, num_sms = _device_info(device)
     if capability not in ARCHS:
         raise MaskcError(f"no maskc kernel for compute capability {capability}; supported: {sorted(ARCHS)}")
