@@ -19,7 +19,6 @@ means a new compilation.
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -208,16 +207,13 @@ def _schedule_tensors(
 
 def _schedule_views(flat: torch.Tensor, rows: list[int]) -> dict[str, torch.Tensor]:
     """The schedule's tensors by ABI name, cut back out of its flat tensor (once per tensor:
-    views cost host time on every call otherwise)."""
-    views = _VIEWS.get(flat)
+    views cost host time on every call otherwise); they live as an attribute of the tensor,
+    so they go with it."""
+    views = getattr(flat, "_maskc_views", None)
     if views is None:
         parts = flat.split([r * math.prod(a.shape[1:]) for r, a in zip(rows, SCHEDULE_ARGS)])
-        views = {a.name: p.view(r, *a.shape[1:]) for a, p, r in zip(SCHEDULE_ARGS, parts, rows)}
-        _VIEWS[flat] = views
+        views = flat._maskc_views = {a.name: p.view(r, *a.shape[1:]) for a, p, r in zip(SCHEDULE_ARGS, parts, rows)}
     return views
-
-
-_VIEWS: weakref.WeakKeyDictionary[torch.Tensor, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
 class _LaunchArgs(NamedTuple):

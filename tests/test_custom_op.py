@@ -157,6 +157,7 @@ def test_a_flat_schedule_cuts_back_into_the_abi_arrays(mask: Mask, build: Any) -
     """One op argument per schedule: the kernel still gets each array, empty ones as a zero row."""
     flat, rows = rt._schedule_tensors(mask, build, 128, 128, torch.device("cpu"))
     views = rt._schedule_views(flat, rows)
+    assert rt._schedule_views(flat, rows) is views  # cut once per schedule tensor
     arrays = build(mask, 128, 128).arrays()
     assert flat.dtype == torch.int32 and list(views) == [a.name for a in rt.SCHEDULE_ARGS[: len(arrays)]]
     for arg, array in zip(rt.SCHEDULE_ARGS, arrays):
