@@ -5,9 +5,13 @@ flash backends, full/causal) and FlexAttention, in one run, forward TFLOP/s with
 formula (4 * area * Hq * D / time). Varlen documents come from the real length histogram
 (`common.pack_documents`). Masks are the shipped examples, lowered by maskc.
 
-Run on the GPU machine: `python bench/kernel.py --artifacts DIR --out OUT [--seqlens 16384,65536]`
-(DIR: a `maskc compile` directory holding the d=128 bf16 64:8 kernel). Writes OUT/kernel.jsonl,
-OUT/kernel.png, and prints a table.
+With --backward, also the backward TFLOP/s (2.5 x the forward FLOPs, `out.backward` timed alone)
+and the peak memory of one forward + backward of every implementation; --deterministic adds maskc
+with deterministic=True.
+
+Run on the GPU machine: `python bench/kernel.py --artifacts DIR --out OUT [--seqlens 16384,65536]
+[--backward] [--deterministic]` (DIR: a `maskc compile` directory holding the d=128 bf16 64:8
+kernels). Writes OUT/kernel.jsonl, OUT/kernel_<seqlens>.png, and prints tables.
 """
 
 from __future__ import annotations
