@@ -31,7 +31,7 @@ def main() -> None:
             for build in times:
                 fresh = Mask.from_arrays(mask.q_ranges, mask.k_ranges, mask.types, *mask.shape)
                 start = time.perf_counter()
-                s = build(fresh, 128, 128)
+                build(fresh, 128, 128)
                 times[build].append((time.perf_counter() - start) * 1e3)
         fwd = build_schedule(mask, 128, 128)
         print(
