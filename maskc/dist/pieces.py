@@ -1,0 +1,79 @@
+"""A mask cut into chunks of rows: one piece per (row line, chunk) they share.
+
+Context parallelism deals chunks of `chunk_size` query rows (and the same key rows) to
+ranks; every question it asks of the mask — the attention work of a chunk, the keys its
+queries need, the work against a subset of keys — is a sum over these pieces. The lines
+come from `merge_ranges` (normalised, so disjoint: areas add up), and on a piece's rows
+both key bounds are non-decreasing, so the keys a piece needs are one interval.
+Vectorised like the tile scheduler: a 1M-token mask cuts in milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from maskc.errors import MaskError
+from maskc.ir.mask import Mask
+from maskc.ir.merge import merge_ranges
+from maskc.ir.slices import RowLines
+
+
+@dataclass(frozen=True, eq=False)
+class Pieces:
+    """Row lines clipped to chunks: piece p covers rows [r0, r1) of chunk `chunk[p]`, and on
+    row r the keys [lo_a + lo_s * r, hi_a + hi_s * r] (slopes 0 or 1, never empty)."""
+
+    chunk: np.ndarray
+    r0: np.ndarray
+    r1: np.ndarray
+    lo_a: np.ndarray
+    lo_s: np.ndarray
+    hi_a: np.ndarray
+    hi_s: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.chunk.shape[0])
+
+    def take(self, index: np.ndarray) -> Pieces:
+        return Pieces(*(x[index] for x in (self.chunk, self.r0, self.r1, self.lo_a, self.lo_s, self.hi_a, self.hi_s)))
+
+    def key_begin(self) -> np.ndarray:
+        """First key any row of the piece needs (the lo bound at its first row)."""
+        return self.lo_a + self.lo_s * self.r0
+
+    def key_end(self) -> np.ndarray:
+        """One past the last key any row needs (the hi bound at its last row, plus one)."""
+        return self.hi_a + self.hi_s * (self.r1 - 1) + 1
+
+    def areas(self) -> np.ndarray:
+        """Allowed (query, key) pairs of each piece: the row counts hi - lo + 1 summed in closed form."""
+        rows = self.r1 - self.r0
+        row_sum = (self.r0 + self.r1 - 1) * rows // 2
+        return rows * (self.hi_a - self.lo_a + 1) + (self.hi_s - self.lo_s) * row_sum
+
+
+def cut(mask: Mask, chunk_size: int) -> Pieces:
+    """The pieces of `mask` for chunks of `chunk_size` query rows (chunk c: rows [c*chunk_size, (c+1)*chunk_size))."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size <= 0:
+        raise MaskError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    merged = merge_ranges(mask)
+    lines = RowLines.of(merged.q_ranges, merged.k_ranges, merged.types)
+    lines = lines.take(np.flatnonzero(lines.nonempty()))
+    first, last = lines.r0 // chunk_size, (lines.r1 - 1) // chunk_size
+    counts = last - first + 1
+    owner = np.repeat(np.arange(counts.size), counts)
+    chunk = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts) + first[owner]
+    ln = lines.take(owner)
+    r0 = np.maximum(ln.r0, chunk * chunk_size)
+    r1 = np.minimum(ln.r1, (chunk + 1) * chunk_size)
+    return Pieces(chunk, r0, r1, ln.lo_a, ln.lo_s, ln.hi_a, ln.hi_s)
+
+
+def chunk_areas(mask: Mask, chunk_size: int, num_chunks: int) -> np.ndarray:
+    """Attention work (mask area) of each of `num_chunks` chunks; chunks past the mask's rows have 0."""
+    pieces = cut(mask, chunk_size)
+    if len(pieces) and int(pieces.chunk.max()) >= num_chunks:
+        raise MaskError(f"the mask has rows past {num_chunks} chunks of {chunk_size}")
+    return np.bincount(pieces.chunk, weights=pieces.areas(), minlength=num_chunks).astype(np.int64)

@@ -1,0 +1,50 @@
+"""The mask cut into chunk pieces: areas and key spans against the dense mask."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from maskc.errors import MaskError
+from maskc.dist.pieces import chunk_areas, cut
+from maskc.ir import Mask
+
+from test_ir import masks
+
+
+@given(masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 7, 16]))
+@settings(max_examples=200, deadline=None)
+def test_pieces_match_the_dense_mask(mask: Mask, chunk_size: int) -> None:
+    dense = mask.to_dense()
+    num_chunks = -(-mask.seqlen_q // chunk_size)
+    areas = chunk_areas(mask, chunk_size, num_chunks)
+    assert areas.tolist() == [int(dense[c * chunk_size : (c + 1) * chunk_size].sum()) for c in range(num_chunks)]
+    pieces = cut(mask, chunk_size)
+    covered = np.zeros(tuple(dense.shape), dtype=np.int64)
+    for p in range(len(pieces)):
+        r0, r1, c = int(pieces.r0[p]), int(pieces.r1[p]), int(pieces.chunk[p])
+        assert c * chunk_size <= r0 < r1 <= (c + 1) * chunk_size
+        for r in range(r0, r1):
+            lo = pieces.lo_a[p] + pieces.lo_s[p] * r
+            hi = pieces.hi_a[p] + pieces.hi_s[p] * r
+            assert lo <= hi  # no empty row
+            covered[r, lo : hi + 1] += 1
+        # One interval holds every key the piece's rows need, and each of them is needed.
+        needed = np.zeros(dense.shape[1], dtype=bool)
+        for r in range(r0, r1):
+            needed[pieces.lo_a[p] + pieces.lo_s[p] * r : pieces.hi_a[p] + pieces.hi_s[p] * r + 1] = True
+        assert np.flatnonzero(needed).tolist() == list(range(pieces.key_begin()[p], pieces.key_end()[p]))
+        assert pieces.areas()[p] == sum(
+            pieces.hi_a[p] + pieces.hi_s[p] * r - pieces.lo_a[p] - pieces.lo_s[p] * r + 1 for r in range(r0, r1)
+        )
+    assert np.array_equal(covered, dense.numpy().astype(np.int64))  # disjoint and exact
+
+
+def test_bad_chunk_size_and_too_few_chunks() -> None:
+    mask = Mask.from_cu_seqlens([0, 100], causal=True)
+    with pytest.raises(MaskError, match="chunk_size must be a positive int"):
+        cut(mask, 0)
+    with pytest.raises(MaskError, match="rows past 2 chunks of 32"):
+        chunk_areas(mask, 32, 2)
