@@ -100,6 +100,24 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from maskc.dist.plan import make_plan
+    from maskc.dist.report import format_report, save_plan_picture
+
+    chosen = _select(args.file, args.mask, args.param)
+    if args.json and len(chosen) > 1:
+        raise MaskcError(f"--json prints one plan; {args.file} defines {len(chosen)} masks: pick one with --mask")
+    for family, given in chosen:
+        plan = make_plan(family.lower(**given), args.cp, args.chunk_size, algorithm=args.algorithm, num_stages=args.stages)
+        print(plan.to_json() if args.json else format_report(plan, family.name))
+        if args.png:
+            png = Path(args.png) if len(chosen) == 1 else Path(args.png).with_name(f"{family.name}_{Path(args.png).name}")
+            written = save_plan_picture(plan, png, family.name)
+            if not args.json:
+                print(f"  picture         {written}")
+    return 0
+
+
 def _csv(kind: type, what: str):
     """argparse type for a comma-separated list of `kind` values."""
 
@@ -163,7 +181,17 @@ def _compile(args: argparse.Namespace) -> int:
         for variant in tqdm(variants, desc="compiling kernels", unit="variant", disable=len(variants) < 2):
             kernels.append(cached_kernel(variant))
         library = compressed_runtime_library() if args.bundle_runtime else None
-    manifest = write_artifact(args.output, lowered, source=Path(args.file), kernels=kernels, runtime_library=library)
+    plans = None
+    if args.cp is not None:
+        from maskc.dist.plan import make_plan
+
+        plans = {
+            item.name: make_plan(item.mask, args.cp, args.chunk_size, algorithm=args.algorithm).to_json()
+            for item in lowered
+        }
+    manifest = write_artifact(
+        args.output, lowered, source=Path(args.file), kernels=kernels, runtime_library=library, plans=plans
+    )
     for item in lowered:
         print(f"{item.name}: {len(item.mask)} slices, {item.mask.seqlen_q} x {item.mask.seqlen_k}, area {item.mask.area()}")
     print(f"{len(kernels)} kernel variant(s); wrote {manifest}")
@@ -174,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="maskc", description=maskc.__doc__)
     parser.add_argument("--version", action="version", version=f"maskc {maskc.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def dist_options(p, required: bool) -> None:
+        p.add_argument("--cp", type=_positive, required=required, metavar="N", help="context-parallel ranks")
+        p.add_argument("--chunk-size", type=_positive, metavar="T", help="tokens per chunk (default: from seqlen and cp)")
+        p.add_argument(
+            "--algorithm", default="swap", help="chunk dispatch: contiguous, greedy (the seeds' min-heap) or swap (default)"
+        )
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("file", metavar="FILE", help="a .mask file")
@@ -203,7 +238,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kernel.add_argument("--bundle-runtime", action="store_true", help="ship libcute_dsl_runtime.so.xz in the artifact directory")
     kernel.add_argument("--ir-only", action="store_true", help="write the IR and manifest only, no kernels")
+    dist_options(comp.add_argument_group("context parallelism (the plan goes into the artifact directory)"), False)
     comp.set_defaults(func=_compile)
+
+    plan = sub.add_parser("plan", help="context-parallel plan: chunk dispatch, communication tables, overlap stages")
+    common(plan)
+    dist_options(plan, True)
+    plan.add_argument("--stages", type=_positive, metavar="N", help="overlap stages (default: the cost model's best)")
+    plan.add_argument("--json", action="store_true", help="print Plan.to_json() (one mask: pick it with --mask)")
+    plan.add_argument("--png", metavar="PATH", help="also draw which chunks went where and the per-rank areas")
+    plan.set_defaults(func=_plan)
     return parser
 
 

@@ -6,7 +6,7 @@ import platform
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -57,9 +57,12 @@ def write_artifact(
     source: Path | None = None,
     kernels: Sequence[Path] = (),
     runtime_library: Path | None = None,
+    plans: Mapping[str, str] | None = None,
 ) -> Path:
     """Write `out_dir/manifest.json`, `<name>.ir.json` per mask, a copy of the source, the
-    kernels of the given cache entries and optionally the runtime library; return the manifest path."""
+    kernels of the given cache entries, optionally the runtime library and, per mask name in
+    `plans`, its context-parallel plan (`Plan.to_json()`) as `<name>.plan.json`; return the
+    manifest path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     variants, files = _gather_kernels(out, kernels)
@@ -82,6 +85,11 @@ def write_artifact(
             "num_slices": len(item.mask),
             "area": item.mask.area(),
         }
+        if plans and item.name in plans:
+            plan_name = f"{item.name}.plan.json"
+            (out / plan_name).write_text(plans[item.name])
+            files.append(plan_name)
+            masks[item.name]["plan"] = plan_name
     body = {
         "maskc_version": maskc.__version__,
         "toolchain": {"python": platform.python_version(), "torch": torch.__version__, **toolchain()},

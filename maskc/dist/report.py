@@ -1,0 +1,67 @@
+"""What `maskc plan` prints and draws for a context-parallel plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from maskc.dist.plan import Plan
+
+
+def format_report(plan: Plan, name: str) -> str:
+    """Balance (per-rank area against the lower bound), communication against ring P2P and
+    all-gather (rows and bytes), overlap stages and the modelled time, as text."""
+    s = plan.summary()
+    areas = plan.rank_areas()
+    row_bytes = plan.cost.kv_row_bytes
+    comm = s["comm_rows_total"]
+
+    def volume(rows: int) -> str:
+        share = f" ({rows / comm:.2f}x maskc)" if comm else ""
+        return f"{rows:>14,} rows {rows * row_bytes / 2**30:10.2f} GiB{share}"
+
+    lines = [
+        f"plan {name}: {s['seqlen']} tokens (padded to {s['padded_length']}) over {s['cp_size']} ranks, "
+        f"{plan.num_chunks} chunks of {s['chunk_size']}, dispatch {s['algorithm']!r}",
+        f"  area per rank   min {areas.min():,}  mean {areas.mean():,.0f}  max {areas.max():,}",
+        f"  imbalance       {s['imbalance']:.4f} (max / mean); lower bound on max {s['lower_bound']:,} "
+        f"({s['max_area'] / max(s['lower_bound'], 1):.4f}x)",
+        "  K/V rows received, forward (the backward sends as many dK/dV rows back):",
+        f"    maskc         {volume(comm)}",
+        f"    ring P2P      {volume(s['ring_p2p_rows_total'])}",
+        f"    all-gather    {volume(s['allgather_rows_total'])}",
+        f"  recv rows/rank  min {min(r['recv_rows'] for r in s['ranks']):,}  max {max(r['recv_rows'] for r in s['ranks']):,}",
+        f"  overlap stages  {s['num_stages']}; modelled forward {s['modelled_forward_s'] * 1e3:.3f} ms, "
+        f"backward {s['modelled_backward_s'] * 1e3:.3f} ms",
+    ]
+    return "\n".join(lines)
+
+
+def save_plan_picture(plan: Plan, path: str | Path, title: str) -> Path:
+    """PNG: which rank owns each chunk (top) and each rank's area against the mean and the lower
+    bound (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 5), gridspec_kw={"height_ratios": [1, 2]})
+    top.imshow(plan.rank_of_chunk[None, :], aspect="auto", cmap="turbo", interpolation="nearest", vmin=0,
+               vmax=max(plan.cp_size - 1, 1))  # fmt: skip
+    top.set_yticks([])
+    top.set_xlabel(f"chunk ({plan.chunk_size} tokens), coloured by rank")
+    areas = plan.rank_areas()
+    bottom.bar(np.arange(plan.cp_size), areas, color="tab:blue")
+    bottom.axhline(areas.mean(), color="tab:green", label="mean")
+    bottom.axhline(plan.lower_bound(), color="tab:red", linestyle="--", label="lower bound on max")
+    bottom.set_xlabel("rank")
+    bottom.set_ylabel("mask area")
+    bottom.legend(fontsize=8)
+    fig.suptitle(f"{title}: cp {plan.cp_size}, imbalance {plan.imbalance():.3f}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
