@@ -1,0 +1,77 @@
+"""Dispatch solver speed and balance: 1M tokens, cp 64, chunks of 2048.
+
+The plan is rebuilt whenever document boundaries change (every batch), so chunk areas plus the
+solver must stay far below a step (target: under 50 ms). Per mask: the median time of
+`chunk_areas` and of each algorithm, the imbalance (largest over mean rank area; the lower
+bound over the mean is the best any algorithm could reach) and, as a communication proxy,
+the remote key/value chunks: (rank, chunk) pairs where a rank's queries need keys of a chunk
+held by another rank. Run: `python bench/dist_dispatch.py [--runs 30]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from maskc.dist.dispatch import ALGORITHMS, imbalance, lower_bound, pad, padded_length, solve  # noqa: E402
+from maskc.dist.pieces import chunk_areas, cut  # noqa: E402
+from maskc.frontend import load  # noqa: E402
+from maskc.ir import Mask  # noqa: E402
+
+from common import pack_documents, sample_doc_lengths, timed  # noqa: E402
+
+
+def remote_chunks(mask: Mask, chunk_size: int, rank_of_chunk: np.ndarray) -> int:
+    """(rank, chunk) pairs where the rank needs keys of a chunk it does not hold."""
+    pieces = cut(mask, chunk_size)
+    first = pieces.key_begin() // chunk_size
+    counts = (pieces.key_end() - 1) // chunk_size - first + 1
+    piece = np.repeat(np.arange(len(pieces)), counts)
+    key_chunk = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts) + first[piece]
+    rank = rank_of_chunk[pieces.chunk[piece]]
+    remote = rank != rank_of_chunk[key_chunk]
+    return int(np.unique(rank[remote] * rank_of_chunk.size + key_chunk[remote]).size)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--tokens", type=int, default=1 << 20)
+    parser.add_argument("--cp", type=int, default=64)
+    parser.add_argument("--chunk", type=int, default=2048)
+    args = parser.parse_args()
+
+    total = args.tokens
+    family = load(ROOT / "examples" / "varlen_block_causal.mask")["varlen_block_causal"]
+    masks = {
+        "full": Mask.from_cu_seqlens([0, total]),
+        "causal": Mask.from_cu_seqlens([0, total], causal=True),
+        "varlen block causal (packed)": family.lower(docs=pack_documents(total), block=2048),
+        "varlen block causal (4000 docs)": family.lower(docs=sample_doc_lengths(total, 4000), block=2048),
+        "sliding window 4096": Mask.sliding_window([0, total], 4096),
+    }
+    length = padded_length(total, args.chunk, args.cp)
+    num_chunks = length // args.chunk
+    print(f"{total} tokens padded to {length}, cp {args.cp}, {num_chunks} chunks of {args.chunk}, median of {args.runs} runs")
+    print(f"{'mask':32} {'algorithm':11} {'ms':>7} {'imbalance':>10} {'remote chunks':>14}")
+    for name, mask in masks.items():
+        padded = pad(mask, length)
+        ms, _, areas = timed(lambda: chunk_areas(padded, args.chunk, num_chunks), args.runs)
+        bound = lower_bound(areas, args.cp) * args.cp / max(int(areas.sum()), 1)
+        print(f"{name:32} {'areas':11} {ms:7.2f} {'bound ' + format(bound, '.4f'):>10}")
+        for algorithm in ALGORITHMS:
+            ms, _, rank = timed(lambda: solve(areas, args.cp, algorithm), args.runs)
+            print(
+                f"{'':32} {algorithm:11} {ms:7.2f} {imbalance(areas, rank, args.cp):10.4f} "
+                f"{remote_chunks(padded, args.chunk, rank):14}"
+            )
+
+
+if __name__ == "__main__":
+    main()
