@@ -207,7 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cp", type=_positive, required=required, metavar="N", help="context-parallel ranks")
         p.add_argument("--chunk-size", type=_positive, metavar="T", help="tokens per chunk (default: from seqlen and cp)")
         p.add_argument(
-            "--algorithm", default="swap", help="chunk dispatch: contiguous, greedy (the seeds' min-heap) or swap (default)"
+            "--algorithm",
+            default="swap",
+            help="chunk dispatch: contiguous, greedy (the seeds' min-heap), swap (default: greedy + exchanges) "
+            "or local (exchanges from contiguous: less communication)",
         )
 
     def common(p: argparse.ArgumentParser) -> None:

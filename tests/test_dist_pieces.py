@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from maskc.errors import MaskError
+from maskc.errors import MaskError, MaskParamError
 from maskc.dist.pieces import chunk_areas, cut
 from maskc.ir import Mask
 
@@ -44,7 +44,7 @@ def test_pieces_match_the_dense_mask(mask: Mask, chunk_size: int) -> None:
 
 def test_bad_chunk_size_and_too_few_chunks() -> None:
     mask = Mask.from_cu_seqlens([0, 100], causal=True)
-    with pytest.raises(MaskError, match="chunk_size must be a positive int"):
+    with pytest.raises(MaskParamError, match="chunk_size must be a positive int"):
         cut(mask, 0)
     with pytest.raises(MaskError, match="rows past 2 chunks of 32"):
         chunk_areas(mask, 32, 2)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from maskc.errors import MaskError
+from maskc.errors import MaskError, MaskParamError
 from maskc.ir.mask import Mask
 from maskc.ir.merge import merge_ranges
 from maskc.ir.slices import RowLines
@@ -57,7 +57,7 @@ class Pieces:
 def cut(mask: Mask, chunk_size: int) -> Pieces:
     """The pieces of `mask` for chunks of `chunk_size` query rows (chunk c: rows [c*chunk_size, (c+1)*chunk_size))."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size <= 0:
-        raise MaskError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        raise MaskParamError(f"chunk_size must be a positive int, got {chunk_size!r}")
     merged = merge_ranges(mask)
     lines = RowLines.of(merged.q_ranges, merged.k_ranges, merged.types)
     lines = lines.take(np.flatnonzero(lines.nonempty()))
