@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 import maskc
-from maskc.dist.comm import CommTables, build_comm_tables
+from maskc.dist.comm import CommTables, build_comm_tables, remote_keys
 from maskc.dist.dispatch import ALGORITHMS, imbalance, lower_bound, pad, padded_length, solve
 from maskc.dist.pieces import Pieces, chunk_areas, cut
 from maskc.dist.stages import CostModel, StagePlan, plan_stages
@@ -193,7 +193,8 @@ def _derive(
         raise MaskError(f"the chunk assignment must give each of {cp_size} ranks {num_chunks // cp_size} of {num_chunks} chunks")
     pieces: Pieces = cut(padded, chunk_size)
     comm = build_comm_tables(padded, chunk_size, rank_of_chunk, cp_size)
-    stages = plan_stages(pieces, rank_of_chunk, cp_size, comm.remote, cost, num_stages=num_stages)
+    remote = remote_keys(pieces, chunk_size, rank_of_chunk, cp_size)
+    stages = plan_stages(pieces, rank_of_chunk, cp_size, remote, cost, num_stages=num_stages)
     areas = np.bincount(pieces.chunk, weights=pieces.areas(), minlength=num_chunks).astype(np.int64)
     return Plan(padded, seqlen, cp_size, chunk_size, algorithm, rank_of_chunk, areas, comm, stages, cost)
 
