@@ -49,8 +49,10 @@ class CostModel:
 
     Defaults: an H200-class GPU (dense attention at 550 TFLOP/s forward, 450 backward, bf16)
     on NVLink (150 GB/s per direction per rank for an all-to-all, 20 us per collective), and
-    64 query heads, 8 key/value heads of dimension 128 in 2-byte elements. Calibrate by
-    timing one attention kernel and one all-to-all and setting the throughputs.
+    64 query heads, 8 key/value heads of dimension 128 in 2-byte elements. The backward does
+    `bwd_work` (2.5) times the forward's FLOPs: scores recomputed, then dV, dP, dQ and dK.
+    Calibrate by timing one attention kernel and one all-to-all and setting the throughputs
+    (`bandwidth` in bytes/s per direction per rank, `latency` in s per collective).
     """
 
     num_heads_q: int = 64
@@ -283,7 +285,6 @@ class _Problem:
     pieces: Pieces
     piece_begin: np.ndarray
     piece_end: np.ndarray
-    piece_rank: np.ndarray
     rank_area: np.ndarray
     rank_of_chunk: np.ndarray
     chunk_size: int
@@ -327,7 +328,6 @@ class _Problem:
             pieces=pieces,
             piece_begin=pieces.key_begin() + piece_rank * span,
             piece_end=pieces.key_end() + piece_rank * span,
-            piece_rank=piece_rank,
             rank_area=np.bincount(piece_rank, weights=pieces.areas(), minlength=cp_size).round().astype(np.int64),
             rank_of_chunk=owners,
             chunk_size=int(chunk_size),
