@@ -53,6 +53,35 @@ class Pieces:
         row_sum = (self.r0 + self.r1 - 1) * rows // 2
         return rows * (self.hi_a - self.lo_a + 1) + (self.hi_s - self.lo_s) * row_sum
 
+    def areas_within(self, k0: np.ndarray | int, k1: np.ndarray | int) -> np.ndarray:
+        """Allowed pairs of each piece whose key lies in [k0, k1) (scalar or per-piece bounds;
+        empty when k1 <= k0): the work of a piece against one range of fetched keys."""
+        k0 = np.broadcast_to(np.asarray(k0, dtype=np.int64), self.chunk.shape)
+        k1 = np.maximum(np.broadcast_to(np.asarray(k1, dtype=np.int64), self.chunk.shape), k0)
+        return self._keys_below(k1) - self._keys_below(k0)
+
+    def _keys_below(self, x: np.ndarray) -> np.ndarray:
+        """Allowed pairs with key < x: row r counts max(0, min(hi(r) + 1, x) - lo(r)). Both bounds
+        rise with r, so rows from `stop` on (lo >= x) count 0, rows from `cap` on (hi >= x) count
+        x - lo, and the rows before `cap` count hi + 1 - lo: two linear sums in closed form."""
+        stop = _first_row_reaching(self.lo_a, self.lo_s, x, self.r0, self.r1)
+        cap = _first_row_reaching(self.hi_a, self.hi_s, x, self.r0, stop)
+        return _linear_sum(self.r0, cap, self.hi_a + 1 - self.lo_a, self.hi_s - self.lo_s) + _linear_sum(
+            cap, stop, x - self.lo_a, -self.lo_s
+        )
+
+
+def _first_row_reaching(a: np.ndarray, s: np.ndarray, x: np.ndarray, r0: np.ndarray, r1: np.ndarray) -> np.ndarray:
+    """The first row in [r0, r1] where a + s*r >= x (r1 when none does), for slopes 0 or 1."""
+    first = np.where(s == 1, x - a, np.where(a >= x, r0, r1))
+    return np.clip(first, r0, r1)
+
+
+def _linear_sum(start: np.ndarray, stop: np.ndarray, c: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Sum of c + d*r over the rows r in [start, stop)."""
+    rows = stop - start
+    return rows * c + d * ((start + stop - 1) * rows // 2)
+
 
 def cut(mask: Mask, chunk_size: int) -> Pieces:
     """The pieces of `mask` for chunks of `chunk_size` query rows (chunk c: rows [c*chunk_size, (c+1)*chunk_size))."""

@@ -1,0 +1,64 @@
+"""Plan the overlap stages of a 1M-token varlen causal mask over 64 ranks: the modelled times of
+1..8 stages with the default cost model, and how long planning takes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskc.dist.pieces import Pieces, cut
+from maskc.dist.stages import CostModel, plan_stages
+from maskc.ir import Mask
+from maskc.ir.schedule import _merge_runs
+
+from common import sample_doc_lengths, timed
+
+TOTAL = 1 << 20
+CP = 64
+CHUNK = 2048
+
+
+def zigzag(num_chunks: int, cp_size: int) -> np.ndarray:
+    """Chunks dealt 0..cp-1 then cp-1..0, round after round: equal counts, causal work balanced."""
+    position = np.arange(num_chunks) % cp_size
+    return np.where(np.arange(num_chunks) // cp_size % 2 == 0, position, cp_size - 1 - position)
+
+
+def remote_ranges(pieces: Pieces, rank_of_chunk: np.ndarray, cp_size: int, chunk_size: int) -> list[np.ndarray]:
+    """Each rank's needed keys (the union of its pieces' key spans) minus its own chunks."""
+    rank = rank_of_chunk[pieces.chunk]
+    rank, begin, end = _merge_runs(rank, pieces.key_begin(), pieces.key_end())
+    counts = (end - 1) // chunk_size - begin // chunk_size + 1
+    run = np.repeat(np.arange(rank.size), counts)
+    chunk = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts) + begin[run] // chunk_size
+    keep = rank_of_chunk[chunk] != rank[run]
+    run, chunk = run[keep], chunk[keep]
+    lo = np.maximum(begin[run], chunk * chunk_size)
+    hi = np.minimum(end[run], (chunk + 1) * chunk_size)
+    rank, lo, hi = _merge_runs(rank[run], lo, hi)
+    bounds = np.searchsorted(rank, np.arange(cp_size + 1))
+    ranges = np.stack([lo, hi], axis=1)
+    return [ranges[bounds[r] : bounds[r + 1]] for r in range(cp_size)]
+
+
+def main() -> None:
+    cu = np.r_[0, np.cumsum(sample_doc_lengths(TOTAL, 4000))]
+    pieces = cut(Mask.from_cu_seqlens(cu, causal=True), CHUNK)
+    rank_of_chunk = zigzag(TOTAL // CHUNK, CP)
+    remote = remote_ranges(pieces, rank_of_chunk, CP, CHUNK)
+    cost = CostModel()
+    ms, _, plan = timed(lambda: plan_stages(pieces, rank_of_chunk, CP, remote, cost, chunk_size=CHUNK), 20)
+    rows = np.array([int((r[:, 1] - r[:, 0]).sum()) for r in remote])
+    print(f"1M varlen causal (4000 docs), cp {CP}, chunk {CHUNK}, zigzag: remote rows {rows.sum():,} in all, "
+          f"{rows.max():,} on the busiest rank; default CostModel")
+    print(f"{'stages':>6} {'fwd ms':>8} {'bwd ms':>8} {'total ms':>9}")
+    for n, fwd, bwd in plan.scan:
+        mark = "  <- chosen" if n == plan.num_stages else ""
+        print(f"{n:>6} {fwd * 1e3:8.3f} {bwd * 1e3:8.3f} {(fwd + bwd) * 1e3:9.3f}{mark}")
+    busiest = {d: plan.compute_time(d).sum(axis=1).max() * 1e3 for d in ("fwd", "bwd")}
+    one = plan_stages(pieces, rank_of_chunk, CP, remote, cost, 1, chunk_size=CHUNK)
+    print(f"compute of the busiest rank: fwd {busiest['fwd']:.3f} ms, bwd {busiest['bwd']:.3f} ms; "
+          f"one-stage fetch {one.comm_time()[0] * 1e3:.3f} ms")
+    print(f"planning 1..8 stages: {ms:.1f} ms median of 20")
+
+if __name__ == "__main__":
+    main()

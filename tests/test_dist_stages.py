@@ -1,0 +1,390 @@
+"""Overlap stages: piece areas against key ranges, the stage split, and the modelled schedule,
+all against brute force over dense masks and against hand computations."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import networkx as nx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from maskc.dist.pieces import cut
+from maskc.dist.stages import CostModel, StagePlan, critical_path, plan_stages, split_stages
+from maskc.errors import MaskError, MaskParamError
+from maskc.ir import Mask
+
+from test_ir import masks
+
+# Every unit 1: a pair costs 1 s forward and backward, a row 5 s on the wire, 1 s per collective.
+UNIT = CostModel(1, 1, 1, 5, fwd_flops=4, bwd_flops=10, bwd_work=2.5, bandwidth=2, latency=1)
+
+
+def runs(flags: np.ndarray) -> np.ndarray:
+    """The [begin, end) runs of True in a bool vector, as [R, 2]."""
+    edges = np.diff(np.r_[0, flags.astype(np.int8), 0])
+    return np.stack([np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)], axis=1)
+
+
+def rows_of(ranges: np.ndarray) -> list[int]:
+    return [k for a, b in ranges.tolist() for k in range(a, b)]
+
+
+@st.composite
+def problems(draw) -> tuple[Mask, int, np.ndarray, int]:
+    """A mask, a chunk size, and chunks dealt equally (at random) to cp ranks."""
+    mask = draw(masks(max_len=40, max_slices=6))
+    chunk_size = draw(st.sampled_from([1, 3, 5, 8]))
+    cp = draw(st.integers(1, 4))
+    per_rank = max(1, -(-max(mask.seqlen_q, mask.seqlen_k) // (chunk_size * cp)))
+    rank_of_chunk = np.array(draw(st.permutations(np.repeat(np.arange(cp), per_rank).tolist())), dtype=np.int64)
+    return mask, chunk_size, rank_of_chunk, cp
+
+
+def query_rows(rank_of_chunk: np.ndarray, rank: int, chunk_size: int, span: int) -> np.ndarray:
+    return np.flatnonzero(rank_of_chunk[np.arange(span) // chunk_size] == rank)
+
+
+def dense_remote(dense: np.ndarray, rank_of_chunk: np.ndarray, cp: int, chunk_size: int) -> list[np.ndarray]:
+    """Keys the rank's query rows attend to, minus its own rows, from the dense mask."""
+    span = rank_of_chunk.size * chunk_size
+    out = []
+    for r in range(cp):
+        own = query_rows(rank_of_chunk, r, chunk_size, span)
+        needed = np.zeros(span, dtype=bool)
+        needed[: dense.shape[1]] = dense[own[own < dense.shape[0]]].any(axis=0)
+        needed[own] = False
+        out.append(runs(needed))
+    return out
+
+
+def padded(mask: Mask, span: int) -> np.ndarray:
+    dense = np.zeros((span, span), dtype=bool)
+    dense[: mask.seqlen_q, : mask.seqlen_k] = mask.to_dense().numpy()
+    return dense
+
+
+# ---- Pieces.areas_within ------------------------------------------------------------------
+
+
+def line_pairs(pieces, p: int, k0: int, k1: int) -> int:
+    """Pairs of piece p with key in [k0, k1), row by row and key by key."""
+    return sum(
+        1
+        for r in range(pieces.r0[p], pieces.r1[p])
+        for k in range(pieces.lo_a[p] + pieces.lo_s[p] * r, pieces.hi_a[p] + pieces.hi_s[p] * r + 1)
+        if k0 <= k < k1
+    )
+
+
+@given(masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 7, 16]), st.data())
+@settings(max_examples=200, deadline=None)
+def test_areas_within_matches_brute_force(mask: Mask, chunk_size: int, data: st.DataObject) -> None:
+    pieces = cut(mask, chunk_size)
+    n = len(pieces)
+    bounds = st.lists(st.integers(-3, 45), min_size=n, max_size=n)
+    k0, k1 = np.array(data.draw(bounds), dtype=np.int64), np.array(data.draw(bounds), dtype=np.int64)
+    lo, hi = data.draw(st.integers(-3, 45)), data.draw(st.integers(-3, 45))
+    assert pieces.areas_within(k0, k1).tolist() == [line_pairs(pieces, p, k0[p], k1[p]) for p in range(n)]
+    assert pieces.areas_within(lo, hi).tolist() == [line_pairs(pieces, p, lo, hi) for p in range(n)]
+    assert pieces.areas_within(lo, hi).dtype == np.int64
+    assert np.array_equal(pieces.areas_within(-(10**9), 10**9), pieces.areas())
+    # The pieces tile the mask, so their pairs within [lo, hi) are the dense mask's columns.
+    assert int(pieces.areas_within(lo, hi).sum()) == int(mask.to_dense()[:, max(lo, 0) : max(hi, 0)].sum())
+
+
+# ---- split_stages ---------------------------------------------------------------------------
+
+
+@st.composite
+def remote_ranges(draw) -> np.ndarray:
+    cuts = sorted(set(draw(st.lists(st.integers(0, 60), max_size=12))))
+    pairs = [(a, b) for a, b in zip(cuts[::2], cuts[1::2])]
+    return np.array(pairs, dtype=np.int64).reshape(-1, 2)
+
+
+@given(remote_ranges(), st.integers(1, 9))
+@settings(max_examples=300, deadline=None)
+def test_split_stages_covers_the_rows_in_order_and_balanced(remote: np.ndarray, n: int) -> None:
+    stages = split_stages(remote, n)
+    assert len(stages) == n
+    assert sum((rows_of(s) for s in stages), []) == rows_of(remote)
+    counts = [len(rows_of(s)) for s in stages]
+    total = len(rows_of(remote))
+    assert counts == [(i + 1) * total // n - i * total // n for i in range(n)]
+    assert max(counts) - min(counts) <= 1
+    assert (0 in counts) == (total < n)
+    for s in stages:
+        assert s.dtype == np.int64 and s.shape == (len(s), 2)
+        assert np.all(s[:, 1] > s[:, 0])
+        # Each piece lies inside one remote range; a stage cuts no range it need not.
+        assert all(any(a <= x and y <= b for a, b in remote.tolist()) for x, y in s.tolist())
+        assert len(s) <= len(remote)
+
+
+def test_split_stages_cuts_ranges_at_equal_row_counts() -> None:
+    stages = split_stages(np.array([[0, 4], [10, 13], [20, 30]]), 3)
+    # 17 rows: stages of 5, 6, 6 (cuts at rows 5 and 11).
+    assert [s.tolist() for s in stages] == [[[0, 4], [10, 11]], [[11, 13], [20, 24]], [[24, 30]]]
+    assert [s.tolist() for s in split_stages(np.array([[5, 7]]), 3)] == [[], [[5, 6]], [[6, 7]]]
+    assert [s.shape for s in split_stages(np.zeros((0, 2), dtype=np.int64), 2)] == [(0, 2), (0, 2)]
+
+
+@pytest.mark.parametrize(
+    "remote, message",
+    [
+        (np.array([[3, 5], [4, 8]]), "sorted, disjoint"),
+        (np.array([[6, 8], [0, 2]]), "sorted, disjoint"),
+        (np.array([[2, 2]]), "non-empty"),
+        (np.array([[-1, 2]]), "rows >= 0"),
+        (np.array([[0.0, 2.0]]), "int array"),
+        (np.array([0, 2, 4]), r"shape \[R, 2\]"),
+    ],
+)
+def test_split_stages_rejects_bad_ranges(remote: np.ndarray, message: str) -> None:
+    with pytest.raises(MaskError, match=message):
+        split_stages(remote, 2)
+
+
+def test_split_stages_rejects_bad_counts() -> None:
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(MaskParamError, match="num_stages must be a positive int"):
+            split_stages(np.array([[0, 4]]), bad)
+
+
+# ---- the plan against brute force ---------------------------------------------------------
+
+
+def longest_path_by_hand(dag: nx.DiGraph) -> float:
+    finish: dict = {}
+    for v in nx.topological_sort(dag):
+        finish[v] = dag.nodes[v]["duration"] + max((finish[u] for u in dag.predecessors(v)), default=0.0)
+    return max(finish.values(), default=0.0)
+
+
+@given(problems(), st.integers(1, 5), st.sampled_from([UNIT, CostModel()]))
+@settings(max_examples=150, deadline=None)
+def test_plan_matches_brute_force(problem: tuple, n: int, cost: CostModel) -> None:
+    mask, chunk_size, rank_of_chunk, cp = problem
+    span = rank_of_chunk.size * chunk_size
+    dense = padded(mask, span)
+    remote = dense_remote(dense, rank_of_chunk, cp, chunk_size)
+    plan = plan_stages(cut(mask, chunk_size), rank_of_chunk, cp, remote, cost, n, chunk_size=chunk_size)
+    assert plan.num_stages == n and plan.cp_size == cp and [k for k, _, _ in plan.scan] == [n]
+    owner = rank_of_chunk[np.arange(span) // chunk_size]
+    busiest = np.zeros(n, dtype=np.int64)
+    for r in range(cp):
+        rows = query_rows(rank_of_chunk, r, chunk_size, span)
+        assert plan.pairs[r, 0] == dense[np.ix_(rows, rows)].sum()
+        stages = [plan.stage_ranges(r, i) for i in range(n)]
+        assert [s.tolist() for s in stages] == [s.tolist() for s in split_stages(remote[r], n)]
+        for i, s in enumerate(stages):
+            keys = rows_of(s)
+            assert plan.pairs[r, i + 1] == dense[np.ix_(rows, keys)].sum()
+            busiest[i] = max(busiest[i], len(keys))
+    for i in range(n):
+        for o in range(cp):  # rows of rank o's chunks that any rank fetches in stage i
+            sent = sum(int((owner[rows_of(plan.stage_ranges(r, i))] == o).sum()) for r in range(cp))
+            busiest[i] = max(busiest[i], sent)
+    assert plan.stage_rows.tolist() == busiest.tolist()
+    assert plan.pairs.sum() == dense.sum()
+
+    for direction, time, comm_nodes, comm_edges in (
+        ("fwd", plan.time_fwd, n, n - 1),
+        ("bwd", plan.time_bwd, 2 * n, 2 * n - 1 + cp * n),
+    ):
+        dag = plan.dag(direction)
+        assert nx.is_directed_acyclic_graph(dag)
+        assert dag.number_of_nodes() == cp * (n + 1) + comm_nodes
+        # Compute chains, fetch -> compute on every rank, the comm stream (and compute -> reduce).
+        assert dag.number_of_edges() == cp * n + cp * n + comm_edges
+        assert all(dag.has_edge(("fetch", i), ("compute", r, i)) for r in range(cp) for i in range(1, n + 1))
+        assert all(dag.has_edge(("compute", r, i - 1), ("compute", r, i)) for r in range(cp) for i in range(1, n + 1))
+        durations = plan.compute_time(direction)
+        assert all(dag.nodes["compute", r, i]["duration"] == durations[r, i] for r in range(cp) for i in range(n + 1))
+        length, path = critical_path(dag)
+        assert length == pytest.approx(time, rel=1e-12, abs=1e-15)
+        assert longest_path_by_hand(dag) == pytest.approx(time, rel=1e-12, abs=1e-15)
+        assert sum(dag.nodes[v]["duration"] for v in path) == pytest.approx(length)
+        assert all(dag.has_edge(u, v) for u, v in zip(path, path[1:]))
+
+
+def test_backward_stream_order() -> None:
+    plan = tiny_plan(3)
+    dag = plan.dag("bwd")
+    stream = [("fetch", 1), ("fetch", 2), ("reduce", 1), ("fetch", 3), ("reduce", 2), ("reduce", 3)]
+    assert all(dag.has_edge(u, v) for u, v in zip(stream, stream[1:]))
+    assert all(dag.has_edge(("compute", r, i), ("reduce", i)) for r in range(2) for i in (1, 2, 3))
+    assert dag.in_degree(("fetch", 1)) == 0
+    assert {v for v in dag if dag.out_degree(v) == 0} == {("reduce", 3)}
+
+
+# ---- hand computations -------------------------------------------------------------------
+
+
+def tiny_problem() -> tuple:
+    """16 causal tokens in chunks of 4 dealt 0, 1, 1, 0: rank 0 owns rows 0-3 and 12-15 and
+    fetches keys [4, 12); rank 1 owns rows 4-11 and fetches keys [0, 4)."""
+    mask = Mask.from_cu_seqlens([0, 16], causal=True)
+    rank_of_chunk = np.array([0, 1, 1, 0])
+    remote = [np.array([[4, 12]]), np.array([[0, 4]])]
+    return cut(mask, 4), rank_of_chunk, 2, remote
+
+
+def tiny_plan(n: int | None, cost: CostModel = UNIT, max_stages: int = 8) -> StagePlan:
+    pieces, rank_of_chunk, cp, remote = tiny_problem()
+    return plan_stages(pieces, rank_of_chunk, cp, remote, cost, n, max_stages, chunk_size=4)
+
+
+def test_one_and_two_stages_by_hand() -> None:
+    one = tiny_plan(1)
+    # Local: rank 0 has 10 + 16 + 10 pairs, rank 1 36; remote 4 rows x 8 keys and 8 rows x 4 keys.
+    assert one.pairs.tolist() == [[36, 32], [36, 32]]
+    # Rank 0 receives 8 rows (and sends 4), rank 1 the reverse: 1 s + 8 rows * 5 s.
+    assert one.stage_rows.tolist() == [8] and one.comm_time().tolist() == [41.0]
+    assert one.time_fwd == 41 + 32  # the fetch outlasts the local 36 s
+    assert one.time_bwd == 41 + 32 + 41  # and the reduce follows the last compute
+
+    two = tiny_plan(2)
+    assert [two.stage_ranges(0, i).tolist() for i in (0, 1)] == [[[4, 8]], [[8, 12]]]
+    assert [two.stage_ranges(1, i).tolist() for i in (0, 1)] == [[[0, 2]], [[2, 4]]]
+    assert two.pairs.tolist() == [[36, 16, 16], [36, 16, 16]]
+    assert two.comm_time().tolist() == [21.0, 21.0]
+    # fetch 1: 0-21, fetch 2: 21-42; compute: local 0-36, stage 1 36-52, stage 2 52-68.
+    assert two.time_fwd == 68
+    # reduce 1 waits for compute 1 (52-73), reduce 2 for reduce 1 (73-94).
+    assert two.time_bwd == 94
+
+    chosen = tiny_plan(None, max_stages=2)
+    assert chosen.num_stages == 2 and chosen.scan == ((1, 73.0, 114.0), (2, 68.0, 94.0))
+    assert chosen.time == 162
+
+
+def test_defaults_describe_an_h200_and_a_64_head_gqa_model() -> None:
+    cost = CostModel()
+    assert cost.flops_per_pair == 4 * 64 * 128
+    assert cost.bytes_per_row == 2 * 8 * 128 * 2
+    assert cost.compute_time(np.array([1e12]), "fwd")[0] == pytest.approx(1e12 * 4 * 64 * 128 / 550e12)
+    assert cost.compute_time(np.array([1e12]), "bwd")[0] == pytest.approx(2.5 * 1e12 * 4 * 64 * 128 / 450e12)
+    assert cost.comm_time(np.array([0, 1000])).tolist() == pytest.approx([0.0, 20e-6 + 1000 * 4096 / 150e9])
+
+
+# ---- limits of the model -------------------------------------------------------------------
+
+
+def varlen_problem(cp: int = 4, chunk_size: int = 64) -> tuple:
+    mask = Mask.from_cu_seqlens([0, 300, 1000, 1150, 2050, 4000, 4096], causal=True)
+    num_chunks = 4096 // chunk_size
+    position = np.arange(num_chunks) % cp
+    rank_of_chunk = np.where(np.arange(num_chunks) // cp % 2 == 0, position, cp - 1 - position)
+    remote = dense_remote(mask.to_dense().numpy(), rank_of_chunk, cp, chunk_size)
+    return cut(mask, chunk_size), rank_of_chunk, cp, remote, chunk_size
+
+
+def test_infinite_bandwidth_makes_time_the_compute() -> None:
+    pieces, rank_of_chunk, cp, remote, chunk_size = varlen_problem()
+    free = CostModel(bandwidth=math.inf, latency=0.0)
+    plan = plan_stages(pieces, rank_of_chunk, cp, remote, free, chunk_size=chunk_size)
+    fwd = [t for _, t, _ in plan.scan]
+    bwd = [t for _, _, t in plan.scan]
+    assert plan.num_stages == 1  # all counts tie; fewer stages win
+    compute = plan.compute_time("fwd").sum(axis=1).max(), plan.compute_time("bwd").sum(axis=1).max()
+    assert fwd == pytest.approx([compute[0]] * 8, rel=1e-12) and bwd == pytest.approx([compute[1]] * 8, rel=1e-12)
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(fwd, fwd[1:]))
+
+
+def test_huge_communication_makes_time_the_communication() -> None:
+    pieces, rank_of_chunk, cp, remote, chunk_size = varlen_problem()
+    slow = CostModel(bandwidth=1e3)
+    for n in (1, 3, 8):
+        plan = plan_stages(pieces, rank_of_chunk, cp, remote, slow, n, chunk_size=chunk_size)
+        comm = plan.comm_time().sum()
+        assert comm > 1e3 * plan.compute_time("bwd").sum()
+        assert comm <= plan.time_fwd <= comm * (1 + 1e-3)
+        assert 2 * comm <= plan.time_bwd <= 2 * comm * (1 + 1e-3)  # fetches and reduces share a stream
+    # With the default link the stages hide most of it: more stages, less time, up to a point.
+    plan = plan_stages(pieces, rank_of_chunk, cp, remote, CostModel(), chunk_size=chunk_size)
+    total = {n: fwd + bwd for n, fwd, bwd in plan.scan}
+    assert plan.num_stages > 1 and total[plan.num_stages] == pytest.approx(min(total.values()), rel=1e-9)
+    assert total[plan.num_stages] < total[1]
+
+
+def test_no_remote_traffic_picks_one_stage() -> None:
+    # Documents aligned to chunks, each chunk on its own: nobody needs another rank's keys.
+    mask = Mask.from_cu_seqlens([0, 8, 16, 24, 32], causal=True)
+    rank_of_chunk = np.array([0, 1, 1, 0])
+    remote = [np.zeros((0, 2), dtype=np.int64)] * 2
+    plan = plan_stages(cut(mask, 8), rank_of_chunk, 2, remote, CostModel(), chunk_size=8)
+    assert plan.num_stages == 1 and len(plan.scan) == 8
+    assert plan.stage_rows.tolist() == [0] and plan.comm_time().tolist() == [0.0]
+    assert plan.pairs.tolist() == [[72, 0], [72, 0]]
+    assert plan.time_fwd == pytest.approx(plan.compute_time("fwd")[:, 0].max())
+    assert len({t for _, t, _ in plan.scan}) == 1
+
+
+# ---- round trip and bad inputs ---------------------------------------------------------------
+
+
+def test_to_dict_round_trips_through_json() -> None:
+    plan = tiny_plan(None, CostModel(num_heads_q=32, bandwidth=1e9))
+    back = StagePlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    for name in ("ranges", "offsets", "pairs", "stage_rows"):
+        assert np.array_equal(getattr(back, name), getattr(plan, name))
+    assert (back.num_stages, back.cost, back.scan) == (plan.num_stages, plan.cost, plan.scan)
+    assert (back.time_fwd, back.time_bwd) == (plan.time_fwd, plan.time_bwd)
+    assert back.to_dict() == plan.to_dict()
+    assert not back.ranges.flags.writeable
+
+
+def test_from_dict_rejects_broken_plans() -> None:
+    data = tiny_plan(2).to_dict()
+    with pytest.raises(MaskError, match="not a StagePlan dict"):
+        StagePlan.from_dict({k: v for k, v in data.items() if k != "pairs"})
+    with pytest.raises(MaskError, match="inconsistent StagePlan"):
+        StagePlan.from_dict({**data, "num_stages": 3})
+    with pytest.raises(MaskError, match="inconsistent StagePlan"):
+        StagePlan.from_dict({**data, "offsets": data["offsets"][::-1]})
+    with pytest.raises(MaskParamError, match="bandwidth"):
+        StagePlan.from_dict({**data, "cost": {**data["cost"], "bandwidth": -1.0}})
+
+
+def test_plan_stages_rejects_bad_inputs() -> None:
+    pieces, rank_of_chunk, cp, remote = tiny_problem()
+
+    def plan(**kw):
+        args = dict(pieces=pieces, rank_of_chunk=rank_of_chunk, cp_size=cp, remote=remote, cost=UNIT, chunk_size=4)
+        return plan_stages(**{**args, **kw})
+
+    with pytest.raises(MaskError, match="equal chunk counts"):
+        plan(rank_of_chunk=np.array([0, 0, 0, 1]))
+    with pytest.raises(MaskError, match="outside"):
+        plan(rank_of_chunk=np.array([0, 1, 2, 0]))
+    with pytest.raises(MaskError, match="each of 2 ranks"):
+        plan(remote=remote[:1])
+    with pytest.raises(MaskError, match="misses keys that rank 0"):
+        plan(remote=[np.array([[4, 11]]), remote[1]])
+    with pytest.raises(MaskError, match=r"remote\[1\] holds rows of chunk 1, which rank 1 owns"):
+        plan(remote=[remote[0], np.array([[0, 5]])])
+    with pytest.raises(MaskError, match="reach past"):
+        plan(remote=[np.array([[4, 12], [16, 20]]), remote[1]])
+    with pytest.raises(MaskError, match="pieces reach past"):
+        plan(chunk_size=2)
+    with pytest.raises(MaskError, match="chunk_size"):
+        plan(chunk_size=0)
+    with pytest.raises(MaskParamError, match="max_stages"):
+        plan(max_stages=0)
+    with pytest.raises(MaskParamError, match="num_stages"):
+        plan(num_stages=0)
+    with pytest.raises(MaskParamError, match="cp_size"):
+        plan(cp_size=0)
+    with pytest.raises(MaskParamError, match="direction"):
+        tiny_plan(1).dag("sideways")
+    with pytest.raises(MaskParamError, match="no rank 2 stage 0"):
+        tiny_plan(1).stage_ranges(2, 0)
+    with pytest.raises(MaskParamError, match="head_dim"):
+        CostModel(head_dim=0)
+    with pytest.raises(MaskParamError, match="latency"):
+        CostModel(latency=-1e-6)
