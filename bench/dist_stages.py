@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskc.dist.pieces import Pieces, cut
+from maskc.dist.comm import remote_keys
+from maskc.dist.pieces import cut
 from maskc.dist.stages import CostModel, plan_stages
 from maskc.ir import Mask
-from maskc.ir.schedule import _merge_runs
 
 from common import sample_doc_lengths, timed
 
@@ -23,28 +23,11 @@ def zigzag(num_chunks: int, cp_size: int) -> np.ndarray:
     return np.where(np.arange(num_chunks) // cp_size % 2 == 0, position, cp_size - 1 - position)
 
 
-def remote_ranges(pieces: Pieces, rank_of_chunk: np.ndarray, cp_size: int, chunk_size: int) -> list[np.ndarray]:
-    """Each rank's needed keys (the union of its pieces' key spans) minus its own chunks."""
-    rank = rank_of_chunk[pieces.chunk]
-    rank, begin, end = _merge_runs(rank, pieces.key_begin(), pieces.key_end())
-    counts = (end - 1) // chunk_size - begin // chunk_size + 1
-    run = np.repeat(np.arange(rank.size), counts)
-    chunk = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts) + begin[run] // chunk_size
-    keep = rank_of_chunk[chunk] != rank[run]
-    run, chunk = run[keep], chunk[keep]
-    lo = np.maximum(begin[run], chunk * chunk_size)
-    hi = np.minimum(end[run], (chunk + 1) * chunk_size)
-    rank, lo, hi = _merge_runs(rank[run], lo, hi)
-    bounds = np.searchsorted(rank, np.arange(cp_size + 1))
-    ranges = np.stack([lo, hi], axis=1)
-    return [ranges[bounds[r] : bounds[r + 1]] for r in range(cp_size)]
-
-
 def main() -> None:
     cu = np.r_[0, np.cumsum(sample_doc_lengths(TOTAL, 4000))]
     pieces = cut(Mask.from_cu_seqlens(cu, causal=True), CHUNK)
     rank_of_chunk = zigzag(TOTAL // CHUNK, CP)
-    remote = remote_ranges(pieces, rank_of_chunk, CP, CHUNK)
+    remote = remote_keys(pieces, CHUNK, rank_of_chunk, CP)
     cost = CostModel()
     ms, _, plan = timed(lambda: plan_stages(pieces, rank_of_chunk, CP, remote, cost, chunk_size=CHUNK), 20)
     rows = np.array([int((r[:, 1] - r[:, 0]).sum()) for r in remote])
@@ -59,6 +42,7 @@ def main() -> None:
     print(f"compute of the busiest rank: fwd {busiest['fwd']:.3f} ms, bwd {busiest['bwd']:.3f} ms; "
           f"one-stage fetch {one.comm_time()[0] * 1e3:.3f} ms")
     print(f"planning 1..8 stages: {ms:.1f} ms median of 20")
+
 
 if __name__ == "__main__":
     main()

@@ -26,18 +26,12 @@ import numpy as np
 from maskc.dist.pieces import Pieces, cut
 from maskc.errors import MaskError, MaskParamError
 from maskc.ir.mask import Mask
+from maskc.ir.slices import expand_spans
 
 JSON_FORMAT = "maskc.comm/1"
 
 
 # ---- range helpers ------------------------------------------------------------------------
-
-
-def _runs(start: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Run i expanded to start[i], start[i]+1, ..., start[i]+length[i]-1: (run of each value, value)."""
-    owner = np.repeat(np.arange(length.size), length)
-    offset = np.arange(owner.size) - np.repeat(np.cumsum(length) - length, length)
-    return owner, start[owner] + offset
 
 
 def _union(group: np.ndarray, begin: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -63,7 +57,7 @@ def _union(group: np.ndarray, begin: np.ndarray, end: np.ndarray) -> tuple[np.nd
 
 def _expand(ranges: np.ndarray) -> np.ndarray:
     """The rows of [R, 2] half-open ranges, concatenated in range order."""
-    return _runs(ranges[:, 0], ranges[:, 1] - ranges[:, 0])[1]
+    return expand_spans(ranges[:, 0], ranges[:, 1] - 1)[1]
 
 
 def _readonly(arr: np.ndarray) -> np.ndarray:
@@ -127,7 +121,7 @@ def _remote(pieces: Pieces, chunk_size: int, roc: np.ndarray) -> tuple[np.ndarra
     one chunk's rows, sorted by destination then begin."""
     dst, begin, end = _needed(pieces, roc)
     first = begin // chunk_size
-    run, chunk = _runs(first, (end - 1) // chunk_size - first + 1)
+    run, chunk = expand_spans(first, (end - 1) // chunk_size)
     src = roc[chunk]
     far = src != dst[run]
     run, chunk, src = run[far], chunk[far], src[far]
@@ -356,7 +350,7 @@ def _cast(
     x_b, x_e = src * span + begin, src * span + end
     bp = np.unique(np.r_[x_b, x_e])
     first = np.searchsorted(bp, x_b)
-    run, iv = _runs(first, np.searchsorted(bp, x_e) - first)
+    run, iv = expand_spans(first, np.searchsorted(bp, x_e) - 1)
     order = np.argsort(iv, kind="stable")  # ranges come by destination: each set stays ascending
     count = np.bincount(iv, minlength=bp.size)
     seg = np.flatnonzero(count)

@@ -17,7 +17,7 @@ import numpy as np
 from maskc.errors import MaskError, MaskParamError
 from maskc.ir.mask import Mask
 from maskc.ir.merge import merge_ranges
-from maskc.ir.slices import RowLines
+from maskc.ir.slices import RowLines, expand_spans
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,10 +90,7 @@ def cut(mask: Mask, chunk_size: int) -> Pieces:
     merged = merge_ranges(mask)
     lines = RowLines.of(merged.q_ranges, merged.k_ranges, merged.types)
     lines = lines.take(np.flatnonzero(lines.nonempty()))
-    first, last = lines.r0 // chunk_size, (lines.r1 - 1) // chunk_size
-    counts = last - first + 1
-    owner = np.repeat(np.arange(counts.size), counts)
-    chunk = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts) + first[owner]
+    owner, chunk = expand_spans(lines.r0 // chunk_size, (lines.r1 - 1) // chunk_size)
     ln = lines.take(owner)
     r0 = np.maximum(ln.r0, chunk * chunk_size)
     r1 = np.minimum(ln.r1, (chunk + 1) * chunk_size)

@@ -106,8 +106,8 @@ class Plan:
             "ring_p2p_rows_total": int(self.comm.ring_p2p_rows_total),
             "allgather_rows_total": int(self.comm.allgather_rows_total),
             "num_stages": int(self.stages.num_stages),
-            "modelled_forward_s": float(self.stages.forward_time),
-            "modelled_backward_s": float(self.stages.backward_time),
+            "modelled_forward_s": float(self.stages.time_fwd),
+            "modelled_backward_s": float(self.stages.time_bwd),
         }
 
     def to_json(self) -> str:
@@ -167,7 +167,8 @@ def make_plan(
     if algorithm not in ALGORITHMS:
         raise MaskParamError(f"unknown dispatch algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
     chunk_size = int(chunk_size or default_chunk_size(mask.seqlen_q, cp_size))
-    padded = pad(mask, padded_length(mask.seqlen_q, chunk_size, cp_size))
+    # At least one chunk per rank, so every rank has rows (padding) even for a tiny sequence.
+    padded = pad(mask, max(padded_length(mask.seqlen_q, chunk_size, cp_size), chunk_size * cp_size))
     areas = chunk_areas(padded, chunk_size, padded.seqlen_q // chunk_size)
     rank_of_chunk = solve(areas, cp_size, algorithm)
     return _derive(padded, mask.seqlen_q, int(cp_size), chunk_size, algorithm, rank_of_chunk, cost or CostModel(), num_stages)
@@ -194,7 +195,7 @@ def _derive(
     pieces: Pieces = cut(padded, chunk_size)
     comm = build_comm_tables(padded, chunk_size, rank_of_chunk, cp_size)
     remote = remote_keys(pieces, chunk_size, rank_of_chunk, cp_size)
-    stages = plan_stages(pieces, rank_of_chunk, cp_size, remote, cost, num_stages=num_stages)
+    stages = plan_stages(pieces, rank_of_chunk, cp_size, remote, cost, num_stages=num_stages, chunk_size=chunk_size)
     areas = np.bincount(pieces.chunk, weights=pieces.areas(), minlength=num_chunks).astype(np.int64)
     return Plan(padded, seqlen, cp_size, chunk_size, algorithm, rank_of_chunk, areas, comm, stages, cost)
 

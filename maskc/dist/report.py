@@ -14,11 +14,11 @@ def format_report(plan: Plan, name: str) -> str:
     all-gather (rows and bytes), overlap stages and the modelled time, as text."""
     s = plan.summary()
     areas = plan.rank_areas()
-    row_bytes = plan.cost.kv_row_bytes
+    row_bytes = plan.cost.bytes_per_row
     comm = s["comm_rows_total"]
 
-    def volume(rows: int) -> str:
-        share = f" ({rows / comm:.2f}x maskc)" if comm else ""
+    def volume(rows: int, baseline: bool = True) -> str:
+        share = f" ({rows / comm:.2f}x maskc)" if comm and baseline else ""
         return f"{rows:>14,} rows {rows * row_bytes / 2**30:10.2f} GiB{share}"
 
     lines = [
@@ -28,7 +28,7 @@ def format_report(plan: Plan, name: str) -> str:
         f"  imbalance       {s['imbalance']:.4f} (max / mean); lower bound on max {s['lower_bound']:,} "
         f"({s['max_area'] / max(s['lower_bound'], 1):.4f}x)",
         "  K/V rows received, forward (the backward sends as many dK/dV rows back):",
-        f"    maskc         {volume(comm)}",
+        f"    maskc         {volume(comm, baseline=False)}",
         f"    ring P2P      {volume(s['ring_p2p_rows_total'])}",
         f"    all-gather    {volume(s['allgather_rows_total'])}",
         f"  recv rows/rank  min {min(r['recv_rows'] for r in s['ranks']):,}  max {max(r['recv_rows'] for r in s['ranks']):,}",

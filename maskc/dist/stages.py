@@ -37,7 +37,7 @@ import numpy as np
 
 from maskc.dist.pieces import Pieces
 from maskc.errors import MaskError, MaskParamError
-from maskc.ir.schedule import _expand
+from maskc.ir.slices import expand_spans
 
 Direction = Literal["fwd", "bwd"]
 DIRECTIONS: tuple[Direction, ...] = ("fwd", "bwd")
@@ -361,7 +361,7 @@ class _Problem:
         keys, rank, slot = keys[order], rank[order], slot[order]
         first = np.searchsorted(keys[:, 1] + rank * span, self.piece_begin, side="right")
         last = np.searchsorted(keys[:, 0] + rank * span, self.piece_end, side="left") - 1
-        piece, hit = _expand(first, last)
+        piece, hit = expand_spans(first, last)
         work = self.pieces.take(piece).areas_within(keys[hit, 0], keys[hit, 1])
         pairs = np.bincount(rank[hit] * num_slots + slot[hit], weights=work, minlength=self.cp_size * num_slots)
         pairs = pairs.round().astype(np.int64).reshape(self.cp_size, num_slots)
@@ -403,7 +403,7 @@ def _split(ranges: np.ndarray, counts: np.ndarray, num_stages: int) -> tuple[np.
 
 def _chunk_parts(ranges: np.ndarray, chunk_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Ranges cut at chunk boundaries: each part's range index, chunk and row count."""
-    index, chunk = _expand(ranges[:, 0] // chunk_size, (ranges[:, 1] - 1) // chunk_size)
+    index, chunk = expand_spans(ranges[:, 0] // chunk_size, (ranges[:, 1] - 1) // chunk_size)
     lo = np.maximum(ranges[index, 0], chunk * chunk_size)
     hi = np.minimum(ranges[index, 1], (chunk + 1) * chunk_size)
     return index, chunk, hi - lo

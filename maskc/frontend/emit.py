@@ -13,17 +13,9 @@ import numpy as np
 
 from maskc.errors import MaskError
 from maskc.ir import TYPE_IDS, Mask, band_slices
+from maskc.ir.slices import ragged_expand
 
 RangeArrays = tuple[np.ndarray, np.ndarray]
-
-
-def ragged_expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For per-parent element counts, each child's parent index and its index within the parent."""
-    counts = np.asarray(counts, dtype=np.int64)
-    parent = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
-    offsets = np.cumsum(counts) - counts
-    local = np.arange(parent.size, dtype=np.int64) - offsets[parent]
-    return parent, local
 
 
 def split_chunks(

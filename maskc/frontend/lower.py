@@ -17,7 +17,8 @@ import numpy as np
 from maskc.errors import MaskError
 from maskc.frontend import syntax as s
 from maskc.frontend.check import bind
-from maskc.frontend.emit import SliceBuffer, ragged_expand, split_chunks
+from maskc.frontend.emit import SliceBuffer, split_chunks
+from maskc.ir.slices import ragged_expand
 from maskc.frontend.params import DocList, ParamValue
 from maskc.ir import Mask
 

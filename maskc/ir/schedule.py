@@ -25,7 +25,7 @@ import numpy as np
 from maskc.errors import MaskError
 from maskc.ir.mask import Mask
 from maskc.ir.merge import merge_ranges
-from maskc.ir.slices import RowLines
+from maskc.ir.slices import RowLines, expand_spans
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,14 +61,6 @@ def _as32(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.int32)
 
 
-def _expand(first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For inclusive integer spans [first, last], each element's span index and value."""
-    counts = np.maximum(last - first + 1, 0)
-    owner = np.repeat(np.arange(counts.size), counts)
-    value = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts) + first[owner]
-    return owner, value
-
-
 def _merge_runs(tile: np.ndarray, begin: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, ...]:
     """Union of [begin, end) runs within each tile: overlapping or touching runs fuse."""
     order = np.lexsort((begin, tile))
@@ -94,7 +86,7 @@ def build_schedule(mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool
     num_tiles = -(-sq // tile_m)
 
     # (line, q tile) pairs and the rows [a, b) of the line inside the tile.
-    pair_line, pair_tile = _expand(lines.r0 // tile_m, (lines.r1 - 1) // tile_m)
+    pair_line, pair_tile = expand_spans(lines.r0 // tile_m, (lines.r1 - 1) // tile_m)
     ln = lines.take(pair_line)
     a = np.maximum(ln.r0, pair_tile * tile_m)
     b = np.minimum(ln.r1, (pair_tile + 1) * tile_m)
@@ -186,7 +178,7 @@ def build_deterministic_backward_schedule(mask: Mask, tile_m: int, tile_n: int) 
     s = build_schedule(mask.transpose(), tile_n, tile_m, heaviest_first=False)
     lengths = (s.ranges[:, 1] - s.ranges[:, 0]).astype(np.int64)
     run_work = np.repeat(np.arange(s.num_work), np.diff(s.work_ranges))
-    _, q_block = _expand(s.ranges[:, 0].astype(np.int64), s.ranges[:, 1].astype(np.int64) - 1)
+    _, q_block = expand_spans(s.ranges[:, 0].astype(np.int64), s.ranges[:, 1].astype(np.int64) - 1)
     k_tile = np.repeat(s.work_tile[run_work], lengths)
     order = np.lexsort((k_tile, q_block))  # by q block, then k tile
     sorted_block = q_block[order]

@@ -174,6 +174,21 @@ class RowLines:
         return q_ranges, k_ranges, types.astype(np.int64)
 
 
+def ragged_expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For per-parent element counts, each child's parent index and its index within the parent."""
+    counts = np.asarray(counts, dtype=np.int64)
+    parent = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+    offsets = np.cumsum(counts) - counts
+    local = np.arange(parent.size, dtype=np.int64) - offsets[parent]
+    return parent, local
+
+
+def expand_spans(first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For inclusive integer spans [first, last], each element's span index and value (vectorised)."""
+    owner, local = ragged_expand(np.maximum(last - first + 1, 0))
+    return owner, first[owner] + local
+
+
 def band_slices(qs, qe, ks, ke, left, right) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Decompose bands into at most three slices each (causal, bi_causal/full, inv_causal).
 
