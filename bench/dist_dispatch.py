@@ -3,9 +3,8 @@
 The plan is rebuilt whenever document boundaries change (every batch), so chunk areas plus the
 solver must stay far below a step (target: under 50 ms). Per mask: the median time of
 `chunk_areas` and of each algorithm, the imbalance (largest over mean rank area; the lower
-bound over the mean is the best any algorithm could reach) and, as a communication proxy,
-the remote key/value chunks: (rank, chunk) pairs where a rank's queries need keys of a chunk
-held by another rank. Run: `python bench/dist_dispatch.py [--runs 30]`.
+bound over the mean is the best any algorithm could reach) and the key/value rows the plan's
+communication tables move (`maskc.dist.comm`). Run: `python bench/dist_dispatch.py [--runs 30]`.
 """
 
 from __future__ import annotations
@@ -14,29 +13,16 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from maskc.dist.dispatch import ALGORITHMS, imbalance, lower_bound, pad, padded_length, solve  # noqa: E402
-from maskc.dist.pieces import chunk_areas, cut  # noqa: E402
+from maskc.dist.comm import build_comm_tables  # noqa: E402
+from maskc.dist.pieces import chunk_areas  # noqa: E402
 from maskc.frontend import load  # noqa: E402
 from maskc.ir import Mask  # noqa: E402
 
 from common import pack_documents, sample_doc_lengths, timed  # noqa: E402
-
-
-def remote_chunks(mask: Mask, chunk_size: int, rank_of_chunk: np.ndarray) -> int:
-    """(rank, chunk) pairs where the rank needs keys of a chunk it does not hold."""
-    pieces = cut(mask, chunk_size)
-    first = pieces.key_begin() // chunk_size
-    counts = (pieces.key_end() - 1) // chunk_size - first + 1
-    piece = np.repeat(np.arange(len(pieces)), counts)
-    key_chunk = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts) + first[piece]
-    rank = rank_of_chunk[pieces.chunk[piece]]
-    remote = rank != rank_of_chunk[key_chunk]
-    return int(np.unique(rank[remote] * rank_of_chunk.size + key_chunk[remote]).size)
 
 
 def main() -> None:
@@ -59,7 +45,7 @@ def main() -> None:
     length = padded_length(total, args.chunk, args.cp)
     num_chunks = length // args.chunk
     print(f"{total} tokens padded to {length}, cp {args.cp}, {num_chunks} chunks of {args.chunk}, median of {args.runs} runs")
-    print(f"{'mask':32} {'algorithm':11} {'ms':>7} {'imbalance':>10} {'remote chunks':>14}")
+    print(f"{'mask':32} {'algorithm':11} {'ms':>7} {'imbalance':>10} {'K/V rows moved':>15}")
     for name, mask in masks.items():
         padded = pad(mask, length)
         ms, _, areas = timed(lambda: chunk_areas(padded, args.chunk, num_chunks), args.runs)
@@ -69,7 +55,7 @@ def main() -> None:
             ms, _, rank = timed(lambda: solve(areas, args.cp, algorithm), args.runs)
             print(
                 f"{'':32} {algorithm:11} {ms:7.2f} {imbalance(areas, rank, args.cp):10.4f} "
-                f"{remote_chunks(padded, args.chunk, rank):14}"
+                f"{build_comm_tables(padded, args.chunk, rank, args.cp).comm_rows_total:15,}"
             )
 
 
