@@ -1,2 +1,7 @@
-"""Context parallelism planning: which rank owns which chunks, which key/value rows move where,
-and in how many overlapped stages. Pure CPU; the runtime that executes a plan is maskc.runtime."""
+"""Context parallelism planning: which rank owns which chunks (`dispatch`), which key/value rows
+move where (`comm`), in how many overlapped stages (`stages`), all in one `Plan` (`plan`). Pure
+CPU; the runtime that executes a plan is maskc.runtime."""
+
+from maskc.dist.plan import Plan, make_plan
+
+__all__ = ["Plan", "make_plan"]

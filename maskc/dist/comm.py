@@ -297,7 +297,7 @@ class CommTables:
     @property
     def allgather_rows_total(self) -> int:
         """All-gather baseline: every rank receives every other rank's rows, cp*(cp-1)*rows_per_rank."""
-        return self.cp_size * (self.cp_size - 1) * self.rows_per_rank
+        return self.cp_size * self.allgather_recv_rows_per_rank
 
     @property
     def ring_hops(self) -> np.ndarray:
@@ -308,9 +308,23 @@ class CommTables:
         return (distance * (self.send_counts > 0)).max(axis=1, initial=0)
 
     @property
+    def ring_p2p_recv_rows_per_rank(self) -> np.ndarray:
+        """[cp]: rows rank r receives in the ring P2P baseline: the full block of every rank s whose
+        `ring_hops` reach r (the block passes r on its way, needed there or not)."""
+        ranks = np.arange(self.cp_size)
+        distance = (ranks[None, :] - ranks[:, None]) % self.cp_size  # [s, r]: hops from s to r
+        reached = (distance > 0) & (distance <= self.ring_hops[:, None])
+        return reached.sum(axis=0).astype(np.int64) * self.rows_per_rank
+
+    @property
     def ring_p2p_rows_total(self) -> int:
         """Ring P2P baseline: every block moves its full rows_per_rank on each of its `ring_hops`."""
-        return int(self.ring_hops.sum()) * self.rows_per_rank
+        return int(self.ring_p2p_recv_rows_per_rank.sum())
+
+    @property
+    def allgather_recv_rows_per_rank(self) -> int:
+        """Rows every rank receives in the all-gather baseline: all other ranks' rows."""
+        return (self.cp_size - 1) * self.rows_per_rank
 
     # ---- JSON ---------------------------------------------------------------------------------
 

@@ -88,7 +88,7 @@ class Plan:
     def summary(self) -> dict[str, Any]:
         """The headline numbers: balance, communication against the baselines, stages, modelled time."""
         areas = self.rank_areas()
-        recv = self.comm.recv_rows_per_rank
+        recv, ring = self.comm.recv_rows_per_rank, self.comm.ring_p2p_recv_rows_per_rank
         return {
             "seqlen": self.seqlen,
             "padded_length": self.padded_length,
@@ -99,8 +99,9 @@ class Plan:
             "lower_bound": self.lower_bound(),
             "max_area": int(areas.max(initial=0)),
             "ranks": [
-                {"rank": r, "chunks": self.chunks_of(r).tolist(), "area": int(areas[r]), "recv_rows": int(recv[r])}
-                for r in range(self.cp_size)
+                {"rank": r, "chunks": self.chunks_of(r).tolist(), "area": int(areas[r]), "recv_rows": int(recv[r]),
+                 "ring_p2p_recv_rows": int(ring[r]), "allgather_recv_rows": self.comm.allgather_recv_rows_per_rank}
+                for r in range(self.cp_size)  # fmt: skip
             ],
             "comm_rows_total": int(self.comm.comm_rows_total),
             "ring_p2p_rows_total": int(self.comm.ring_p2p_rows_total),

@@ -31,10 +31,16 @@ def format_report(plan: Plan, name: str) -> str:
         f"    maskc         {volume(comm, baseline=False)}",
         f"    ring P2P      {volume(s['ring_p2p_rows_total'])}",
         f"    all-gather    {volume(s['allgather_rows_total'])}",
-        f"  recv rows/rank  min {min(r['recv_rows'] for r in s['ranks']):,}  max {max(r['recv_rows'] for r in s['ranks']):,}",
         f"  overlap stages  {s['num_stages']}; modelled forward {s['modelled_forward_s'] * 1e3:.3f} ms, "
         f"backward {s['modelled_backward_s'] * 1e3:.3f} ms",
+        f"  {'rank':>6} {'chunks':>7} {'area':>16} {'recv MiB':>10} {'ring MiB':>10} {'all-gather MiB':>15}",
     ]
+    mib = row_bytes / 2**20
+    for r in s["ranks"]:
+        lines.append(
+            f"  {r['rank']:>6} {len(r['chunks']):>7} {r['area']:>16,} {r['recv_rows'] * mib:>10.1f} "
+            f"{r['ring_p2p_recv_rows'] * mib:>10.1f} {r['allgather_recv_rows'] * mib:>15.1f}"
+        )
     return "\n".join(lines)
 
 
