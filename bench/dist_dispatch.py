@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from maskc.dist.dispatch import ALGORITHMS, imbalance, lower_bound, pad, padded_length, solve  # noqa: E402
+from maskc.dist.assign import ALGORITHMS, imbalance, lower_bound, pad, padded_length, solve  # noqa: E402
 from maskc.dist.comm import build_comm_tables  # noqa: E402
 from maskc.dist.pieces import chunk_areas  # noqa: E402
 from maskc.frontend import load  # noqa: E402

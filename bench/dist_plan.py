@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import pack_documents  # noqa: E402
 
-from maskc.dist.dispatch import ALGORITHMS  # noqa: E402
+from maskc.dist.assign import ALGORITHMS  # noqa: E402
 from maskc.dist.plan import make_plan  # noqa: E402
 from maskc.frontend import load  # noqa: E402
 from maskc.ir import Mask  # noqa: E402

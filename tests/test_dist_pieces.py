@@ -48,3 +48,30 @@ def test_bad_chunk_size_and_too_few_chunks() -> None:
         cut(mask, 0)
     with pytest.raises(MaskError, match="rows past 2 chunks of 32"):
         chunk_areas(mask, 32, 2)
+
+
+@given(masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 16]), st.data())
+@settings(max_examples=150, deadline=None)
+def test_clipping_to_key_ranges_matches_the_dense_mask(mask: Mask, chunk_size: int, data: st.DataObject) -> None:
+    pieces = cut(mask, chunk_size)
+    n = len(pieces)
+    k0 = np.array(data.draw(st.lists(st.integers(0, mask.seqlen_k), min_size=n, max_size=n)), dtype=np.int64)
+    width = np.array(data.draw(st.lists(st.integers(0, mask.seqlen_k), min_size=n, max_size=n)), dtype=np.int64)
+    k1 = k0 + width
+    clipped, source = pieces.clipped(k0, k1)
+    expected = np.zeros((mask.seqlen_q, mask.seqlen_k + 41), dtype=np.int64)
+    for p in range(n):
+        for r in range(int(pieces.r0[p]), int(pieces.r1[p])):
+            lo = max(pieces.lo_a[p] + pieces.lo_s[p] * r, k0[p])
+            hi = min(pieces.hi_a[p] + pieces.hi_s[p] * r, k1[p] - 1)
+            if lo <= hi:
+                expected[r, lo : hi + 1] += 1
+    got = np.zeros_like(expected)
+    for c in range(len(clipped)):
+        assert clipped.chunk[c] == pieces.chunk[source[c]]
+        for r in range(int(clipped.r0[c]), int(clipped.r1[c])):
+            lo, hi = clipped.lo_a[c] + clipped.lo_s[c] * r, clipped.hi_a[c] + clipped.hi_s[c] * r
+            assert lo <= hi  # no empty row survives
+            got[r, lo : hi + 1] += 1
+    assert np.array_equal(got, expected)
+    assert clipped.areas().sum() == pieces.areas_within(k0, k1).sum()

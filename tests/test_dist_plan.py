@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from maskc.dist.comm import build_comm_tables
-from maskc.dist.dispatch import pad
+from maskc.dist.assign import pad
 from maskc.dist.plan import Plan, default_chunk_size, make_plan
 from maskc.errors import MaskError, MaskParamError
 from maskc.ir import AttnSlice, Mask

@@ -1,7 +1,9 @@
-"""Context parallelism planning: which rank owns which chunks (`dispatch`), which key/value rows
-move where (`comm`), in how many overlapped stages (`stages`), all in one `Plan` (`plan`). Pure
-CPU; the runtime that executes a plan is maskc.runtime."""
+"""Context parallelism: which rank owns which chunks (`assign`), which key/value rows move where
+(`comm`), in how many overlapped stages (`stages`), all in one `Plan` (`plan`, pure CPU); and
+running it over torch.distributed (`runtime`: dispatch / undispatch of sequence tensors and
+distributed attention, forward and backward)."""
 
 from maskc.dist.plan import Plan, make_plan
+from maskc.dist.runtime import attention, dispatch, undispatch
 
-__all__ = ["Plan", "make_plan"]
+__all__ = ["Plan", "attention", "dispatch", "make_plan", "undispatch"]

@@ -60,6 +60,39 @@ class Pieces:
         k1 = np.maximum(np.broadcast_to(np.asarray(k1, dtype=np.int64), self.chunk.shape), k0)
         return self._keys_below(k1) - self._keys_below(k0)
 
+    def clipped(self, k0: np.ndarray, k1: np.ndarray) -> tuple[Pieces, np.ndarray]:
+        """Each piece restricted to keys [k0, k1) (per-piece bounds): at most three pieces each
+        (the clipped bounds change slope where the piece's own bounds cross k0 or k1 - 1), empty
+        ones dropped; also the source piece of every result."""
+        k0 = np.asarray(k0, dtype=np.int64)
+        k1 = np.asarray(k1, dtype=np.int64)
+        start = _first_row_reaching(self.hi_a, self.hi_s, k0, self.r0, self.r1)  # hi >= k0 from here
+        stop = _first_row_reaching(self.lo_a, self.lo_s, k1, start, self.r1)  # lo >= k1 from here
+        stop = np.where(k1 > k0, stop, start)  # an empty key range keeps no row
+        lo_free = _first_row_reaching(self.lo_a, self.lo_s, k0, start, stop)  # lo >= k0 from here
+        hi_capped = _first_row_reaching(self.hi_a, self.hi_s, k1, start, stop)  # hi >= k1 from here
+        cuts = np.sort(np.stack([lo_free, hi_capped]), axis=0)
+        seg_r0 = np.concatenate([start, cuts[0], cuts[1]])
+        seg_r1 = np.concatenate([cuts[0], cuts[1], stop])
+        source = np.tile(np.arange(len(self)), 3)
+        keep = np.flatnonzero(seg_r1 > seg_r0)
+        seg_r0, seg_r1, source = seg_r0[keep], seg_r1[keep], source[keep]
+        lo_k0 = seg_r0 < lo_free[source]
+        hi_cap = seg_r0 >= hi_capped[source]
+        piece = self.take(source)
+        return (
+            Pieces(
+                piece.chunk,
+                seg_r0,
+                seg_r1,
+                np.where(lo_k0, k0[source], piece.lo_a),
+                np.where(lo_k0, 0, piece.lo_s),
+                np.where(hi_cap, k1[source] - 1, piece.hi_a),
+                np.where(hi_cap, 0, piece.hi_s),
+            ),
+            source,
+        )
+
     def _keys_below(self, x: np.ndarray) -> np.ndarray:
         """Allowed pairs with key < x: row r counts max(0, min(hi(r) + 1, x) - lo(r)). Both bounds
         rise with r, so rows from `stop` on (lo >= x) count 0, rows from `cap` on (hi >= x) count

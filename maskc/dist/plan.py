@@ -1,6 +1,6 @@
 """The context-parallel plan: one object holding what every rank needs to run a mask.
 
-`make_plan` pads the mask to whole chunks per rank, deals the chunks (`dispatch`), derives
+`make_plan` pads the mask to whole chunks per rank, deals the chunks (`assign`), derives
 the zero-redundant communication tables (`comm`) and the overlap stages (`stages`). A plan
 is a value: its JSON holds its inputs (mask, chunk assignment, cost model, stage count) and
 its headline numbers, and `Plan.from_json` rebuilds the rest deterministically, refusing a
@@ -18,7 +18,7 @@ import numpy as np
 
 import maskc
 from maskc.dist.comm import CommTables, build_comm_tables, remote_keys
-from maskc.dist.dispatch import ALGORITHMS, imbalance, lower_bound, pad, padded_length, solve
+from maskc.dist.assign import ALGORITHMS, imbalance, lower_bound, pad, padded_length, solve
 from maskc.dist.pieces import Pieces, chunk_areas, cut
 from maskc.dist.stages import CostModel, StagePlan, plan_stages
 from maskc.errors import MaskError, MaskParamError
@@ -159,7 +159,7 @@ def make_plan(
     cost: CostModel | None = None,
 ) -> Plan:
     """Plan `mask` (square: self-attention) over `cp_size` ranks: pad to whole chunks per rank,
-    deal the chunks with `algorithm` (see maskc.dist.dispatch.ALGORITHMS), derive the
+    deal the chunks with `algorithm` (see maskc.dist.assign.ALGORITHMS), derive the
     communication tables and the overlap stages (`num_stages`, or the cost model's best)."""
     _check_square(mask)
     for name, value in (("cp_size", cp_size), ("chunk_size", chunk_size)):

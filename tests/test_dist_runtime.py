@@ -1,0 +1,145 @@
+"""Running plans over torch.distributed: the local masks (no processes), and gloo on CPUs with 2
+and 4 processes against the single-process reference, forward and backward."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import maskc
+from maskc.dist import make_plan
+from maskc.dist.runtime import local_mask, plan_digest
+from maskc.ir import AttnSlice, Mask
+
+from test_ir import masks
+
+
+@given(masks(max_len=40, max_slices=6), st.sampled_from([1, 2, 3, 4]), st.sampled_from([1, 2, 5]))
+@settings(max_examples=80, deadline=None)
+def test_local_masks_are_the_global_mask_seen_from_each_rank(mask: Mask, cp: int, chunk: int) -> None:
+    n = max(mask.shape)
+    plan = make_plan(Mask(mask.slices, n, n), cp, chunk)
+    dense = plan.mask.to_dense()
+    for rank in range(cp):
+        rows = torch.from_numpy(plan.comm.local_rows(rank))
+        keys = torch.from_numpy(np.concatenate([plan.comm.local_rows(rank), plan.comm.recv_rows(rank)]))
+        assert torch.equal(local_mask(plan, rank).to_dense(), dense[rows][:, keys])
+
+
+# ---- gloo, several processes ---------------------------------------------------------------------
+
+SEQ, HQ, HKV, D = 300, 4, 2, 16
+MASKS = {
+    "varlen_causal": lambda: Mask.from_cu_seqlens([0, 37, 150, 151, 300], causal=True),
+    "sliding_window_and_globals": lambda: Mask.sliding_window([0, SEQ], 20).with_global_tokens(7),
+    "random": lambda: Mask(
+        [AttnSlice((a, b), (c, e), t) for a, b, c, e, t in
+         [(0, 120, 10, 200, "full"), (50, 300, 0, 300, "causal"), (200, 260, 100, 180, "inv_causal"),
+          (120, 300, 140, 280, "bi_causal")]], SEQ, SEQ),  # fmt: skip
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, name: str, algorithm: str, errors: mp.Queue) -> None:
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        torch.manual_seed(0)  # the same global inputs on every rank
+        mask = MASKS[name]()
+        q, k, v = (torch.randn(SEQ, h, D, dtype=torch.float64) for h in (HQ, HKV, HKV))
+        sink = torch.randn(2, HQ, dtype=torch.float64)
+        dout = torch.randn(SEQ, HQ, D, dtype=torch.float64)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, sink)]
+        ref, ref_meta = maskc.reference_attention(*leaves[:3], mask, sink=leaves[3], softcap=4.0, return_max_logits=True)
+        (ref * dout).sum().backward()
+
+        plan = make_plan(mask, world, 16, algorithm=algorithm)
+        ours = [x.clone().requires_grad_() for x in (q, k, v, sink)]
+        local = [maskc.dist.dispatch(x, plan) for x in ours[:3]]
+        out, meta = maskc.dist.attention(*local, plan, sink=ours[3], softcap=4.0, return_max_logits=True)
+        full = maskc.dist.undispatch(out, plan)
+        (full * dout).sum().backward()
+        sink_grad = ours[3].grad.clone()
+        dist.all_reduce(sink_grad)  # each rank holds its rows' share, as for any replicated parameter
+        torch.testing.assert_close(full, ref, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(maskc.dist.undispatch(meta.lse.unsqueeze(-1), plan).squeeze(-1), ref_meta.lse)
+        torch.testing.assert_close(meta.max_logits, ref_meta.max_logits)
+        for name_, ours_grad, ref_leaf in zip(("dq", "dk", "dv"), (x.grad for x in ours[:3]), leaves[:3]):
+            torch.testing.assert_close(ours_grad, ref_leaf.grad, rtol=1e-9, atol=1e-9, msg=name_)
+        torch.testing.assert_close(sink_grad, leaves[3].grad, rtol=1e-9, atol=1e-9)
+        # dispatch / undispatch round trip, and a plan mismatch is refused.
+        x = torch.randn(SEQ, 3, dtype=torch.float64)
+        assert torch.equal(maskc.dist.undispatch(maskc.dist.dispatch(x, plan), plan), x)
+        other = make_plan(mask, world, 16 if rank == 0 else 8, algorithm=algorithm)
+        assert (plan_digest(other) == plan_digest(plan)) == (rank == 0)
+        with pytest.raises(maskc.MaskcError, match="different maskc plans"):
+            maskc.dist.attention(*(maskc.dist.dispatch(x, other) for x in (q, k, v)), other)
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name,algorithm", [("varlen_causal", "swap"), ("sliding_window_and_globals", "greedy"),
+                                            ("random", "local")])  # fmt: skip
+def test_gloo_forward_and_backward_equal_the_reference(world: int, name: str, algorithm: str) -> None:
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, name, algorithm, errors)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    failures = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    assert not failures, "\n".join(failures)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def _lonely_worker(rank: int, port: int, errors: mp.Queue) -> None:
+    """Rank 0 attends; rank 1 never joins (it only waits), so rank 0 must time out clearly."""
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=3))
+        plan = make_plan(MASKS["varlen_causal"](), 2, 16)
+        if rank == 0:
+            q = torch.randn(SEQ, HQ, D, dtype=torch.float64)
+            with pytest.raises(maskc.MaskcError, match="not every rank joined before the process group's timeout"):
+                maskc.dist.attention(*(maskc.dist.dispatch(x, plan) for x in (q, q[:, :HKV], q[:, :HKV])), plan)
+        else:
+            import time
+
+            time.sleep(8)
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+def test_a_rank_that_never_joins_is_a_clear_timeout_error() -> None:
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_lonely_worker, args=(r, port, errors)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    failures = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    assert not failures, "\n".join(failures)
+    assert procs[0].exitcode == 0
