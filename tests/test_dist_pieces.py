@@ -46,7 +46,7 @@ def test_bad_chunk_size_and_too_few_chunks() -> None:
     mask = Mask.from_cu_seqlens([0, 100], causal=True)
     with pytest.raises(MaskParamError, match="chunk_size must be a positive int"):
         cut(mask, 0)
-    with pytest.raises(MaskError, match="rows past 2 chunks of 32"):
+    with pytest.raises(MaskError, match="rows past 2 chunks"):
         chunk_areas(mask, 32, 2)
 
 

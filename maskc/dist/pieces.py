@@ -132,7 +132,11 @@ def cut(mask: Mask, chunk_size: int) -> Pieces:
 
 def chunk_areas(mask: Mask, chunk_size: int, num_chunks: int) -> np.ndarray:
     """Attention work (mask area) of each of `num_chunks` chunks; chunks past the mask's rows have 0."""
-    pieces = cut(mask, chunk_size)
+    return areas_by_chunk(cut(mask, chunk_size), num_chunks)
+
+
+def areas_by_chunk(pieces: Pieces, num_chunks: int) -> np.ndarray:
+    """`chunk_areas` of pieces already cut."""
     if len(pieces) and int(pieces.chunk.max()) >= num_chunks:
-        raise MaskError(f"the mask has rows past {num_chunks} chunks of {chunk_size}")
+        raise MaskError(f"the mask has rows past {num_chunks} chunks")
     return np.bincount(pieces.chunk, weights=pieces.areas(), minlength=num_chunks).astype(np.int64)

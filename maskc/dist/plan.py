@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 import maskc
-from maskc.dist.comm import CommTables, build_comm_tables, remote_keys
 from maskc.dist.assign import ALGORITHMS, imbalance, lower_bound, pad, padded_length, solve
-from maskc.dist.pieces import Pieces, chunk_areas, cut
+from maskc.dist.comm import CommTables, build_comm_tables, remote_keys
+from maskc.dist.pieces import Pieces, areas_by_chunk, chunk_areas, cut
 from maskc.dist.stages import CostModel, StagePlan, plan_stages
 from maskc.errors import MaskError, MaskParamError
 from maskc.ir.mask import Mask
@@ -197,7 +197,7 @@ def _derive(
     comm = build_comm_tables(padded, chunk_size, rank_of_chunk, cp_size)
     remote = remote_keys(pieces, chunk_size, rank_of_chunk, cp_size)
     stages = plan_stages(pieces, rank_of_chunk, cp_size, remote, cost, num_stages=num_stages, chunk_size=chunk_size)
-    areas = np.bincount(pieces.chunk, weights=pieces.areas(), minlength=num_chunks).astype(np.int64)
+    areas = areas_by_chunk(pieces, num_chunks)
     return Plan(padded, seqlen, cp_size, chunk_size, algorithm, rank_of_chunk, areas, comm, stages, cost)
 
 
