@@ -257,25 +257,8 @@ def _plan(
     key = ("plan", device, dtype, num_heads_q, num_heads_kv, head_dim, has_softcap, has_sink, return_max_logits, pack_gqa,
            needs_grad, deterministic, len(_LOADED))  # fmt: skip
     cached = mask.memo.get(key)
-    if cached is None:
-        cached = mask.memo[key] = _make_plan(mask, *key[1:-1])
-    return cached
-
-
-def _make_plan(
-    mask: Mask,
-    device: torch.device,
-    dtype: torch.dtype,
-    num_heads_q: int,
-    num_heads_kv: int,
-    head_dim: int,
-    has_softcap: bool,
-    has_sink: bool,
-    return_max_logits: bool,
-    pack_gqa: bool | None,
-    needs_grad: bool,
-    deterministic: bool,
-) -> tuple[_LaunchArgs, _LaunchArgs]:
+    if cached is not None:
+        return cached
     capability, num_sms = _device_info(device)
     if capability not in ARCHS:
         raise MaskcError(f"no maskc kernel for compute capability {capability}; supported: {sorted(ARCHS)}")
@@ -289,13 +272,14 @@ def _make_plan(
             raise MaskcError(f"pack_gqa needs Hq / Hkv a power of two in [2, 64]; got {num_heads_q} / {num_heads_kv}")
         request["pack_gqa"] = bool(pack_gqa)
     forward = _find_kernel(request, strategy_forced=pack_gqa is not None)
-    forward_launch = _launch_args(forward, mask, build_schedule, num_sms, device)
-    if not needs_grad:
-        return forward_launch, _NO_LAUNCH
-    backward = _find_kernel({**base, "direction": "bwd", "has_sink": False, "has_max_logits": False, "pack_gqa": False,
-                             "deterministic": deterministic}, strategy_forced=True)  # fmt: skip
-    build = build_deterministic_backward_schedule if deterministic else build_backward_schedule
-    return forward_launch, _launch_args(backward, mask, build, num_sms, device)
+    backward_launch = _NO_LAUNCH
+    if needs_grad:
+        backward = _find_kernel({**base, "direction": "bwd", "has_sink": False, "has_max_logits": False,
+                                 "pack_gqa": False, "deterministic": deterministic}, strategy_forced=True)  # fmt: skip
+        build = build_deterministic_backward_schedule if deterministic else build_backward_schedule
+        backward_launch = _launch_args(backward, mask, build, num_sms, device)
+    cached = mask.memo[key] = (_launch_args(forward, mask, build_schedule, num_sms, device), backward_launch)
+    return cached
 
 
 @dataclass(frozen=True, eq=False)

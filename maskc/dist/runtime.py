@@ -30,11 +30,20 @@ from maskc.reference import AttentionMeta, reference_attention
 from maskc.runtime import attention as kernel_attention
 
 
+_PER_PLAN: weakref.WeakKeyDictionary[Plan, dict[Any, Any]] = weakref.WeakKeyDictionary()
+"""What the runtime derives from a plan once (local masks, row indices on a device, checked
+groups), kept as long as the plan lives."""
+
+
+def _memo(plan: Plan) -> dict[Any, Any]:
+    return _PER_PLAN.setdefault(plan, {})
+
+
 def local_mask(plan: Plan, rank: int) -> Mask:
     """The mask of `rank`'s queries (its local rows) against [its local keys ; the keys it
-    receives, in buffer order], in those local coordinates; cached in the plan's mask memo."""
-    key = ("dist.local_mask", plan.cp_size, plan.chunk_size, plan.rank_of_chunk.tobytes(), rank)
-    cached = plan.mask.memo.get(key)
+    receives, in buffer order], in those local coordinates; built once per plan and rank."""
+    key = ("local_mask", rank)
+    cached = _memo(plan).get(key)
     if cached is not None:
         return cached
     cs = plan.chunk_size
@@ -69,7 +78,7 @@ def local_mask(plan: Plan, rank: int) -> Mask:
     )
     q, k, t = lines.to_slices()
     mask = Mask.from_arrays(q, k, t, local_rows, local_rows + int(lengths[own.size :].sum()))
-    plan.mask.memo[key] = mask
+    _memo(plan)[key] = mask
     return mask
 
 
@@ -100,9 +109,6 @@ def _collective(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise
 
 
-_CHECKED: weakref.WeakKeyDictionary[Plan, set[int]] = weakref.WeakKeyDictionary()
-
-
 def plan_digest(plan: Plan) -> int:
     """A 63-bit digest of the plan's JSON: equal on every rank that holds the same plan."""
     return int.from_bytes(hashlib.sha256(plan.to_json().encode()).digest()[:8], "little") >> 1
@@ -110,7 +116,7 @@ def plan_digest(plan: Plan) -> int:
 
 def _check_same_plan(plan: Plan, group: Any, device: torch.device) -> None:
     """Once per (plan, group): every rank must hold the same plan, or nothing lines up."""
-    seen = _CHECKED.setdefault(plan, set())
+    seen = _memo(plan).setdefault("checked_groups", set())
     if id(group) in seen:
         return
     mine = torch.tensor([plan_digest(plan)], dtype=torch.int64, device=device)
@@ -122,8 +128,22 @@ def _check_same_plan(plan: Plan, group: Any, device: torch.device) -> None:
     seen.add(id(group))
 
 
-def _index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(rows).to(device)
+def _rows(plan: Plan, which: str, rank: int, device: torch.device) -> torch.Tensor:
+    """A row index of the plan's communication tables on `device`, built and copied once:
+    `which` is "local" (`comm.local_rows`), "gather" (`comm.gather_index`), "scatter"
+    (`comm.scatter_index`) or "global" (every rank's local rows, rank after rank)."""
+    key = ("rows", which, rank, device)
+    cached = _memo(plan).get(key)
+    if cached is None:
+        comm = plan.comm
+        rows = {
+            "local": lambda: comm.local_rows(rank),
+            "gather": lambda: comm.gather_index(rank),
+            "scatter": lambda: comm.scatter_index(rank),
+            "global": lambda: np.concatenate([comm.local_rows(r) for r in range(plan.cp_size)]),
+        }[which]()
+        cached = _memo(plan)[key] = torch.from_numpy(rows).to(device)
+    return cached
 
 
 # ---- dispatch / undispatch ---------------------------------------------------------------------
@@ -134,16 +154,15 @@ def _take_local(x: torch.Tensor, plan: Plan, rank: int) -> torch.Tensor:
     if x.shape[0] != plan.seqlen:
         raise MaskcError(f"expected a sequence-first tensor of {plan.seqlen} rows, got shape {tuple(x.shape)}")
     padded = torch.cat([x, x.new_zeros(plan.padded_length - plan.seqlen, *x.shape[1:])]) if plan.padded_length > plan.seqlen else x
-    return padded.index_select(0, _index(plan.comm.local_rows(rank), x.device))
+    return padded.index_select(0, _rows(plan, "local", rank, x.device))
 
 
 def _gather_global(x_local: torch.Tensor, plan: Plan, group: Any) -> torch.Tensor:
     """Every rank's local rows put back in global order, on every rank (padding removed)."""
     parts = [torch.empty_like(x_local) for _ in range(plan.cp_size)]
     _collective("all_gather", dist.all_gather, parts, x_local.contiguous(), group=group)
-    rows = np.concatenate([plan.comm.local_rows(r) for r in range(plan.cp_size)])
     full = x_local.new_empty(plan.padded_length, *x_local.shape[1:])
-    full[_index(rows, x_local.device)] = torch.cat(parts)
+    full[_rows(plan, "global", -1, x_local.device)] = torch.cat(parts)
     return full[: plan.seqlen]
 
 
@@ -194,7 +213,7 @@ class _GroupCast(torch.autograd.Function):
     def forward(ctx: Any, x_local: torch.Tensor, plan: Plan, rank: int, group: Any) -> torch.Tensor:  # type: ignore[override]
         comm = plan.comm
         ctx.plan, ctx.rank, ctx.group, ctx.shape = plan, rank, group, x_local.shape
-        send = x_local.index_select(0, _index(comm.gather_index(rank), x_local.device))
+        send = x_local.index_select(0, _rows(plan, "gather", rank, x_local.device))
         out = x_local.new_empty(int(comm.recv_counts[rank].sum()), *x_local.shape[1:])
         _collective("GroupCast", dist.all_to_all_single, out, send, comm.recv_counts[rank].tolist(),
                     comm.send_counts[rank].tolist(), group=group)  # fmt: skip
@@ -206,7 +225,7 @@ class _GroupCast(torch.autograd.Function):
         back = grad.new_empty(int(comm.send_counts[rank].sum()), *grad.shape[1:])
         _collective("GroupReduce", dist.all_to_all_single, back, grad.contiguous(), comm.reduce_recv_counts[rank].tolist(),
                     comm.reduce_send_counts[rank].tolist(), group=ctx.group)  # fmt: skip
-        local = grad.new_zeros(ctx.shape).index_add_(0, _index(comm.scatter_index(rank), grad.device), back)
+        local = grad.new_zeros(ctx.shape).index_add_(0, _rows(ctx.plan, "scatter", rank, grad.device), back)
         return local, None, None, None
 
 
