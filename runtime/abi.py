@@ -93,7 +93,10 @@ BACKWARD_ABI: tuple[Arg, ...] = (
     TensorArg("q", "input", ("Tq", "Hq", "D")),
     TensorArg("k", "input", ("Tk", "Hkv", "D")),
     TensorArg("v", "input", ("Tk", "Hkv", "D")),
+    TensorArg("out", "input", ("Tq", "Hq", "D")),
     TensorArg("dout", "input", ("Tq", "Hq", "D")),
+    TensorArg("lse", "float32", ("Tq", "Hq")),
+    TensorArg("dlse", "float32", ("DL", "Hq")),
     TensorArg("lse_log2", "float32", ("QP",), align=16),
     TensorArg("delta", "float32", ("QP",), align=16),
     TensorArg("dq_accum", "float32", ("Tq", "Hq", "D"), align=16),
@@ -105,10 +108,12 @@ BACKWARD_ABI: tuple[Arg, ...] = (
     *SCHEDULE_AND_LAUNCH,
 )
 """`attn_bwd`'s arguments: the backward schedule (`build_backward_schedule`: work items are k
-tiles, runs are q blocks, lines have keys as rows). The per-query statistics are head-major and
-padded to whole q blocks (QP = Hq * ceil(Tq / tile_m) * tile_m; the kernel loads a block's with
-one TMA copy): `lse_log2` = lse * log2(e), +inf for padding and rows with no key (P = 0);
-`delta` = rowsum(dO * O) - dlse, 0 for padding. dK/dV are owned per (k tile, kv head) and
+tiles, runs are q blocks, lines have keys as rows). `out` and `lse` are the forward's, `dlse`
+the gradient of lse (DL = Tq) or empty (DL = 0). A preprocess kernel launched first writes the
+per-query statistics head-major and padded to whole q blocks (QP = Hq * ceil(Tq / tile_m) *
+tile_m; the main kernel loads a block's with one TMA copy) into the caller's scratch buffers:
+`lse_log2` = lse * log2(e), +inf for padding and rows with no key (P = 0); `delta` =
+rowsum(dO * O) - dlse in float32, 0 for padding. dK/dV are owned per (k tile, kv head) and
 summed over the kv head's query heads; dQ (times the softmax scale) is added to `dq_accum` in
 fp32 by TMA reductions (zeroed by the caller). Deterministic variants order those additions:
 `dq_semaphore` [Hq * ceil(Tq / tile_m) * 2] counts the additions landed per (head, q block,

@@ -39,7 +39,6 @@ from maskc.runtime.launch import Kernel, find_runtime_library, installed_dsl_ver
 from maskc.runtime.manifest import read_manifest
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-LOG2_E = math.log2(math.e)
 ARCHS = {(9, 0): "sm_90a"}
 REQUEST_FIELDS = (
     "arch", "direction", "head_dim", "dtype", "num_heads_q", "num_heads_kv", "has_softcap", "has_sink", "has_max_logits",
@@ -321,43 +320,21 @@ def _forward(q, k, v, sink, call: _Call) -> tuple[torch.Tensor, torch.Tensor, to
     return out, lse, row_max
 
 
-def _padded_head_major(x: torch.Tensor, tile_m: int, fill: float) -> torch.Tensor:
-    """[Tq, Hq] -> [Hq * ceil(Tq / tile_m) * tile_m]: the backward kernel's layout of per-query
-    statistics (one TMA copy per q block), padded with `fill`."""
-    tq, hq = x.shape
-    out = x.new_full((hq, -(-tq // tile_m) * tile_m), fill)
-    out[:, :tq] = x.t()
-    return out.view(-1)
-
-
-def _rowwise_dot(a: torch.Tensor, b: torch.Tensor, budget: int = 1 << 26) -> torch.Tensor:
-    """[Tq, Hq] float32 sum over the head dim of a * b, computed in float32 a slab of rows at a
-    time so the float32 copies stay within `budget` bytes whatever the sequence length."""
-    tq, hq, d = a.shape
-    rows = max(1, budget // (8 * hq * d))
-    out = torch.empty(tq, hq, dtype=torch.float32, device=a.device)
-    for start in range(0, tq, rows):
-        part = slice(start, start + rows)
-        torch.sum(a[part].float() * b[part].float(), dim=-1, out=out[part])
-    return out
-
-
 def _backward(q, k, v, out, lse, sink, dout, dlse, call: _Call):
-    """dq, dk, dv from the backward kernel; dsink from its closed form (the sinks join the
+    """dq, dk, dv from the backward kernels; dsink from its closed form (the sinks join the
     softmax with no value: d sink = -sum over rows of P_sink * (rowsum(dO * O) - dlse))."""
-    delta = _rowwise_dot(dout, out)
-    if dlse is not None:
-        delta = delta - dlse
-    # Rows with no key (lse = -inf) and the padding get lse = +inf, so P = 0 there.
-    lse_log2 = torch.where(lse == -math.inf, math.inf, lse * LOG2_E)
     entry = call.kernel
+    tq, hq, _ = q.shape
+    padded = -(-tq // entry.tile_m) * entry.tile_m
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    tensors = {"q": q, "k": k, "v": v, "dout": dout.contiguous(), "dq_accum": dq_accum, "dk": dk, "dv": dv,
-               "lse_log2": _padded_head_major(lse_log2, entry.tile_m, math.inf),
-               "delta": _padded_head_major(delta, entry.tile_m, 0.0)}  # fmt: skip
+    # The preprocess kernel fills the statistics (head-major, padded to whole q blocks).
+    delta = torch.empty(hq, padded, dtype=torch.float32, device=q.device)
+    tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout.contiguous(), "lse": lse,
+               "dlse": dlse if dlse is not None else lse[:0], "lse_log2": torch.empty_like(delta).view(-1),
+               "delta": delta.view(-1), "dq_accum": dq_accum, "dk": dk, "dv": dv}  # fmt: skip
     if entry.deterministic:  # one counter per (head, q block, consumer warpgroup)
-        semaphores = q.shape[1] * -(-q.shape[0] // entry.tile_m) * (entry.tile_n // WARPGROUP_ROWS)
+        semaphores = hq * padded // entry.tile_m * (entry.tile_n // WARPGROUP_ROWS)
         tensors["dq_semaphore"] = torch.zeros(semaphores, dtype=torch.int32, device=q.device)
     else:
         unused = torch.zeros(1, dtype=torch.int32, device=q.device)
@@ -365,7 +342,8 @@ def _backward(q, k, v, out, lse, sink, dout, dlse, call: _Call):
     _launch(call, tensors, q.device)
     dsink = None
     if sink is not None:
-        dsink = -(torch.exp(sink[None] - lse[:, None, :]) * delta[:, None, :]).sum(dim=0)
+        delta_rows = delta[:, :tq].t()  # [Tq, Hq]
+        dsink = -(torch.exp(sink[None] - lse[:, None, :]) * delta_rows[:, None, :]).sum(dim=0)
     return dq_accum.to(q.dtype), dk, dv, dsink
 
 

@@ -220,15 +220,16 @@ def _grads(fn, q, k, v, sink, mask, dout, dlse, **kwargs):
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     sink_leaf = sink.detach().clone().requires_grad_() if sink is not None else None
     out, meta = fn(*leaves, mask, sink=sink_leaf, **kwargs)
-    finite = torch.isfinite(meta.lse)
-    loss = (out.float() * dout).sum() + (torch.where(finite, meta.lse, 0.0) * dlse).sum()
+    loss = (out.float() * dout).sum()
+    if dlse is not None:  # else lse gets no gradient and the backward sees dlse = None
+        loss = loss + (torch.where(torch.isfinite(meta.lse), meta.lse, 0.0) * dlse).sum()
     loss.backward()
     return [x.grad.float() for x in leaves] + ([sink_leaf.grad.float()] if sink_leaf is not None else [])
 
 
 def _check_grads(
     mask: Mask, hq: int, hkv: int, d: int, dtype: str, *, softcap: float = 0.0, sink: bool = False, seed: int = 0,
-    deterministic: bool = False,
+    deterministic: bool = False, lse_grad: bool = True,
 ) -> None:
     """The issue's rule: maskc's gradient error against a float64 reference is at most twice
     that of the reference run in the low precision, plus a small floor; no NaN anywhere."""
@@ -239,8 +240,11 @@ def _check_grads(
     v = torch.randn(tk, hkv, d, device="cuda", generator=g).to(DTYPES[dtype])
     sinks = torch.randn(2, hq, device="cuda", generator=g) if sink else None
     dout = torch.randn(tq, hq, d, device="cuda", generator=g)
-    dlse = torch.randn(tq, hq, device="cuda", generator=g)
-    exact = _grads(maskc.reference_attention, q.double(), k.double(), v.double(), sinks, mask, dout.double(), dlse.double(), softcap=softcap)
+    dlse = torch.randn(tq, hq, device="cuda", generator=g) if lse_grad else None
+    exact = _grads(
+        maskc.reference_attention, q.double(), k.double(), v.double(), sinks, mask, dout.double(),
+        dlse.double() if lse_grad else None, softcap=softcap,
+    )
     low = _grads(maskc.reference_attention, q, k, v, sinks, mask, dout, dlse, softcap=softcap)
     ours = _grads(maskc.attention, q, k, v, sinks, mask, dout, dlse, softcap=softcap, deterministic=deterministic)
     for name, o, lo, ex in zip(("dq", "dk", "dv", "dsink"), ours, low, exact):
@@ -271,6 +275,14 @@ def test_gradients_head_layouts_dims_and_dtypes(hq: int, hkv: int, d: int, dtype
 def test_gradients_with_softcap_and_sink(d: int, dtype: str) -> None:
     for name in ("causal", "rows_without_keys", "random_unequal"):
         _check_grads(MASKS[name](), 8, 2, d, dtype, softcap=5.0, sink=True)
+
+
+@pytest.mark.parametrize("d,dtype", [(128, "bf16"), (64, "fp16")])
+def test_gradients_without_lse_gradient(d: int, dtype: str) -> None:
+    """The usual training case: only `out` feeds the loss, so the preprocess gets no dlse."""
+    for name in ("causal", "rows_without_keys", "random_unequal"):
+        _check_grads(MASKS[name](), 8, 2, d, dtype, softcap=5.0, sink=True, lse_grad=False)
+        _check_grads(MASKS[name](), 8, 8, d, dtype, lse_grad=False)
 
 
 @pytest.mark.parametrize("name,hq,hkv,d,dtype", [

@@ -97,12 +97,3 @@ def test_kernels_built_with_another_dsl_release_are_refused(tmp_path: Path, monk
     write_manifest(tmp_path, {"toolchain": {"nvidia-cutlass-dsl": "0.0.1"}, "variants": [variant], "files": ["k.o"]})
     with pytest.raises(ArtifactError, match=r"built with nvidia-cutlass-dsl 0.0.1, but the runtime library found is"):
         register_artifact(tmp_path)
-
-
-def test_backward_rowwise_dot_is_exact_in_slabs() -> None:
-    from maskc.runtime.attention import _rowwise_dot
-
-    a, b = (torch.randn(1000, 8, 128, dtype=torch.bfloat16) for _ in range(2))
-    expected = (a.float() * b.float()).sum(dim=-1)
-    assert torch.equal(_rowwise_dot(a, b, budget=1 << 16), expected)  # 8 rows a slab, a short last one
-    assert torch.equal(_rowwise_dot(a, b), expected)
