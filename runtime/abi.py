@@ -105,6 +105,8 @@ BACKWARD_ABI: tuple[Arg, ...] = (
     TensorArg("dq_semaphore", "int32", ("QS",)),
     TensorArg("work_blocks", "int32", ("WB",)),
     TensorArg("block_rank", "int32", ("B",)),
+    TensorArg("items", "int32", ("I", 3)),
+    TensorArg("cta_items", "int32", ("G1",)),
     *SCHEDULE_AND_LAUNCH,
 )
 """`attn_bwd`'s arguments: the backward schedule (`build_backward_schedule`: work items are k
@@ -118,7 +120,9 @@ summed over the kv head's query heads; dQ (times the softmax scale) is added to 
 fp32 by TMA reductions (zeroed by the caller). Deterministic variants order those additions:
 `dq_semaphore` [Hq * ceil(Tq / tile_m) * 2] counts the additions landed per (head, q block,
 warpgroup) (zeroed by the caller), and `work_blocks` / `block_rank` come from
-`build_deterministic_backward_schedule`; other variants never read the three (one element each)."""
+`build_deterministic_backward_schedule`; other variants never read the three (one element each).
+CTA c of the `num_ctas` runs items[cta_items[c]:cta_items[c+1]], rows (work, K/V head, 1 to
+walk each q block's query heads innermost, 0 outermost) (`maskc.ir.items`)."""
 
 ABIS: dict[str, tuple[Arg, ...]] = {"fwd": FORWARD_ABI, "bwd": BACKWARD_ABI}
 """The ABI of each kernel direction."""

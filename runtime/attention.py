@@ -47,10 +47,11 @@ REQUEST_FIELDS = (
 _OPTIONAL_FIELDS = ("pack_gqa", "deterministic")  # False where a request or manifest leaves them out
 SCHEDULE_ARGS = (
     *(a for a in SCHEDULE_AND_LAUNCH if isinstance(a, TensorArg)),
-    *(a for a in BACKWARD_ABI if a.name in ("work_blocks", "block_rank")),
+    *(next(a for a in BACKWARD_ABI if a.name == name) for name in ("items", "cta_items", "work_blocks", "block_rank")),
 )
-"""A schedule's tensors in `Schedule.arrays()` order (the deterministic backward's has all seven,
-others the first five); every dim but the first has a fixed extent."""
+"""A schedule's tensors in `Schedule.arrays()` order (the forward's has the first five, the
+backward's seven, the deterministic backward's all nine); every dim but the first has a fixed
+extent."""
 
 # A Mask is immutable and compares by value: torch.compile may hand it to `_plan` as a constant.
 pytree.register_constant(Mask)
@@ -189,16 +190,15 @@ def _check_device(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"maskc.attention runs on CUDA tensors; {name} is on {x.device} (use maskc.reference_attention on CPU)")
 
 
-def _schedule_tensors(
-    mask: Mask, build: Callable, tile_m: int, tile_n: int, device: torch.device
-) -> tuple[torch.Tensor, list[int]]:
-    """A schedule on the device as one int32 tensor holding its arrays back to back (one copy,
-    one op argument) and the row count of each, built once per (mask, direction, tile, device):
-    masks are immutable. An empty array gets a zero row (never read) so it has an address."""
-    key = (build.__name__, tile_m, tile_n, device)
+def _schedule_tensors(mask: Mask, build: Callable, device: torch.device, *params: int) -> tuple[torch.Tensor, list[int]]:
+    """The schedule `build(mask, *params)` on the device as one int32 tensor holding its arrays
+    back to back (one copy, one op argument) and the row count of each, built once per (mask,
+    builder, params, device): masks are immutable. An empty array gets a zero row (never read)
+    so it has an address."""
+    key = (build.__name__, *params, device)
     cached = mask.memo.get(key)
     if cached is None:
-        arrays = [a if len(a) else np.zeros((1, *a.shape[1:]), np.int32) for a in build(mask, tile_m, tile_n).arrays()]
+        arrays = [a if len(a) else np.zeros((1, *a.shape[1:]), np.int32) for a in build(mask, *params).arrays()]
         flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays])).to(device)
         cached = mask.memo[key] = (flat, [a.shape[0] for a in arrays])
     return cached
@@ -228,9 +228,18 @@ _NO_LAUNCH = _LaunchArgs(None, [])
 """The backward of a call that needs no gradient: nothing is planned or built for it."""
 
 
-def _launch_args(entry: _Entry, mask: Mask, build: Callable, num_sms: int, device: torch.device) -> _LaunchArgs:
-    schedule, rows = _schedule_tensors(mask, build, entry.tile_m, entry.tile_n, device)
+def _forward_launch(entry: _Entry, mask: Mask, num_sms: int, device: torch.device) -> _LaunchArgs:
+    """One CTA per work item, up to the SM count."""
+    schedule, rows = _schedule_tensors(mask, build_schedule, device, entry.tile_m, entry.tile_n)
     return _LaunchArgs(schedule, [entry.index, min(num_sms, max(1, rows[0] * entry.items_per_tile)), *rows])
+
+
+def _backward_launch(entry: _Entry, mask: Mask, num_sms: int, device: torch.device) -> _LaunchArgs:
+    """The backward schedule deals its (k tile, K/V head) items to the CTAs itself."""
+    num_ctas = min(num_sms, max(1, -(-mask.shape[1] // entry.tile_n) * entry.items_per_tile))
+    build = build_deterministic_backward_schedule if entry.deterministic else build_backward_schedule
+    schedule, rows = _schedule_tensors(mask, build, device, entry.tile_m, entry.tile_n, entry.items_per_tile, num_ctas)
+    return _LaunchArgs(schedule, [entry.index, num_ctas, *rows])
 
 
 @torch.compiler.assume_constant_result
@@ -275,9 +284,8 @@ def _plan(
     if needs_grad:
         backward = _find_kernel({**base, "direction": "bwd", "has_sink": False, "has_max_logits": False,
                                  "pack_gqa": False, "deterministic": deterministic}, strategy_forced=True)  # fmt: skip
-        build = build_deterministic_backward_schedule if deterministic else build_backward_schedule
-        backward_launch = _launch_args(backward, mask, build, num_sms, device)
-    cached = mask.memo[key] = (_launch_args(forward, mask, build_schedule, num_sms, device), backward_launch)
+        backward_launch = _backward_launch(backward, mask, num_sms, device)
+    cached = mask.memo[key] = (_forward_launch(forward, mask, num_sms, device), backward_launch)
     return cached
 
 

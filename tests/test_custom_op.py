@@ -151,14 +151,17 @@ def _targets(gm: torch.fx.GraphModule) -> set[Any]:
     return {n.target for n in gm.graph.nodes if n.op == "call_function"}
 
 
-@pytest.mark.parametrize("build", [build_schedule, build_backward_schedule, build_deterministic_backward_schedule])
+@pytest.mark.parametrize("build,params", [
+    (build_schedule, (128, 128)), (build_backward_schedule, (128, 128, 2, 3)),
+    (build_deterministic_backward_schedule, (128, 128, 2, 3)),
+])  # fmt: skip
 @pytest.mark.parametrize("mask", [MASK, Mask([], 5, 7), Mask([AttnSlice((0, 450), (0, 1500)), AttnSlice((900, 1000), (5, 77))], 1500, 1500)])  # fmt: skip
-def test_a_flat_schedule_cuts_back_into_the_abi_arrays(mask: Mask, build: Any) -> None:
+def test_a_flat_schedule_cuts_back_into_the_abi_arrays(mask: Mask, build: Any, params: tuple[int, ...]) -> None:
     """One op argument per schedule: the kernel still gets each array, empty ones as a zero row."""
-    flat, rows = rt._schedule_tensors(mask, build, 128, 128, torch.device("cpu"))
+    flat, rows = rt._schedule_tensors(mask, build, torch.device("cpu"), *params)
     views = rt._schedule_views(flat, rows)
     assert rt._schedule_views(flat, rows) is views  # cut once per schedule tensor
-    arrays = build(mask, 128, 128).arrays()
+    arrays = build(mask, *params).arrays()
     assert flat.dtype == torch.int32 and list(views) == [a.name for a in rt.SCHEDULE_ARGS[: len(arrays)]]
     for arg, array in zip(rt.SCHEDULE_ARGS, arrays):
         expected = torch.from_numpy(array) if len(array) else torch.zeros(1, *array.shape[1:], dtype=torch.int32)
@@ -273,10 +276,10 @@ def test_plan_errors_are_the_eager_errors(cpu_ops: _Doubles) -> None:
 
 
 def test_deterministic_selects_the_ordered_backward_kernel_and_schedule(cpu_ops: _Doubles, monkeypatch: pytest.MonkeyPatch) -> None:
-    """deterministic=True plans the deterministic backward variant with the ranked schedule (seven
-    arrays); the default plans the plain one (five)."""
+    """deterministic=True plans the deterministic backward variant with the ranked schedule (nine
+    arrays); the default plans the plain one (seven: the forward's five and the item lists)."""
     ordered = _register(monkeypatch, "bwd", False, deterministic=True)
-    for deterministic, entry, arrays in ((False, cpu_ops.entries["bwd", False], 5), (True, ordered, 7)):
+    for deterministic, entry, arrays in ((False, cpu_ops.entries["bwd", False], 7), (True, ordered, 9)):
         q, k, v = _inputs(MASK)
         out, meta = maskc.attention(q, k, v, MASK, deterministic=deterministic)
         _loss(out, meta.lse).backward()

@@ -10,7 +10,14 @@ from hypothesis import strategies as st
 
 from maskc.errors import MaskError
 from maskc.ir import AttnSlice, Mask
-from maskc.ir.schedule import Schedule, build_backward_schedule, build_deterministic_backward_schedule, build_schedule
+from maskc.ir.items import section_order
+from maskc.ir.schedule import (
+    BackwardSchedule,
+    Schedule,
+    build_backward_schedule,
+    build_deterministic_backward_schedule,
+    build_schedule,
+)
 
 from test_ir import masks
 
@@ -92,26 +99,53 @@ def test_bad_tile_shape() -> None:
         build_schedule(Mask([], 4, 4), 0, 128)
 
 
-@given(masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 16]), st.sampled_from([1, 4, 8]))
+def check_items(s: BackwardSchedule, num_heads_kv: int, num_ctas: int) -> None:
+    """The CTAs' item lists hold every (work, K/V head) once, with one walk flag per work."""
+    assert s.cta_items.tolist() == sorted(s.cta_items.tolist()) and len(s.cta_items) == num_ctas + 1
+    assert s.cta_items[0] == 0 and s.cta_items[-1] == len(s.items) == s.num_work * num_heads_kv
+    assert sorted(map(tuple, s.items[:, :2].tolist())) == [(w, h) for w in range(s.num_work) for h in range(num_heads_kv)]
+    flags = {}
+    for w, _, inner in s.items.tolist():
+        assert flags.setdefault(w, inner) == inner and inner in (0, 1)
+
+
+@given(
+    masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 16]), st.sampled_from([1, 4, 8]), st.sampled_from([1, 3]),
+    st.sampled_from([1, 5]),
+)
 @settings(max_examples=200, deadline=None)
-def test_backward_schedule_covers_exactly_the_transposed_mask(mask: Mask, tile_m: int, tile_n: int) -> None:
-    s = build_backward_schedule(mask, tile_m, tile_n)
+def test_backward_schedule_covers_exactly_the_transposed_mask(
+    mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int, num_ctas: int
+) -> None:
+    s = build_backward_schedule(mask, tile_m, tile_n, num_heads_kv, num_ctas)
     assert (s.tile_m, s.tile_n) == (tile_n, tile_m)  # work items are k tiles, runs are q blocks
     assert torch.equal(decode(s), mask.to_dense().T)
+    check_items(s, num_heads_kv, num_ctas)
 
 
 def test_backward_schedule_of_causal_skips_blocks_above_the_diagonal() -> None:
-    s = build_backward_schedule(Mask.from_cu_seqlens([0, 1024], causal=True), 128, 128)
+    s = build_backward_schedule(Mask.from_cu_seqlens([0, 1024], causal=True), 128, 128, 1, 1)
     # k tile n is needed by q blocks n..7: the first key tile is the heaviest.
     assert s.work_tile[0] == 0 and s.blocks_per_item().tolist() == [8, 7, 6, 5, 4, 3, 2, 1]
+    # Every tile ends at the last q block: one sync group, walked with the heads innermost.
+    assert s.items[:, 2].tolist() == [1] * 8
 
 
-@given(masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 16]), st.sampled_from([1, 4, 8]))
+@given(masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 16]), st.sampled_from([1, 4, 8]), st.sampled_from([1, 3]))
 @settings(max_examples=200, deadline=None)
-def test_deterministic_backward_schedule_orders_dq_additions(mask: Mask, tile_m: int, tile_n: int) -> None:
-    s = build_deterministic_backward_schedule(mask, tile_m, tile_n)
+def test_deterministic_backward_schedule_orders_dq_additions(mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int) -> None:
+    s = build_deterministic_backward_schedule(mask, tile_m, tile_n, num_heads_kv, 4)
     assert torch.equal(decode(s), mask.to_dense().T)  # the same blocks as the plain schedule
+    check_items(s, num_heads_kv, 4)
     assert s.work_tile.tolist() == sorted(s.work_tile.tolist())  # k tile order: waits go to earlier items
+    # A CTA only waits for lower items: for each K/V head the k tiles come in ascending order,
+    # and every CTA walks its items in that order.
+    rank = {tuple(row): i for i, row in enumerate(section_order(np.zeros(s.num_work, np.int64), num_heads_kv)[:, :2].tolist())}
+    for c in range(4):
+        mine = [rank[w, h] for w, h, _ in s.items[s.cta_items[c] : s.cta_items[c + 1]].tolist()]
+        assert mine == sorted(mine)
+    for h in range(num_heads_kv):
+        assert [w for (w, hh), _ in sorted(rank.items(), key=lambda kv: kv[1]) if hh == h] == list(range(s.num_work))
     # Walk the pairs in kernel order: each (k tile, q block) has as rank the number of lower
     # k tiles adding to that q block; each item's pairs start at its work_blocks offset.
     seen: dict[int, list[int]] = {}
@@ -125,4 +159,4 @@ def test_deterministic_backward_schedule_orders_dq_additions(mask: Mask, tile_m:
     assert s.work_blocks[-1] == len(pairs) == len(s.block_rank)
     for (tile, m), rank in zip(pairs, s.block_rank.tolist()):
         assert rank == sum(t < tile for t in seen[m])
-    assert len(s.arrays()) == 7  # the kernel also gets work_blocks and block_rank
+    assert len(s.arrays()) == 9  # the kernel also gets the item lists, work_blocks and block_rank

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from maskc.errors import MaskError
+from maskc.ir.items import ITEM_OVERHEAD_BLOCKS, ItemLists, deal, section_order, sync_group_order
 from maskc.ir.mask import Mask
 from maskc.ir.merge import merge_ranges
 from maskc.ir.slices import RowLines, expand_spans
@@ -147,16 +148,49 @@ def build_schedule(mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool
     )
 
 
-def build_backward_schedule(mask: Mask, tile_m: int, tile_n: int) -> Schedule:
+@dataclass(frozen=True, eq=False)
+class BackwardSchedule(Schedule):
+    """A transposed schedule (work items are k tiles, runs are q blocks) plus the persistent
+    CTAs' item lists (`maskc.ir.items`): `items [I, 3]` (work, K/V head, heads_inner) CTA by CTA and
+    `cta_items [G+1]`, their CSR offsets; the launch uses G CTAs."""
+
+    items: np.ndarray
+    cta_items: np.ndarray
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return (*super().arrays(), self.items, self.cta_items)
+
+
+def _last_blocks(s: Schedule) -> np.ndarray:
+    """End of each work item's last run (-1 for an item with none)."""
+    ends = np.full(s.num_work, -1, np.int64)
+    has = np.diff(s.work_ranges) > 0
+    ends[has] = s.ranges[s.work_ranges[1:][has] - 1, 1]
+    return ends
+
+
+def _with_items(s: Schedule, lists: ItemLists) -> dict:
+    return {**{f: getattr(s, f) for f in Schedule.__dataclass_fields__}, "items": lists.items, "cta_items": lists.cta_items}
+
+
+def _item_cost(s: Schedule) -> np.ndarray:
+    return s.blocks_per_item() + ITEM_OVERHEAD_BLOCKS
+
+
+def build_backward_schedule(mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int, num_ctas: int) -> BackwardSchedule:
     """The transposed schedule the backward kernels read: for every k tile of `tile_n` keys,
     runs of q blocks of `tile_m` queries, full or partial, with the lines of `mask.transpose()`
     (rows are keys, columns queries). It is the forward schedule of the transposed mask, so one
-    scheduler and one line mask serve both directions."""
-    return build_schedule(mask.transpose(), tile_n, tile_m)
+    scheduler and one line mask serve both directions. Its items (k tile, K/V head) go to
+    `num_ctas` CTAs in sync groups (`maskc.ir.items.sync_group_order`)."""
+    s = build_schedule(mask.transpose(), tile_n, tile_m)
+    cost = _item_cost(s)
+    lists = deal(sync_group_order(_last_blocks(s), cost, num_heads_kv), cost, num_ctas)
+    return BackwardSchedule(**_with_items(s, lists))
 
 
 @dataclass(frozen=True, eq=False)
-class DeterministicBackwardSchedule(Schedule):
+class DeterministicBackwardSchedule(BackwardSchedule):
     """A backward schedule in k tile order plus the order of the dQ additions: the k tiles
     touching a q block add their dQ in ascending tile order, so dQ is bitwise reproducible.
 
@@ -172,9 +206,12 @@ class DeterministicBackwardSchedule(Schedule):
         return (*super().arrays(), self.work_blocks, self.block_rank)
 
 
-def build_deterministic_backward_schedule(mask: Mask, tile_m: int, tile_n: int) -> DeterministicBackwardSchedule:
-    """`build_backward_schedule` with items in k tile order (a CTA then only ever waits for
-    lower items, which the persistent grid started earlier: no deadlock) and the dQ ranks."""
+def build_deterministic_backward_schedule(
+    mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int, num_ctas: int
+) -> DeterministicBackwardSchedule:
+    """`build_backward_schedule` with items in k tile order (`maskc.ir.items.section_order`:
+    a CTA then only ever waits for lower items, which are done or running: no deadlock) and
+    the dQ ranks."""
     s = build_schedule(mask.transpose(), tile_n, tile_m, heaviest_first=False)
     lengths = (s.ranges[:, 1] - s.ranges[:, 0]).astype(np.int64)
     run_work = np.repeat(np.arange(s.num_work), np.diff(s.work_ranges))
@@ -187,8 +224,9 @@ def build_deterministic_backward_schedule(mask: Mask, tile_m: int, tile_n: int) 
     rank = np.empty(order.size, np.int64)
     rank[order] = np.arange(order.size) - first_of_group
     work_blocks = np.r_[0, np.cumsum(np.bincount(run_work, weights=lengths, minlength=s.num_work))]
+    lists = deal(section_order(_last_blocks(s), num_heads_kv), _item_cost(s), num_ctas)
     return DeterministicBackwardSchedule(
-        **{f: getattr(s, f) for f in Schedule.__dataclass_fields__},
+        **_with_items(s, lists),
         work_blocks=_as32(work_blocks),
         block_rank=_as32(rank),
     )

@@ -1,0 +1,119 @@
+"""Which CTA of a persistent kernel runs which work item, and in what order.
+
+The backward kernel's work items are (k tile, K/V head) pairs. Its CTAs walk lists made here
+on the host (`ItemLists`): the items are put in a priority order, then dealt as a dynamic
+scheduler would deal them, each to the CTA that is free first by an estimated cost. That
+keeps the CTAs balanced whatever the order, so the order can serve memory locality.
+
+The k tiles whose q blocks end at the same block form a sync group (one document of a
+varlen mask, every tile of a causal one). The kernel walks an item's q blocks last to first,
+so the tiles of a group meet each Q / dO block and each block of dQ rows at the same time if
+they also take the query heads innermost (whatever their lengths); a tile alone in its
+group (a sliding window) walks heads outermost instead, a step behind its neighbour of the
+same length. Each item carries that choice (`heads_inner`).
+
+- `sync_group_order`: group by group, heaviest items first; a group's items run together,
+  one K/V head after the other.
+- `section_order`: k tile order in sections (the deterministic kernel's, whose CTAs may only
+  wait for lower items: for each K/V head the k tiles ascend).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+#: An item's fixed cost (K/V load, dK / dV epilogue) in q blocks, for dealing.
+ITEM_OVERHEAD_BLOCKS = 2
+#: Work items (k tiles) per section of `section_order`.
+SECTION = 16
+
+
+@dataclass(frozen=True, eq=False)
+class ItemLists:
+    """`items [I, 3]` int32 (work index into the schedule, K/V head, heads_inner), grouped by
+    CTA, each CTA's in priority order; `cta_items [G+1]` CSR offsets of each CTA's items."""
+
+    items: np.ndarray
+    cta_items: np.ndarray
+
+    @property
+    def num_ctas(self) -> int:
+        return int(self.cta_items.shape[0]) - 1
+
+
+def heads_inner(last_block: np.ndarray) -> np.ndarray:
+    """Per work: 1 where another work ends at the same q block (`last_block[w]`, -1: none)."""
+    _, group_of, size = np.unique(last_block, return_inverse=True, return_counts=True)
+    return (size[group_of] > 1).astype(np.int64)
+
+
+def _groups_by_head(works: np.ndarray, sizes: np.ndarray, inner: np.ndarray, num_heads_kv: int) -> np.ndarray:
+    """(work, head, heads_inner) rows: `works` cut into consecutive groups of `sizes`, each
+    group's works repeated for every K/V head, head-major inside the group."""
+    group = np.repeat(np.arange(sizes.size), sizes)
+    start = np.r_[0, np.cumsum(sizes)[:-1]]
+    within = np.arange(works.size) - start[group]
+    heads = np.arange(num_heads_kv)
+    pos = (start[group] * num_heads_kv + within)[:, None] + heads[None, :] * sizes[group][:, None]
+    out = np.empty((works.size * num_heads_kv, 3), np.int64)
+    out[pos.ravel(), 0] = np.repeat(works, num_heads_kv)
+    out[pos.ravel(), 1] = np.tile(heads, works.size)
+    out[pos.ravel(), 2] = np.repeat(inner[works], num_heads_kv)
+    return out
+
+
+def sync_group_order(last_block: np.ndarray, cost: np.ndarray, num_heads_kv: int) -> np.ndarray:
+    """Items group by group, the group with the heaviest item first, ties by last block (so
+    equal items start in step: a sliding window's tiles run in rounds, its light last tiles
+    after them); inside a group head by head, each head's works in schedule order.
+    `last_block[w]` is the end of work w's last run (-1: none), `cost[w]` its estimated cost."""
+    groups, group_of = np.unique(last_block, return_inverse=True)
+    heaviest = np.zeros(groups.size)
+    np.maximum.at(heaviest, group_of, cost)
+    rank = np.empty(groups.size, np.int64)
+    rank[np.lexsort((groups, -heaviest))] = np.arange(groups.size)
+    works = np.lexsort((np.arange(last_block.size), rank[group_of]))  # by group rank, stable
+    sizes = np.bincount(rank[group_of], minlength=groups.size)
+    return _groups_by_head(works, sizes, heads_inner(last_block), num_heads_kv)
+
+
+def section_order(last_block: np.ndarray, num_heads_kv: int) -> np.ndarray:
+    """Items in sections of SECTION works in schedule order; inside a section head by head."""
+    num_work = last_block.size
+    sizes = np.diff(np.r_[np.arange(0, num_work, SECTION), num_work])
+    return _groups_by_head(np.arange(num_work), sizes, heads_inner(last_block), num_heads_kv)
+
+
+def deal(order: np.ndarray, cost: np.ndarray, num_ctas: int) -> ItemLists:
+    """Greedy list scheduling: each item of `order` (rows (work, head, heads_inner)) goes to the
+    CTA that is free first, given `cost[work]`; ties go to the lower CTA. Each CTA keeps its
+    items in `order`'s order (what the deterministic kernel's deadlock freedom needs).
+
+    Vectorised in rounds: with the CTAs sorted by free time, the next items go to them in that
+    order for as long as no item of the round would free its CTA before the next CTA's turn
+    (then the round ends, exactly where the one-at-a-time rule would diverge)."""
+    if num_ctas < 1:
+        raise ValueError(f"num_ctas must be at least 1, got {num_ctas}")
+    costs = cost[order[:, 0]].astype(np.float64)
+    free = np.zeros(num_ctas)
+    ctas = np.arange(num_ctas)
+    owner = np.empty(len(order), np.int64)
+    i = 0
+    while i < len(order):
+        by = np.lexsort((ctas, free))
+        chunk = costs[i : i + num_ctas]
+        starts = free[by[: chunk.size]]
+        freed = np.minimum.accumulate(starts + chunk)
+        late = np.flatnonzero(freed[:-1] <= starts[1:])
+        n = int(late[0]) + 1 if late.size else chunk.size
+        owner[i : i + n] = by[:n]
+        free[by[:n]] += chunk[:n]
+        i += n
+    by_cta = np.argsort(owner, kind="stable")
+    cta_items = np.r_[0, np.cumsum(np.bincount(owner, minlength=num_ctas))]
+    return ItemLists(
+        items=np.ascontiguousarray(order[by_cta], dtype=np.int32).reshape(-1, 3),
+        cta_items=np.ascontiguousarray(cta_items, dtype=np.int32),
+    )

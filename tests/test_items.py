@@ -1,0 +1,84 @@
+"""maskc.ir.items: the backward kernel's per-CTA item lists."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from maskc.ir import Mask
+from maskc.ir.items import SECTION, deal, heads_inner, section_order, sync_group_order
+from maskc.ir.schedule import build_backward_schedule
+
+
+def test_heads_inner_only_where_tiles_share_their_last_block() -> None:
+    assert heads_inner(np.array([7, 7, 3, 9, -1])).tolist() == [1, 1, 0, 0, 0]
+
+
+def test_sync_groups_run_together_heaviest_item_first_ties_by_last_block() -> None:
+    last = np.array([5, 9, 5, 2, 9])
+    cost = np.array([3, 8, 1, 8, 2])
+    order = sync_group_order(last, cost, num_heads_kv=2)
+    # Groups: {1, 4} (heaviest item 8, ends at 9), {3} (8, ends at 2), {0, 2} (3): ties by last block.
+    assert order.tolist() == [
+        [3, 0, 0], [3, 1, 0],
+        [1, 0, 1], [4, 0, 1], [1, 1, 1], [4, 1, 1],
+        [0, 0, 1], [2, 0, 1], [0, 1, 1], [2, 1, 1],
+    ]  # fmt: skip
+
+
+def test_section_order_keeps_k_tiles_ascending_per_head() -> None:
+    order = section_order(np.arange(SECTION + 3), num_heads_kv=2)
+    assert order[:SECTION, :2].tolist() == [[w, 0] for w in range(SECTION)]
+    assert order[2 * SECTION : 2 * SECTION + 3, :2].tolist() == [[SECTION + w, 0] for w in range(3)]
+    for h in (0, 1):
+        assert order[order[:, 1] == h, 0].tolist() == list(range(SECTION + 3))
+
+
+def test_deal_balances_by_cost_and_keeps_each_ctas_items_in_order() -> None:
+    order = np.stack([np.arange(6), np.zeros(6, np.int64), np.zeros(6, np.int64)], axis=1)
+    lists = deal(order, np.array([10, 1, 1, 1, 1, 6]), num_ctas=2)
+    # CTA 0 takes the heavy item; CTA 1 the next four light ones, then the 6 (free at 4 < 10).
+    assert lists.num_ctas == 2 and lists.cta_items.tolist() == [0, 1, 6]
+    assert lists.items[:, 0].tolist() == [0, 1, 2, 3, 4, 5]
+    assert lists.items.dtype == np.int32 and lists.items.shape == (6, 3)
+
+
+def test_deal_rejects_no_cta() -> None:
+    with pytest.raises(ValueError, match="num_ctas"):
+        deal(np.zeros((0, 3), np.int64), np.zeros(0), 0)
+
+
+def test_documents_walk_heads_innermost_a_sliding_window_outermost() -> None:
+    docs = build_backward_schedule(Mask.from_cu_seqlens([0, 512, 1024], causal=True), 64, 128, 2, 4)
+    assert docs.items[:, 2].tolist() == [1] * len(docs.items)
+    window = build_backward_schedule(Mask.sliding_window([0, 2048], left=255), 64, 128, 2, 4)
+    tiles = window.work_tile[window.items[:, 0]]
+    # The window's tiles end at distinct q blocks but the last ones, which share the last block.
+    assert window.items[tiles < 12, 2].tolist() == [0] * int((tiles < 12).sum())
+    assert set(window.items[tiles >= 14, 2].tolist()) == {1}
+
+
+def _heap_deal(costs: list[float], num_ctas: int) -> list[int]:
+    """The one-at-a-time rule `deal` vectorises: each item to the CTA free first (lower on ties)."""
+    import heapq
+
+    heap = [(0.0, c) for c in range(num_ctas)]
+    owner = []
+    for cost in costs:
+        free, cta = heapq.heappop(heap)
+        owner.append(cta)
+        heapq.heappush(heap, (free + cost, cta))
+    return owner
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_deal_in_rounds_equals_one_item_at_a_time(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n, num_ctas = int(rng.integers(0, 400)), int(rng.integers(1, 40))
+    cost = rng.integers(1, 6 if seed % 2 else 300, size=n).astype(np.float64)  # many ties, or few
+    order = np.stack([np.arange(n), np.zeros(n, np.int64), np.zeros(n, np.int64)], axis=1)
+    lists = deal(order, cost, num_ctas)
+    owner = _heap_deal(cost.tolist(), num_ctas)
+    for c in range(num_ctas):
+        mine = lists.items[lists.cta_items[c] : lists.cta_items[c + 1], 0].tolist()
+        assert mine == [i for i in range(n) if owner[i] == c]
