@@ -232,7 +232,10 @@ def _check_grads(
     deterministic: bool = False, lse_grad: bool = True,
 ) -> None:
     """The issue's rule: maskc's gradient error against a float64 reference is at most twice
-    that of the reference run in the low precision, plus a small floor; no NaN anywhere."""
+    that of the reference run in the low precision, plus a small floor; no NaN anywhere. The
+    floor is 1e-3 of the largest exact value, or what storing the exact gradient in its leaf's
+    dtype already costs if that is more (its largest rounding error in bf16/fp16): no kernel
+    returning that dtype can do better."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     tq, tk = mask.shape
     q = torch.randn(tq, hq, d, device="cuda", generator=g).to(DTYPES[dtype])
@@ -251,7 +254,9 @@ def _check_grads(
         assert not torch.isnan(o).any(), f"{name} has NaN"
         err = float((o.double() - ex).abs().max())
         ref_err = float((lo.double() - ex).abs().max())
-        floor = 1e-3 * float(ex.abs().max().clamp_min(1e-6))
+        stored = torch.float32 if name == "dsink" else DTYPES[dtype]  # the sinks are float32 leaves
+        rounding = float((ex.to(stored).double() - ex).abs().max())
+        floor = max(1e-3 * float(ex.abs().max()), rounding)
         assert err <= 2 * ref_err + floor, f"{name}: maskc error {err:.3e} vs low-precision reference {ref_err:.3e}"
 
 
