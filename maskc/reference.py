@@ -334,3 +334,49 @@ def reference_attention(
     cfg = _Config(mask, scale, float(softcap), _block_q, _block_k, return_max_logits)
     out, lse, max_logits = _Attention.apply(q, k, v, sink, cfg)
     return out, AttentionMeta(lse=lse, max_logits=max_logits if return_max_logits else None)
+
+
+def reference_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    sink: torch.Tensor | None = None,
+    return_max_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(out, lse, max_logits or None) of `reference_attention`, with no autograd: the
+    reference side of `maskc.runtime.attention.attention_forward`."""
+    scale = check_attention_args(q, k, v, mask, softmax_scale=softmax_scale, softcap=softcap, sink=sink)
+    cfg = _Config(mask, scale, float(softcap), BLOCK_Q, BLOCK_K, return_max_logits)
+    with torch.no_grad():
+        out, lse, max_logits = _forward(q, k, v, sink, cfg)
+    return out, lse, max_logits if return_max_logits else None
+
+
+def reference_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    mask: Mask,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dq, dk, dv, dsink or None) over `mask` given the forward's `out` and `lse`, which may
+    come from a larger softmax (the lse of all keys and the merged output make one part of the
+    keys' gradients exact): the reference side of `attention_backward`."""
+    scale = check_attention_args(q, k, v, mask, softmax_scale=softmax_scale, softcap=softcap, sink=sink)
+    cfg = _Config(mask, scale, float(softcap), BLOCK_Q, BLOCK_K, False)
+    if dlse is None:
+        dlse = torch.zeros_like(lse)
+    with torch.no_grad():
+        return _backward(q, k, v, out, lse, sink, dout, dlse, cfg)
+

@@ -256,18 +256,23 @@ def _plan(
     pack_gqa: bool | None,
     needs_grad: bool,
     deterministic: bool,
+    sm_margin: int = 0,
 ) -> tuple[_LaunchArgs, _LaunchArgs]:
     """The forward and backward launches of a call, which its mask, device, shapes and flags
     decide: GQA strategy, kernels (registered or compiled), schedules, all cached. It takes
     no tensor, so torch.compile runs it once per compilation and keeps the result as constants
     instead of tracing the numpy schedule passes. Eager calls find it in `mask.memo` (the key
-    counts the loaded kernels, so registering artifacts later plans anew)."""
+    counts the loaded kernels, so registering artifacts later plans anew). `sm_margin` SMs are
+    left free of the persistent grids (for communication kernels running alongside)."""
     key = ("plan", device, dtype, num_heads_q, num_heads_kv, head_dim, has_softcap, has_sink, return_max_logits, pack_gqa,
-           needs_grad, deterministic, len(_LOADED))  # fmt: skip
+           needs_grad, deterministic, sm_margin, len(_LOADED))  # fmt: skip
     cached = mask.memo.get(key)
     if cached is not None:
         return cached
     capability, num_sms = _device_info(device)
+    if not 0 <= sm_margin < num_sms:
+        raise MaskcError(f"sm_margin must be in [0, {num_sms}) on this GPU, got {sm_margin}")
+    num_sms -= sm_margin
     if capability not in ARCHS:
         raise MaskcError(f"no maskc kernel for compute capability {capability}; supported: {sorted(ARCHS)}")
     base = {"arch": ARCHS[capability], "head_dim": head_dim, "dtype": DTYPES[dtype], "num_heads_q": num_heads_q,
@@ -328,13 +333,16 @@ def _forward(q, k, v, sink, call: _Call) -> tuple[torch.Tensor, torch.Tensor, to
     return out, lse, row_max
 
 
-def _backward(q, k, v, out, lse, sink, dout, dlse, call: _Call):
+def _backward(q, k, v, out, lse, sink, dout, dlse, call: _Call, dq_accum: torch.Tensor | None = None):
     """dq, dk, dv from the backward kernels; dsink from its closed form (the sinks join the
-    softmax with no value: d sink = -sum over rows of P_sink * (rowsum(dO * O) - dlse))."""
+    softmax with no value: d sink = -sum over rows of P_sink * (rowsum(dO * O) - dlse)). With
+    `dq_accum` (float32, like q) the kernel adds dQ into it and dq is that buffer, uncast."""
     entry = call.kernel
     tq, hq, _ = q.shape
     padded = -(-tq // entry.tile_m) * entry.tile_m
-    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    accumulate = dq_accum is not None
+    if not accumulate:
+        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     # The preprocess kernel fills the statistics (head-major, padded to whole q blocks).
     delta = torch.empty(hq, padded, dtype=torch.float32, device=q.device)
@@ -352,7 +360,7 @@ def _backward(q, k, v, out, lse, sink, dout, dlse, call: _Call):
     if sink is not None:
         delta_rows = delta[:, :tq].t()  # [Tq, Hq]
         dsink = -(torch.exp(sink[None] - lse[:, None, :]) * delta_rows[:, None, :]).sum(dim=0)
-    return dq_accum.to(q.dtype), dk, dv, dsink
+    return (dq_accum if accumulate else dq_accum.to(q.dtype)), dk, dv, dsink
 
 
 def _attn_fwd_impl(
@@ -487,6 +495,61 @@ def attention(
         out, lse, row_max = _attn_fwd_impl(*inputs)
     max_logits = row_max.amax(dim=0) if return_max_logits else None
     return out, AttentionMeta(lse=lse, max_logits=max_logits)
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    sink: torch.Tensor | None = None,
+    return_max_logits: bool = False,
+    sm_margin: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(out, lse, max_logits or None) of `attention`, with no autograd: for callers that run
+    their own backward (`attention_backward`), like maskc.dist's stage pipeline. `sm_margin`
+    SMs stay free for communication kernels that run alongside."""
+    scale = _check_inputs(q, k, v, mask, sink, softmax_scale, softcap)
+    _, hq, d = q.shape
+    fwd, _ = _plan(mask, q.device, q.dtype, hq, k.shape[1], d, softcap > 0, sink is not None, return_max_logits, None,
+                   False, False, sm_margin)  # fmt: skip
+    out, lse, row_max = _attn_fwd_impl(q, k, v, sink, fwd.schedule, fwd.launch, scale, float(softcap), return_max_logits,
+                                       None, [])  # fmt: skip
+    return out, lse, row_max.amax(dim=0) if return_max_logits else None
+
+
+def attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    mask: Mask,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    sink: torch.Tensor | None = None,
+    sm_margin: int = 0,
+    dq_accum: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dq, dk, dv, dsink or None) of attention over `mask` given the forward's `out` and `lse`,
+    which may come from a larger softmax: with the lse of all keys and the merged output, the
+    gradients of one part of the keys are exact (maskc.dist attends stage by stage). With
+    `dq_accum` (float32, like q) dQ is added into it and returned uncast, so calls over the
+    parts of the keys add up one dQ in float32."""
+    scale = _check_inputs(q, k, v, mask, sink, softmax_scale, softcap)
+    if dq_accum is not None and (dq_accum.shape != q.shape or dq_accum.dtype != torch.float32 or not dq_accum.is_contiguous()):
+        raise MaskcError(f"dq_accum must be a contiguous float32 tensor of shape {tuple(q.shape)}")
+    _, hq, d = q.shape
+    _, bwd = _plan(mask, q.device, q.dtype, hq, k.shape[1], d, softcap > 0, sink is not None, False, None, True, False,
+                   sm_margin)  # fmt: skip
+    call = _Call.of(bwd.schedule, bwd.launch, scale, float(softcap))
+    return _backward(q, k, v, out, lse, sink, dout.contiguous(), dlse, call, dq_accum)
 
 
 @lru_cache(maxsize=None)

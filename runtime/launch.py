@@ -182,9 +182,10 @@ class Kernel:
     def __call__(self, tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, float | int], stream: int) -> None:
         for name, slot, dims, align in self._tensors:
             t = tensors[name]
-            slot.data = t.data_ptr()
-            if slot.data % align:
-                raise ValueError(f"{self.prefix}: tensor {name!r} must be {align}-byte aligned (got address {slot.data:#x})")
+            address = t.data_ptr()  # 0 for an empty tensor (an empty dlse): ctypes reads it back as None
+            slot.data = address
+            if address % align:
+                raise ValueError(f"{self.prefix}: tensor {name!r} must be {align}-byte aligned (got address {address:#x})")
             for i, d in enumerate(dims):
                 slot.dynamic_shapes[i] = t.shape[d]
         for name, slot in self._scalars:

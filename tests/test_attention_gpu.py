@@ -305,3 +305,39 @@ def test_deterministic_gradients_are_bitwise_reproducible(name: str, hq: int, hk
     for other in runs[1:]:
         for name_, a, b in zip(("dq", "dk", "dv"), runs[0], other):
             assert torch.equal(a, b), f"{name_} differs between deterministic runs"
+
+
+def test_functional_kernels_over_split_keys_give_the_whole_attention() -> None:
+    """maskc.dist's stage calls on one GPU: the keys in two parts, the partial outputs merged by
+    lse, each part's backward against the merged output and lse adding into one float32 dQ;
+    with SMs left free (sm_margin). Output and gradients within the 2x-bf16 rule of float64."""
+    from maskc.dist.runtime import _merge
+    from maskc.runtime.attention import attention_backward, attention_forward
+
+    tq, tk, split = 1500, 1700, 832
+    first = [AttnSlice((0, 1500), (0, 800), "causal")]
+    second = [AttnSlice((100, 700), (900, 1700), "full"), AttnSlice((700, 1500), (1000, 1600), "inv_causal")]
+    mask = Mask(first + second, tq, tk)
+    shifted = [AttnSlice(a.q, (a.k[0] - split, a.k[1] - split), a.type) for a in second]
+    parts = [Mask(first, tq, split), Mask(shifted, tq, tk - split)]
+    keys = [slice(0, split), slice(split, tk)]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(t, h, 128, device="cuda", generator=g).bfloat16() for t, h in ((tq, 8), (tk, 2), (tk, 2)))
+    dout = torch.randn(tq, 8, 128, device="cuda", generator=g).bfloat16()
+    exact = _grads(maskc.reference_attention, q.double(), k.double(), v.double(), None, mask, dout.double(), None)
+    low = _grads(maskc.reference_attention, q, k, v, None, mask, dout.float(), None)
+    ref_out = maskc.reference_attention(q.double(), k.double(), v.double(), mask)[0]
+    outs = [attention_forward(q, k[s].contiguous(), v[s].contiguous(), m, sm_margin=8) for s, m in zip(keys, parts)]
+    out, lse = _merge([o[0] for o in outs], [o[1] for o in outs])
+    low_out = maskc.reference_attention(q, k, v, mask)[0]
+    assert float((out.double() - ref_out).abs().max()) <= 2 * float((low_out.double() - ref_out).abs().max()) + 1e-3
+    dq = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    for s, m in zip(keys, parts):
+        accumulated, dk[s], dv[s], _ = attention_backward(q, k[s].contiguous(), v[s].contiguous(), out, lse, dout, None, m,
+                                                          sm_margin=8, dq_accum=dq)  # fmt: skip
+        assert accumulated is dq
+    for name, o, lo, ex in zip(("dq", "dk", "dv"), (dq, dk, dv), low, exact):
+        err, ref_err = float((o.double() - ex).abs().max()), float((lo.double() - ex).abs().max())
+        floor = max(1e-3 * float(ex.abs().max()), float((ex.bfloat16().double() - ex).abs().max()))
+        assert err <= 2 * ref_err + floor, f"{name}: {err:.3e} vs {ref_err:.3e}"

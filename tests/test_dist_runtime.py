@@ -19,22 +19,31 @@ from hypothesis import strategies as st
 
 import maskc
 from maskc.dist import make_plan
-from maskc.dist.runtime import local_mask, plan_digest
+from maskc.dist.runtime import local_mask, plan_digest, stage_tables
 from maskc.ir import AttnSlice, Mask
 
 from test_ir import masks
 
 
-@given(masks(max_len=40, max_slices=6), st.sampled_from([1, 2, 3, 4]), st.sampled_from([1, 2, 5]))
+@given(
+    masks(max_len=40, max_slices=6), st.sampled_from([1, 2, 3, 4]), st.sampled_from([1, 2, 5]),
+    st.sampled_from([None, 1, 3]),
+)
 @settings(max_examples=80, deadline=None)
-def test_local_masks_are_the_global_mask_seen_from_each_rank(mask: Mask, cp: int, chunk: int) -> None:
+def test_stage_masks_are_the_global_mask_seen_from_each_rank(mask: Mask, cp: int, chunk: int, stages: int | None) -> None:
+    """The local stage's mask and every remote stage's, over the keys each brings (in buffer
+    order), are the global mask's; the stages bring every remote key the rank needs once."""
     n = max(mask.shape)
-    plan = make_plan(Mask(mask.slices, n, n), cp, chunk)
+    plan = make_plan(Mask(mask.slices, n, n), cp, chunk, num_stages=stages)
     dense = plan.mask.to_dense()
     for rank in range(cp):
         rows = torch.from_numpy(plan.comm.local_rows(rank))
-        keys = torch.from_numpy(np.concatenate([plan.comm.local_rows(rank), plan.comm.recv_rows(rank)]))
-        assert torch.equal(local_mask(plan, rank).to_dense(), dense[rows][:, keys])
+        blocks = [(local_mask(plan, rank), plan.comm.local_rows(rank))]
+        blocks += [(local_mask(plan, rank, i), stage_tables(plan, i).recv_rows(rank)) for i in range(plan.stages.num_stages)]
+        for stage_mask, keys in blocks:
+            assert torch.equal(stage_mask.to_dense(), dense[rows][:, torch.from_numpy(keys)])
+        remote = np.concatenate([keys for _, keys in blocks[1:]])
+        assert sorted(remote.tolist()) == sorted(plan.comm.recv_rows(rank).tolist())
 
 
 # ---- gloo, several processes ---------------------------------------------------------------------
@@ -56,7 +65,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, name: str, algorithm: str, errors: mp.Queue) -> None:
+def _worker(rank: int, world: int, port: int, name: str, algorithm: str, stages: int | None, errors: mp.Queue) -> None:
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -69,7 +78,7 @@ def _worker(rank: int, world: int, port: int, name: str, algorithm: str, errors:
         ref, ref_meta = maskc.reference_attention(*leaves[:3], mask, sink=leaves[3], softcap=4.0, return_max_logits=True)
         (ref * dout).sum().backward()
 
-        plan = make_plan(mask, world, 16, algorithm=algorithm)
+        plan = make_plan(mask, world, 16, algorithm=algorithm, num_stages=stages)
         ours = [x.clone().requires_grad_() for x in (q, k, v, sink)]
         local = [maskc.dist.dispatch(x, plan) for x in ours[:3]]
         out, meta = maskc.dist.attention(*local, plan, sink=ours[3], softcap=4.0, return_max_logits=True)
@@ -86,7 +95,7 @@ def _worker(rank: int, world: int, port: int, name: str, algorithm: str, errors:
         # dispatch / undispatch round trip, and a plan mismatch is refused.
         x = torch.randn(SEQ, 3, dtype=torch.float64)
         assert torch.equal(maskc.dist.undispatch(maskc.dist.dispatch(x, plan), plan), x)
-        other = make_plan(mask, world, 16 if rank == 0 else 8, algorithm=algorithm)
+        other = make_plan(mask, world, 16 if rank == 0 else 8, algorithm=algorithm, num_stages=stages)
         assert (plan_digest(other) == plan_digest(plan)) == (rank == 0)
         with pytest.raises(maskc.MaskcError, match="different maskc plans"):
             maskc.dist.attention(*(maskc.dist.dispatch(x, other) for x in (q, k, v)), other)
@@ -97,13 +106,15 @@ def _worker(rank: int, world: int, port: int, name: str, algorithm: str, errors:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("name,algorithm", [("varlen_causal", "swap"), ("sliding_window_and_globals", "greedy"),
-                                            ("random", "local")])  # fmt: skip
-def test_gloo_forward_and_backward_equal_the_reference(world: int, name: str, algorithm: str) -> None:
+@pytest.mark.parametrize("name,algorithm,stages", [("varlen_causal", "swap", 2), ("sliding_window_and_globals", "greedy", None),
+                                                   ("random", "local", 3)])  # fmt: skip
+def test_gloo_forward_and_backward_equal_the_reference(world: int, name: str, algorithm: str, stages: int | None) -> None:
+    """The stage pipeline (2 or 3 stages, or the cost model's count) gives the reference's
+    output, lse, max_logits and gradients."""
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, name, algorithm, errors)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, name, algorithm, stages, errors)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

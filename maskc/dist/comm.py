@@ -116,18 +116,23 @@ def _needed(pieces: Pieces, roc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
     return _union(roc[pieces.chunk], pieces.key_begin(), pieces.key_end())
 
 
+def _by_chunk(
+    dst: np.ndarray, begin: np.ndarray, end: np.ndarray, chunk_size: int, roc: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(destination, source, begin, end): the key ranges cut at chunk boundaries, each with the
+    rank owning its chunk, in input order."""
+    run, chunk = expand_spans(begin // chunk_size, (end - 1) // chunk_size)
+    lo = np.maximum(begin[run], chunk * chunk_size)
+    hi = np.minimum(end[run], (chunk + 1) * chunk_size)
+    return dst[run], roc[chunk], lo, hi
+
+
 def _remote(pieces: Pieces, chunk_size: int, roc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(destination, source, begin, end) of the needed keys a rank does not own, each range inside
     one chunk's rows, sorted by destination then begin."""
-    dst, begin, end = _needed(pieces, roc)
-    first = begin // chunk_size
-    run, chunk = expand_spans(first, (end - 1) // chunk_size)
-    src = roc[chunk]
-    far = src != dst[run]
-    run, chunk, src = run[far], chunk[far], src[far]
-    lo = np.maximum(begin[run], chunk * chunk_size)
-    hi = np.minimum(end[run], (chunk + 1) * chunk_size)
-    return dst[run], src, lo, hi
+    dst, src, lo, hi = _by_chunk(*_needed(pieces, roc), chunk_size, roc)
+    far = src != dst
+    return dst[far], src[far], lo[far], hi[far]
 
 
 def needed_keys(pieces: Pieces, rank_of_chunk: np.ndarray, cp_size: int) -> list[np.ndarray]:
@@ -384,13 +389,38 @@ def build_comm_tables(mask: Mask, chunk_size: int, rank_of_chunk: np.ndarray, cp
         raise MaskParamError(
             f"rank_of_chunk has {roc.size} chunks of {chunk_size} rows, but the mask has {mask.seqlen_q} rows"
         )
+    return _tables(*_remote(cut(mask, chunk_size), chunk_size, roc), chunk_size, roc, cp)
+
+
+def comm_tables_for(ranges: list[np.ndarray], chunk_size: int, rank_of_chunk: np.ndarray, cp_size: int) -> CommTables:
+    """The tables that bring rank r the global key ranges `ranges[r]` ([R, 2], none of them its
+    own rows): one stage of a staged GroupCast gets its own tables this way."""
+    chunk_size = _positive_int(chunk_size, "chunk_size")
+    roc, cp = _assignment(rank_of_chunk, cp_size)
+    if len(ranges) != cp:
+        raise MaskParamError(f"expected key ranges for {cp} ranks, got {len(ranges)}")
+    dst = np.concatenate([np.full(len(r), i, np.int64) for i, r in enumerate(ranges)])
+    both = np.concatenate([np.asarray(r, np.int64).reshape(-1, 2) for r in ranges])
+    begin, end = both[:, 0], both[:, 1]
+    if np.any(end <= begin) or (begin.size and (begin.min() < 0 or end.max() > roc.size * chunk_size)):
+        raise MaskParamError(f"key ranges must be non-empty and within [0, {roc.size * chunk_size})")
+    dst, src, lo, hi = _by_chunk(dst, begin, end, chunk_size, roc)
+    if np.any(src == dst):
+        raise MaskParamError("a rank cannot receive its own rows")
+    return _tables(dst, src, lo, hi, chunk_size, roc, cp)
+
+
+def _tables(
+    dst: np.ndarray, src: np.ndarray, begin: np.ndarray, end: np.ndarray, chunk_size: int, roc: np.ndarray, cp: int
+) -> CommTables:
+    """The tables of the remote key ranges (destination, source, begin, end), each range inside
+    one chunk's rows."""
     rows_per_rank = roc.size // cp * chunk_size
     # Rank-local chunk slot: chunks of a rank in ascending order.
     order = np.argsort(roc, kind="stable")
     slot = np.empty_like(roc)
     slot[order] = np.arange(roc.size) - np.repeat(np.arange(cp) * (roc.size // cp), roc.size // cp)
 
-    dst, src, begin, end = _remote(cut(mask, chunk_size), chunk_size, roc)
     group, r_b, r_e = _union(dst * cp + src, begin, end)
     r_dst, r_src = group // cp, group % cp
     # A range inside one source's rows spans chunks of that source that are consecutive in its

@@ -1,33 +1,35 @@
 """Running a plan over torch.distributed: every process holds its chunks of the sequence.
 
 `dispatch` / `undispatch` move a sequence-first tensor between its global layout (the same on
-every rank) and this rank's local rows (its chunks, ascending). `attention` fetches exactly the
-remote key/value rows the rank's queries need (GroupCast: one all-to-all-v with the plan's
-split sizes), attends over [local keys ; received keys] under the rank's local mask, and in the
-backward sends the partial dK/dV of the received rows back to their owners, which add them to
-their own (GroupReduce: the transposed all-to-all-v and a scatter-add). Both directions are
-autograd functions, so the attention itself is whatever `maskc.attention` (CUDA) or
-`maskc.reference_attention` (elsewhere, e.g. gloo on CPUs) computes, gradients included.
-Communication runs in one stage here; the plan's overlap stages are for the CUDA pipeline.
+every rank) and this rank's local rows (its chunks, ascending). `attention` runs the plan's
+stage pipeline: the rank attends its queries to its own keys (the local stage) and to the
+remote key/value rows of each stage (GroupCast: one all-to-all-v per stage with that stage's
+split sizes, issued ahead so it runs behind the compute), and merges the partial outputs by
+their lse. In the backward each stage's partial dK/dV of the received rows go back to their
+owners, which add them to their own (GroupReduce: the transposed all-to-all-v and a
+scatter-add), while the next stage computes. Local compute is maskc's kernels on CUDA and the
+reference attention elsewhere (gloo on CPUs), through their functional forward / backward.
 """
 
 from __future__ import annotations
 
 import hashlib
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from maskc.dist.comm import CommTables, comm_tables_for
 from maskc.dist.pieces import cut
 from maskc.dist.plan import Plan
 from maskc.errors import MaskcError
 from maskc.ir.mask import Mask
 from maskc.ir.slices import RowLines, expand_spans
-from maskc.reference import AttentionMeta, reference_attention
-from maskc.runtime import attention as kernel_attention
+from maskc.reference import AttentionMeta, reference_backward, reference_forward
+from maskc.runtime.attention import attention_backward, attention_forward
 
 
 _PER_PLAN: weakref.WeakKeyDictionary[Plan, dict[Any, Any]] = weakref.WeakKeyDictionary()
@@ -39,20 +41,33 @@ def _memo(plan: Plan) -> dict[Any, Any]:
     return _PER_PLAN.setdefault(plan, {})
 
 
-def local_mask(plan: Plan, rank: int) -> Mask:
-    """The mask of `rank`'s queries (its local rows) against [its local keys ; the keys it
-    receives, in buffer order], in those local coordinates; built once per plan and rank."""
-    key = ("local_mask", rank)
+def stage_tables(plan: Plan, stage: int) -> CommTables:
+    """The GroupCast tables of remote stage `stage` (0-based, `plan.stages`): rank r receives
+    `plan.stages.stage_ranges(r, stage)`; built once per plan and stage."""
+    key = ("stage_tables", stage)
+    cached = _memo(plan).get(key)
+    if cached is None:
+        ranges = [plan.stages.stage_ranges(r, stage) for r in range(plan.cp_size)]
+        cached = _memo(plan)[key] = comm_tables_for(ranges, plan.chunk_size, plan.rank_of_chunk, plan.cp_size)
+    return cached
+
+
+def local_mask(plan: Plan, rank: int, stage: int | None = None) -> Mask:
+    """The mask of `rank`'s queries (its local rows) against one stage's keys, in local
+    coordinates: its own keys (stage None, the local stage) or the keys it receives in remote
+    stage `stage`, in buffer order. Built once per plan, rank and stage."""
+    key = ("local_mask", rank, stage)
     cached = _memo(plan).get(key)
     if cached is not None:
         return cached
     cs = plan.chunk_size
     own = plan.chunks_of(rank)
-    local_rows = own.size * cs
-    recv = plan.comm.recv(rank)
-    ranges = np.concatenate([np.stack([own * cs, (own + 1) * cs], axis=1), recv.reshape(-1, 2)])
+    if stage is None:
+        ranges = np.stack([own * cs, (own + 1) * cs], axis=1)
+    else:
+        ranges = stage_tables(plan, stage).recv(rank).reshape(-1, 2)
     lengths = ranges[:, 1] - ranges[:, 0]
-    offsets = np.cumsum(lengths) - lengths  # where each key range starts in [local ; received]
+    offsets = np.cumsum(lengths) - lengths  # where each key range starts in the stage's keys
     order = np.argsort(ranges[:, 0], kind="stable")
     begin, end = ranges[order, 0], ranges[order, 1]
 
@@ -67,7 +82,7 @@ def local_mask(plan: Plan, rank: int) -> Mask:
     local_chunk = np.full(plan.num_chunks, -1, dtype=np.int64)
     local_chunk[own] = np.arange(own.size)
     dr = local_chunk[clipped.chunk] * cs - clipped.chunk * cs  # global row -> local row
-    dc = offsets[rng] - ranges[rng, 0]  # global key -> position in [local ; received]
+    dc = offsets[rng] - ranges[rng, 0]  # global key -> position in the stage's keys
     lines = RowLines(
         clipped.r0 + dr,
         clipped.r1 + dr,
@@ -77,7 +92,7 @@ def local_mask(plan: Plan, rank: int) -> Mask:
         clipped.hi_s,
     )
     q, k, t = lines.to_slices()
-    mask = Mask.from_arrays(q, k, t, local_rows, local_rows + int(lengths[own.size :].sum()))
+    mask = Mask.from_arrays(q, k, t, own.size * cs, int(lengths.sum()))
     _memo(plan)[key] = mask
     return mask
 
@@ -128,14 +143,15 @@ def _check_same_plan(plan: Plan, group: Any, device: torch.device) -> None:
     seen.add(id(group))
 
 
-def _rows(plan: Plan, which: str, rank: int, device: torch.device) -> torch.Tensor:
+def _rows(plan: Plan, which: str, rank: int, device: torch.device, stage: int | None = None) -> torch.Tensor:
     """A row index of the plan's communication tables on `device`, built and copied once:
-    `which` is "local" (`comm.local_rows`), "gather" (`comm.gather_index`), "scatter"
-    (`comm.scatter_index`) or "global" (every rank's local rows, rank after rank)."""
-    key = ("rows", which, rank, device)
+    `which` is "local" (`comm.local_rows`), "gather" (`gather_index`: the rows a rank sends in
+    a stage's GroupCast), "scatter" (`scatter_index`: where the rows of its GroupReduce add up)
+    or "global" (every rank's local rows, rank after rank)."""
+    key = ("rows", which, rank, device, stage)
     cached = _memo(plan).get(key)
     if cached is None:
-        comm = plan.comm
+        comm = plan.comm if stage is None else stage_tables(plan, stage)
         rows = {
             "local": lambda: comm.local_rows(rank),
             "gather": lambda: comm.gather_index(rank),
@@ -204,29 +220,130 @@ def undispatch(x_local: torch.Tensor, plan: Plan, group: Any = None) -> torch.Te
 
 # ---- attention ---------------------------------------------------------------------------------
 
+#: SMs the attention kernels leave to the communication kernels that run alongside them on CUDA
+#: when the plan moves keys (a persistent grid on every SM would hold NCCL back until it ends).
+DEFAULT_SM_MARGIN = 8
 
-class _GroupCast(torch.autograd.Function):
-    """Forward: the remote key/value rows this rank needs (one all-to-all-v). Backward (GroupReduce):
-    the gradients of those rows go back to their owners and are added to their local rows."""
+
+@dataclass(frozen=True)
+class _Options:
+    """What every stage's attention call shares."""
+
+    plan: Plan
+    rank: int
+    group: Any
+    softmax_scale: float | None
+    softcap: float
+    return_max_logits: bool
+    sm_margin: int
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sink: torch.Tensor | None) -> tuple:
+        """(out, lse, max_logits or None) of one stage: maskc's kernels on CUDA, else the reference."""
+        kw = dict(softmax_scale=self.softmax_scale, softcap=self.softcap, sink=sink, return_max_logits=self.return_max_logits)
+        if q.is_cuda:
+            return attention_forward(q, k, v, mask, sm_margin=self.sm_margin, **kw)
+        return reference_forward(q, k, v, mask, **kw)
+
+    def backward(self, q, k, v, out, lse, dout, dlse, mask, sink, dq_accum: torch.Tensor) -> tuple:
+        """(dk, dv, dsink or None) of one stage against the merged `out` and `lse`; its dQ is
+        added to the float32 `dq_accum`."""
+        kw = dict(softmax_scale=self.softmax_scale, softcap=self.softcap, sink=sink)
+        if q.is_cuda:
+            _, dk, dv, dsink = attention_backward(q, k, v, out, lse, dout, dlse, mask, sm_margin=self.sm_margin,
+                                                  dq_accum=dq_accum, **kw)  # fmt: skip
+        else:
+            dq, dk, dv, dsink = reference_backward(q, k, v, out, lse, dout, dlse, mask, **kw)
+            dq_accum += dq
+        return dk, dv, dsink
+
+
+def _start(what: str, out: torch.Tensor, send: torch.Tensor, out_counts: np.ndarray, in_counts: np.ndarray, group: Any):
+    """An all-to-all-v issued asynchronously: NCCL runs it beside the next kernels, gloo in its
+    own thread; `_finish` waits for it."""
+    return _collective(what, dist.all_to_all_single, out, send, out_counts.tolist(), in_counts.tolist(), group=group,
+                       async_op=True)  # fmt: skip
+
+
+def _finish(what: str, work: Any) -> None:
+    _collective(what, work.wait)
+
+
+def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax over every stage's keys from each stage's output and lse: lse = logsumexp of
+    the stages' lse, out = sum of exp(lse_i - lse) * out_i, in float32 at least (rows no stage
+    reaches keep lse = -inf and out = 0)."""
+    stacked = torch.stack(lses)
+    lse = torch.logsumexp(stacked, dim=0)
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    weights = torch.exp(stacked - safe)
+    wide = torch.promote_types(outs[0].dtype, torch.float32)
+    out = sum(w.unsqueeze(-1).to(wide) * o.to(wide) for w, o in zip(weights, outs))
+    return out.to(outs[0].dtype), lse
+
+
+class _StagedAttention(torch.autograd.Function):
+    """The stage pipeline. Forward: every remote stage's keys are requested up front (one
+    all-to-all-v each, in stage order) and stage i's keys are waited for only when stage i
+    computes, so the later stages' transfers run behind the local stage and the earlier ones;
+    the partial outputs merge by their lse. Backward: each remote stage's dK/dV go back to their
+    owners (GroupReduce) while the next stage computes, the local stage last; the stages' dQ add
+    up in one float32 buffer and the received dK/dV in float32 before the cast."""
 
     @staticmethod
-    def forward(ctx: Any, x_local: torch.Tensor, plan: Plan, rank: int, group: Any) -> torch.Tensor:  # type: ignore[override]
-        comm = plan.comm
-        ctx.plan, ctx.rank, ctx.group, ctx.shape = plan, rank, group, x_local.shape
-        send = x_local.index_select(0, _rows(plan, "gather", rank, x_local.device))
-        out = x_local.new_empty(int(comm.recv_counts[rank].sum()), *x_local.shape[1:])
-        _collective("GroupCast", dist.all_to_all_single, out, send, comm.recv_counts[rank].tolist(),
-                    comm.send_counts[rank].tolist(), group=group)  # fmt: skip
-        return out
+    def forward(  # type: ignore[override]
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None, opt: _Options
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        plan, rank, hkv = opt.plan, opt.rank, k.shape[1]
+        kv = torch.cat([k, v], dim=1)  # one collective for both
+        fetches = []
+        for i in range(plan.stages.num_stages):
+            comm = stage_tables(plan, i)
+            buf = kv.new_empty(int(comm.recv_counts[rank].sum()), *kv.shape[1:])
+            send = kv.index_select(0, _rows(plan, "gather", rank, kv.device, i))
+            fetches.append((buf, _start("GroupCast", buf, send, comm.recv_counts[rank], comm.send_counts[rank], opt.group)))
+        parts = [opt.forward(q, k, v, local_mask(plan, rank), sink)]
+        received = []
+        for i, (buf, work) in enumerate(fetches):
+            _finish("GroupCast", work)
+            keys, values = buf[:, :hkv].contiguous(), buf[:, hkv:].contiguous()
+            received += [keys, values]
+            if buf.shape[0]:
+                parts.append(opt.forward(q, keys, values, local_mask(plan, rank, i), None))
+        out, lse = _merge([p[0] for p in parts], [p[1] for p in parts])
+        max_logits = torch.stack([p[2] for p in parts]).amax(dim=0) if opt.return_max_logits else lse.new_empty(0)
+        ctx.save_for_backward(q, k, v, sink, out, lse, *received)
+        ctx.opt = opt
+        ctx.mark_non_differentiable(max_logits)
+        return out, lse, max_logits
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
-        comm, rank = ctx.plan.comm, ctx.rank
-        back = grad.new_empty(int(comm.send_counts[rank].sum()), *grad.shape[1:])
-        _collective("GroupReduce", dist.all_to_all_single, back, grad.contiguous(), comm.reduce_recv_counts[rank].tolist(),
-                    comm.reduce_send_counts[rank].tolist(), group=ctx.group)  # fmt: skip
-        local = grad.new_zeros(ctx.shape).index_add_(0, _rows(ctx.plan, "scatter", rank, grad.device), back)
-        return local, None, None, None
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None, _dmax: Any) -> tuple:  # type: ignore[override]
+        q, k, v, sink, out, lse, *received = ctx.saved_tensors
+        opt = ctx.opt
+        plan, rank, hkv = opt.plan, opt.rank, k.shape[1]
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+        reduces = []
+        for i in range(plan.stages.num_stages):
+            keys, values = received[2 * i], received[2 * i + 1]
+            comm = stage_tables(plan, i)
+            if keys.shape[0]:
+                dk_i, dv_i, _ = opt.backward(q, keys, values, out, lse, dout, dlse, local_mask(plan, rank, i), None, dq)
+                partial = torch.cat([dk_i, dv_i], dim=1)
+            else:
+                partial = k.new_empty(0, 2 * hkv, k.shape[2])
+            back = partial.new_empty(int(comm.send_counts[rank].sum()), *partial.shape[1:])
+            reduces.append((i, back, _start("GroupReduce", back, partial, comm.reduce_recv_counts[rank],
+                                            comm.reduce_send_counts[rank], opt.group)))  # fmt: skip
+        dk, dv, dsink = opt.backward(q, k, v, out, lse, dout, dlse, local_mask(plan, rank), sink, dq)
+        dkv = torch.cat([dk, dv], dim=1)
+        dkv = dkv.to(torch.promote_types(dkv.dtype, torch.float32))
+        for i, back, work in reduces:
+            _finish("GroupReduce", work)
+            dkv.index_add_(0, _rows(plan, "scatter", rank, dkv.device, i), back.to(dkv.dtype))
+        dkv = dkv.to(k.dtype)
+        return dq.to(q.dtype), dkv[:, :hkv], dkv[:, hkv:], dsink, None
 
 
 def attention(
@@ -240,28 +357,27 @@ def attention(
     sink: torch.Tensor | None = None,
     return_max_logits: bool = False,
     group: Any = None,
+    sm_margin: int | None = None,
 ) -> tuple[torch.Tensor, AttentionMeta]:
     """Exact masked attention of this rank's queries (local layout, from `dispatch`) over the
     whole sequence: local q [L, Hq, D], k / v [L, Hkv, D] with L = the plan's rows per rank.
     Returns this rank's output and meta (lse of its rows; max_logits reduced over all ranks).
-    The sinks' gradient on each rank is its rows' share: sum it over ranks like any replicated
-    parameter's (DDP does)."""
+    The keys come in the plan's stages (`_StagedAttention`); on CUDA the kernels leave
+    `sm_margin` SMs to the transfers running beside them (default DEFAULT_SM_MARGIN when the
+    plan moves keys, else 0). The sinks' gradient on each rank is its rows' share: sum it over
+    ranks like any replicated parameter's (DDP does)."""
     rank = _rank(plan, group)
     rows = plan.padded_length // plan.cp_size
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != rows:
             raise MaskcError(f"{name} must be this rank's [{rows}, heads, head_dim] rows (from maskc.dist.dispatch)")
     _check_same_plan(plan, group, q.device)
-    heads_kv = k.shape[1]
-    kv = torch.cat([k, v], dim=1)  # one collective for both
-    received = _GroupCast.apply(kv, plan, rank, group)
-    k_all = torch.cat([k, received[:, :heads_kv]])
-    v_all = torch.cat([v, received[:, heads_kv:]])
-    attend = kernel_attention if q.is_cuda else reference_attention
-    out, meta = attend(q, k_all, v_all, local_mask(plan, rank), softmax_scale=softmax_scale, softcap=softcap,
-                       sink=sink, return_max_logits=return_max_logits)  # fmt: skip
-    if return_max_logits:
-        max_logits = meta.max_logits.detach().clone()
-        _collective("max_logits", dist.all_reduce, max_logits, op=dist.ReduceOp.MAX, group=group)
-        meta = AttentionMeta(lse=meta.lse, max_logits=max_logits)
-    return out, meta
+    if sm_margin is None:
+        sm_margin = DEFAULT_SM_MARGIN if plan.comm.comm_rows_total and q.is_cuda else 0
+    opt = _Options(plan, rank, group, softmax_scale, float(softcap), return_max_logits, int(sm_margin))
+    out, lse, max_logits = _StagedAttention.apply(q, k, v, sink, opt)
+    if not return_max_logits:
+        return out, AttentionMeta(lse=lse, max_logits=None)
+    max_logits = max_logits.clone()
+    _collective("max_logits", dist.all_reduce, max_logits, op=dist.ReduceOp.MAX, group=group)
+    return out, AttentionMeta(lse=lse, max_logits=max_logits)
