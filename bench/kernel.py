@@ -99,6 +99,24 @@ def peak_memory_mib(fn: Callable[[], object], leaves: list[torch.Tensor]) -> flo
     return peak / 2**20
 
 
+def flex_mask_mod(name: str, seqlen: int, lens: np.ndarray, device: torch.device, q_offset: int = 0) -> Callable | None:
+    """FlexAttention's mask_mod of benchmark mask `name` (None: full), for query rows starting at
+    global row `q_offset` (a rank's shard in bench/dist.py)."""
+    doc = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.as_tensor(lens, device=device))
+    start = torch.as_tensor(np.r_[0, np.cumsum(lens)[:-1]], device=device)[doc]
+    block = (torch.arange(seqlen, device=device) - start) // BLOCK
+    o = q_offset
+    mods = {
+        "full": None,
+        "causal": lambda b, h, i, j: i + o >= j,
+        "varlen_full": lambda b, h, i, j: doc[i + o] == doc[j],
+        "varlen_causal": lambda b, h, i, j: (doc[i + o] == doc[j]) & (i + o >= j),
+        "sliding_window_causal": lambda b, h, i, j: (i + o >= j) & (i + o - j < WINDOW),
+        "varlen_block_causal": lambda b, h, i, j: (doc[i + o] == doc[j]) & (block[j] <= block[i + o]),
+    }
+    return mods[name]
+
+
 def baselines(name: str, seqlen: int, lens: np.ndarray, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable]:
     """The baseline calls that express mask `name` natively (seqlen-first q/k/v)."""
     import torch.nn.functional as F
@@ -115,19 +133,9 @@ def baselines(name: str, seqlen: int, lens: np.ndarray, q: torch.Tensor, k: torc
                     return F.scaled_dot_product_attention(qt, kt, vt, is_causal=name == "causal", enable_gqa=True)
 
             calls[tag] = sdpa
-    doc = torch.repeat_interleave(torch.arange(len(lens), device=q.device), torch.as_tensor(lens, device=q.device))
-    start = torch.as_tensor(np.r_[0, np.cumsum(lens)[:-1]], device=q.device)[doc]
-    block = (torch.arange(seqlen, device=q.device) - start) // BLOCK
-    mods = {
-        "full": None,
-        "causal": lambda b, h, i, j: i >= j,
-        "varlen_full": lambda b, h, i, j: doc[i] == doc[j],
-        "varlen_causal": lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j),
-        "sliding_window_causal": lambda b, h, i, j: (i >= j) & (i - j < WINDOW),
-        "varlen_block_causal": lambda b, h, i, j: (doc[i] == doc[j]) & (block[j] <= block[i]),
-    }
+    mod = flex_mask_mod(name, seqlen, lens, q.device)
     flex = torch.compile(flex_attention, dynamic=False)
-    block_mask = None if mods[name] is None else create_block_mask(mods[name], 1, None, seqlen, seqlen, device=q.device)
+    block_mask = None if mod is None else create_block_mask(mod, 1, None, seqlen, seqlen, device=q.device)
     calls["flex"] = lambda: flex(qt, kt, vt, block_mask=block_mask, enable_gqa=True)
     try:
         from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
