@@ -1,5 +1,6 @@
 """Plan the overlap stages of a 1M-token varlen causal mask over 64 ranks: the modelled times of
-1..8 stages with the default cost model, and how long planning takes."""
+1..8 stages, each with the local call apart and fused with stage 1, with the default cost
+model, and how long planning takes."""
 
 from __future__ import annotations
 
@@ -33,15 +34,17 @@ def main() -> None:
     rows = np.array([int((r[:, 1] - r[:, 0]).sum()) for r in remote])
     print(f"1M varlen causal (4000 docs), cp {CP}, chunk {CHUNK}, zigzag: remote rows {rows.sum():,} in all, "
           f"{rows.max():,} on the busiest rank; default CostModel")
-    print(f"{'stages':>6} {'fwd ms':>8} {'bwd ms':>8} {'total ms':>9}")
-    for n, fwd, bwd in plan.scan:
-        mark = "  <- chosen" if n == plan.num_stages else ""
-        print(f"{n:>6} {fwd * 1e3:8.3f} {bwd * 1e3:8.3f} {(fwd + bwd) * 1e3:9.3f}{mark}")
-    busiest = {d: plan.compute_time(d).sum(axis=1).max() * 1e3 for d in ("fwd", "bwd")}
-    one = plan_stages(pieces, rank_of_chunk, CP, remote, cost, 1, chunk_size=CHUNK)
+    print(f"{'stages':>6} {'fused':>5} {'fwd ms':>8} {'bwd ms':>8} {'total ms':>9}")
+    for n, fused, fwd, bwd in plan.scan:
+        mark = "  <- chosen" if (n, fused) == (plan.num_stages, plan.fuse_local) else ""
+        print(f"{n:>6} {'yes' if fused else 'no':>5} {fwd * 1e3:8.3f} {bwd * 1e3:8.3f} {(fwd + bwd) * 1e3:9.3f}{mark}")
+    one = plan_stages(pieces, rank_of_chunk, CP, remote, cost, 1, chunk_size=CHUNK, fuse_local=True)
+    busiest = {d: one.compute_time(d).max() * 1e3 for d in ("fwd", "bwd")}
+    overhead = {d: cost.call_overhead(one.rows_per_rank, d) * 1e3 for d in ("fwd", "bwd")}
     print(f"compute of the busiest rank: fwd {busiest['fwd']:.3f} ms, bwd {busiest['bwd']:.3f} ms; "
-          f"one-stage fetch {one.comm_time()[0] * 1e3:.3f} ms")
-    print(f"planning 1..8 stages: {ms:.1f} ms median of 20")
+          f"one-stage fetch {one.comm_time()[0] * 1e3:.3f} ms; an extra call fwd {overhead['fwd']:.3f} ms, "
+          f"bwd {overhead['bwd']:.3f} ms")
+    print(f"planning 1..8 stages, fused and not: {ms:.1f} ms median of 20")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from maskc.ir import AttnSlice, Mask
 from test_ir import masks
 
 ROOT = Path(__file__).resolve().parents[1]
-SUMMARY_KEYS = {"imbalance", "ranks", "comm_rows_total", "ring_p2p_rows_total", "allgather_rows_total", "num_stages"}
+SUMMARY_KEYS = {"imbalance", "ranks", "comm_rows_total", "ring_p2p_rows_total", "allgather_rows_total", "num_stages",
+                "fuse_local"}  # fmt: skip
 
 
 def square(mask: Mask) -> Mask:
@@ -50,6 +51,8 @@ def test_plans_deal_every_chunk_once_and_round_trip(mask: Mask, cp: int, chunk: 
     assert plan.rank_areas().max() >= plan.lower_bound()
     again = Plan.from_json(plan.to_json())
     assert again.summary() == plan.summary() and np.array_equal(again.rank_of_chunk, plan.rank_of_chunk)
+    assert (again.stages.num_stages, again.stages.fuse_local) == (plan.stages.num_stages, plan.stages.fuse_local)
+    assert plan.stages.rows_per_rank == plan.padded_length // cp
     assert SUMMARY_KEYS <= set(json.loads(plan.to_json()))
 
 
@@ -62,6 +65,30 @@ def test_a_tampered_or_foreign_document_is_refused() -> None:
     for text in ("{}", "[1, 2]", json.dumps({**doc, "format": 99})):
         with pytest.raises(MaskError):
             Plan.from_json(text)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_fuse_local_is_an_input_the_json_keeps(fuse: bool) -> None:
+    mask = Mask.from_cu_seqlens([0, 300, 1000, 1150, 2048], causal=True)
+    plan = make_plan(mask, 4, 64, num_stages=2, fuse_local=fuse)
+    assert (plan.stages.num_stages, plan.stages.fuse_local) == (2, fuse)
+    assert [(n, u) for n, u, _, _ in plan.stages.scan] == [(2, fuse)]
+    assert plan.summary()["fuse_local"] is fuse
+    doc = json.loads(plan.to_json())
+    again = Plan.from_json(json.dumps(doc))
+    assert again.stages.fuse_local is fuse and again.summary() == plan.summary()
+    # The other fusion models other times, so a flipped flag no longer matches the numbers.
+    with pytest.raises(MaskError, match="do not match"):
+        Plan.from_json(json.dumps({**doc, "fuse_local": not fuse}))
+    with pytest.raises(MaskError, match="not a maskc plan"):
+        Plan.from_json(json.dumps({k: v for k, v in doc.items() if k != "fuse_local"}))
+    with pytest.raises(MaskError, match="fuse_local must be a bool"):
+        Plan.from_json(json.dumps({**doc, "fuse_local": "yes"}))
+    # Left to the planner, both are tried; another layer's mask is planned afresh.
+    best = make_plan(mask, 4, 64)
+    assert {(n, u) for n, u, _, _ in best.stages.scan} == {(n, u) for n in range(1, 9) for u in (False, True)}
+    assert best.stages.time <= plan.stages.time * (1 + 1e-9)
+    assert len(plan.for_mask(mask).stages.scan) == 16
 
 
 def test_another_mask_keeps_the_dispatch_and_gets_its_own_tables() -> None:
@@ -85,6 +112,8 @@ def test_bad_arguments_are_clear_errors() -> None:
         make_plan(mask, 0)
     with pytest.raises(MaskParamError, match="unknown dispatch algorithm 'best'"):
         make_plan(mask, 2, algorithm="best")
+    with pytest.raises(MaskParamError, match="fuse_local must be a bool"):
+        make_plan(mask, 2, fuse_local=1)
 
 
 def test_default_chunk_size() -> None:

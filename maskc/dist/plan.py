@@ -2,10 +2,11 @@
 
 `make_plan` pads the mask to whole chunks per rank, deals the chunks (`assign`), derives
 the zero-redundant communication tables (`comm`) and the overlap stages (`stages`). A plan
-is a value: its JSON holds its inputs (mask, chunk assignment, cost model, stage count) and
-its headline numbers, and `Plan.from_json` rebuilds the rest deterministically, refusing a
-document whose numbers no longer match. `Plan.for_mask` re-derives tables and stages for
-another mask on the same chunk assignment, so layers with different masks share one dispatch.
+is a value: its JSON holds its inputs (mask, chunk assignment, cost model, stage count, local
+fusion) and its headline numbers, and `Plan.from_json` rebuilds the rest deterministically,
+refusing a document whose numbers no longer match. `Plan.for_mask` re-derives tables and
+stages for another mask on the same chunk assignment, so layers with different masks share
+one dispatch.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from maskc.dist.stages import CostModel, StagePlan, plan_stages
 from maskc.errors import MaskError, MaskParamError
 from maskc.ir.mask import Mask
 
-FORMAT = 1
+FORMAT = 2  # 2: the stage model with call overheads and local fusion
 #: chunk_size=None picks the largest power of two in [MIN_CHUNK, MAX_CHUNK] that still gives
 #: every rank CHUNKS_PER_RANK chunks: enough freedom to balance, few enough to plan fast.
 MIN_CHUNK, MAX_CHUNK, CHUNKS_PER_RANK = 64, 2048, 8
@@ -83,7 +84,7 @@ class Plan:
         if mask.seqlen_q != self.seqlen:
             raise MaskError(f"the mask has {mask.seqlen_q} tokens; this plan is for {self.seqlen}")
         return _derive(pad(mask, self.padded_length), self.seqlen, self.cp_size, self.chunk_size, self.algorithm,
-                       self.rank_of_chunk, self.cost, None)  # fmt: skip
+                       self.rank_of_chunk, self.cost, None, None)  # fmt: skip
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers: balance, communication against the baselines, stages, modelled time."""
@@ -107,6 +108,7 @@ class Plan:
             "ring_p2p_rows_total": int(self.comm.ring_p2p_rows_total),
             "allgather_rows_total": int(self.comm.allgather_rows_total),
             "num_stages": int(self.stages.num_stages),
+            "fuse_local": bool(self.stages.fuse_local),
             "modelled_forward_s": float(self.stages.time_fwd),
             "modelled_backward_s": float(self.stages.time_bwd),
         }
@@ -140,6 +142,7 @@ class Plan:
                 np.asarray(doc["rank_of_chunk"], dtype=np.int64),
                 CostModel(**doc["cost"]),
                 int(doc["num_stages"]),
+                doc["fuse_local"],
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise MaskError(f"not a maskc plan: {type(exc).__name__}: {exc}") from None
@@ -157,10 +160,12 @@ def make_plan(
     algorithm: str = "swap",
     num_stages: int | None = None,
     cost: CostModel | None = None,
+    fuse_local: bool | None = None,
 ) -> Plan:
     """Plan `mask` (square: self-attention) over `cp_size` ranks: pad to whole chunks per rank,
     deal the chunks with `algorithm` (see maskc.dist.assign.ALGORITHMS), derive the
-    communication tables and the overlap stages (`num_stages`, or the cost model's best)."""
+    communication tables and the overlap stages (`num_stages` and `fuse_local`, each the cost
+    model's best when None)."""
     _check_square(mask)
     for name, value in (("cp_size", cp_size), ("chunk_size", chunk_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
@@ -172,7 +177,8 @@ def make_plan(
     padded = pad(mask, max(padded_length(mask.seqlen_q, chunk_size, cp_size), chunk_size * cp_size))
     areas = chunk_areas(padded, chunk_size, padded.seqlen_q // chunk_size)
     rank_of_chunk = solve(areas, cp_size, algorithm)
-    return _derive(padded, mask.seqlen_q, int(cp_size), chunk_size, algorithm, rank_of_chunk, cost or CostModel(), num_stages)
+    cost = cost or CostModel()
+    return _derive(padded, mask.seqlen_q, int(cp_size), chunk_size, algorithm, rank_of_chunk, cost, num_stages, fuse_local)
 
 
 def _derive(
@@ -184,6 +190,7 @@ def _derive(
     rank_of_chunk: np.ndarray,
     cost: CostModel,
     num_stages: int | None,
+    fuse_local: bool | None,
 ) -> Plan:
     """Everything that follows from a padded mask and a chunk assignment."""
     num_chunks = padded.seqlen_q // chunk_size
@@ -196,7 +203,8 @@ def _derive(
     pieces: Pieces = cut(padded, chunk_size)
     comm = build_comm_tables(padded, chunk_size, rank_of_chunk, cp_size)
     remote = remote_keys(pieces, chunk_size, rank_of_chunk, cp_size)
-    stages = plan_stages(pieces, rank_of_chunk, cp_size, remote, cost, num_stages=num_stages, chunk_size=chunk_size)
+    stages = plan_stages(pieces, rank_of_chunk, cp_size, remote, cost, num_stages=num_stages, chunk_size=chunk_size,
+                         fuse_local=fuse_local)  # fmt: skip
     areas = areas_by_chunk(pieces, num_chunks)
     return Plan(padded, seqlen, cp_size, chunk_size, algorithm, rank_of_chunk, areas, comm, stages, cost)
 

@@ -1,26 +1,29 @@
 """Overlap stages: each rank's remote key/value rows fetched in stages that hide behind compute.
 
-A rank first attends its queries to its own keys (the local stage, no communication), then to
-the remote keys of stage 1, 2, ... Stage i's keys arrive in an all-to-all-v that runs while
-stage i-1 computes; in the backward each stage's dK/dV partials go back to their owners in a
-second all-to-all-v that runs while the next stage computes (MagiAttention's schedule). More
-stages hide more communication but pay one collective latency each; `plan_stages` models both
-and keeps the count with the least modelled forward + backward time.
+A rank attends its queries to its own keys (the local call, no communication) and to the remote
+keys of stage 1, 2, ..., one kernel call per stage (maskc.dist.runtime). Forward: every stage's
+all-to-all-v is issued up front and runs while the local call and the earlier stages compute;
+the partial outputs merge by lse. Backward: the received keys are kept from the forward (no
+fetch); stages 1..n compute first, each stage's dK/dV going back to their owners in an
+all-to-all-v while the next call runs, and the local call comes last. With `fuse_local` the
+local keys and stage 1's keys go into one call: stage 1's fetch is no longer hidden, but one
+call (its launch and its merge pass) is saved, which wins when communication is small. More
+stages hide more communication but pay one collective latency and one call overhead each;
+`plan_stages` models every count, fused and not, and keeps the least forward + backward time.
 
 The model, per direction, is a DAG of tasks with durations whose longest path is the time:
-- compute: area * FLOPs per pair / throughput, one stream per rank:
-  local -> compute_1 -> ... -> compute_n;
-- fetch_i (and reduce_i): one collective, so one task shared by all ranks, lasting
-  latency + max over ranks of max(rows sent, rows received) * bytes per row / bandwidth
-  (links are full duplex); a stage no rank moves a row in is skipped and costs nothing;
-- fetch_i -> compute_i on every rank; in the backward compute_i of every rank -> reduce_i
-  (the collective starts when the slowest rank has its partials).
-Fetches and reduces share one communication stream, in the order fetch_1, fetch_2, reduce_1,
-fetch_3, reduce_2, ..., fetch_n, reduce_n-1, reduce_n: MagiAttention issues them on separate
-process groups, but both move bytes over the same NVLink ports in both directions, so running
-them side by side would not move bytes faster; serialising them keeps the link honest, and
-the order puts the next stage's keys ahead of the previous stage's gradients (compute waits
-on keys; only the last reduce is on the way out anyway).
+- compute_i: one kernel call per rank (i = 0 the local call), its pairs x FLOPs per pair /
+  throughput, plus `CostModel.call_overhead` for every call beyond the local one (launch and a
+  pass over the rank's output); fused, stage 1's pairs run in the local call and compute_1
+  lasts nothing. Per rank the calls form a chain in the runtime's order: forward
+  0 -> 1 -> ... -> n; backward 1 -> ... -> n -> 0, fused 2 -> ... -> n -> 0 -> 1;
+- fetch_i (forward) and reduce_i (backward): one collective, so one task shared by all ranks,
+  lasting latency + max over ranks of max(rows sent, rows received) * bytes per row / bandwidth
+  (links are full duplex); a stage no rank moves a row in is skipped and costs nothing. The
+  collectives of a direction run one after another on one stream: fetch_1 -> ... -> fetch_n,
+  reduces in the order their computes run;
+- fetch_i -> compute_i on every rank (fused, fetch_1 -> compute_0 too); compute_i of every
+  rank -> reduce_i (the collective starts when the slowest rank has its partials).
 Since ranks meet only at the shared collectives, the DAG is kept folded: a compute node holds
 one duration per rank, and `StagePlan.dag` unfolds it into one node per rank and stage.
 """
@@ -48,11 +51,16 @@ class CostModel:
     """Throughputs of one GPU and its links, and the attention problem's shape.
 
     Defaults: an H200-class GPU (dense attention at 550 TFLOP/s forward, 450 backward, bf16)
-    on NVLink (150 GB/s per direction per rank for an all-to-all, 20 us per collective), and
-    64 query heads, 8 key/value heads of dimension 128 in 2-byte elements. The backward does
-    `bwd_work` (2.5) times the forward's FLOPs: scores recomputed, then dV, dP, dQ and dK.
-    Calibrate by timing one attention kernel and one all-to-all and setting the throughputs
-    (`bandwidth` in bytes/s per direction per rank, `latency` in s per collective).
+    on NVLink (220 GB/s per direction per rank for an all-to-all, measured by bench/dist.py on
+    4 H200s; 20 us per collective), and 64 query heads, 8 key/value heads of dimension 128 in
+    2-byte elements. The backward does `bwd_work` (2.5) times the forward's FLOPs: scores
+    recomputed, then dV, dP, dQ and dK. Every kernel call beyond a rank's first costs `launch`
+    (20 us: launch, schedule upload) and a pass over the rank's output (`call_overhead`) at
+    `memory_bandwidth`: 1 TB/s, what one more call cost on 4 H200s (the unfused against the
+    fused single stage, varlen masks, 16k rows per rank; the torch merge ops, the second
+    grid's tail). Calibrate by timing one attention kernel, the same work in two calls and one
+    all-to-all and setting the throughputs (`bandwidth` in bytes/s per direction per rank,
+    `latency` in s per collective, `launch` in s per call, `memory_bandwidth` in bytes/s).
     """
 
     num_heads_q: int = 64
@@ -62,17 +70,19 @@ class CostModel:
     fwd_flops: float = 550e12
     bwd_flops: float = 450e12
     bwd_work: float = 2.5
-    bandwidth: float = 150e9
+    bandwidth: float = 220e9
     latency: float = 20e-6
+    launch: float = 20e-6
+    memory_bandwidth: float = 1.0e12
 
     def __post_init__(self) -> None:
         for name in ("num_heads_q", "num_heads_kv", "head_dim", "dtype_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise MaskParamError(f"CostModel.{name} must be a positive int, got {value!r}")
-        for name in ("fwd_flops", "bwd_flops", "bwd_work", "bandwidth", "latency"):
+        for name in ("fwd_flops", "bwd_flops", "bwd_work", "bandwidth", "latency", "launch", "memory_bandwidth"):
             value = getattr(self, name)
-            least = "non-negative" if name == "latency" else "positive"
+            least = "non-negative" if name in ("latency", "launch") else "positive"
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0 or (
                 value == 0 and least == "positive"
             ):
@@ -99,6 +109,14 @@ class CostModel:
         rows = np.asarray(rows, dtype=np.float64)
         return np.where(rows > 0, self.latency + rows * (self.bytes_per_row / self.bandwidth), 0.0)
 
+    def call_overhead(self, rows: int, direction: Direction) -> float:
+        """Seconds one more kernel call costs a rank of `rows` query rows beyond its pairs: `launch`
+        and one memory-bound pass over the rank's output. Forward, the call's part merges into
+        the running float32 output (read and write float32, read the part: 8 + dtype_bytes per
+        element); backward, the preprocess reads O and dO again for every call (2 x dtype_bytes)."""
+        per_element = 8 + self.dtype_bytes if _check_direction(direction) == "fwd" else 2 * self.dtype_bytes
+        return self.launch + rows * self.num_heads_q * self.head_dim * per_element / self.memory_bandwidth
+
 
 def split_stages(remote: np.ndarray, num_stages: int) -> list[np.ndarray]:
     """A rank's remote key ranges ([R, 2], sorted, disjoint) cut into `num_stages` consecutive
@@ -118,7 +136,9 @@ class StagePlan:
     `ranges[offsets[r*n + i] : offsets[r*n + i + 1]]` are the key ranges rank r fetches in
     stage i (0-based; n = num_stages); `pairs[r, 0]` is rank r's local work, `pairs[r, i + 1]`
     its work against stage i; `stage_rows[i]` is the busiest rank's rows sent or received in
-    stage i. `scan` lists (num_stages, forward s, backward s) for every count evaluated.
+    stage i. `rows_per_rank` is a rank's query rows (what a call's overhead passes over);
+    `fuse_local` runs stage 1's keys in the local call. `scan` lists (num_stages, fuse_local,
+    forward s, backward s) for every variant evaluated.
     """
 
     num_stages: int
@@ -127,11 +147,18 @@ class StagePlan:
     pairs: np.ndarray
     stage_rows: np.ndarray
     cost: CostModel
-    scan: tuple[tuple[int, float, float], ...] = field(default=())
+    rows_per_rank: int
+    fuse_local: bool
+    scan: tuple[tuple[int, bool, float, float], ...] = field(default=())
 
     def __post_init__(self) -> None:
         n = self.num_stages
         _check_count(n, "num_stages")
+        rows = self.rows_per_rank
+        if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 0:
+            raise MaskParamError(f"rows_per_rank must be a non-negative int, got {rows!r}")
+        object.__setattr__(self, "rows_per_rank", int(rows))
+        object.__setattr__(self, "fuse_local", _check_flag(self.fuse_local, "fuse_local"))
         for name in ("ranges", "offsets", "pairs", "stage_rows"):
             arr = np.array(getattr(self, name), dtype=np.int64)
             arr.setflags(write=False)
@@ -150,7 +177,8 @@ class StagePlan:
                 f"inconsistent StagePlan: {n} stages, pairs {self.pairs.shape}, stage_rows {self.stage_rows.shape}, "
                 f"offsets {self.offsets.shape}, ranges {self.ranges.shape}"
             )
-        object.__setattr__(self, "scan", tuple((int(k), float(f), float(b)) for k, f, b in self.scan))
+        scan = tuple((int(k), _check_flag(u, "a scan entry's fuse_local"), float(f), float(b)) for k, u, f, b in self.scan)
+        object.__setattr__(self, "scan", scan)
 
     @property
     def cp_size(self) -> int:
@@ -166,11 +194,19 @@ class StagePlan:
         return self.ranges[self.offsets[i] : self.offsets[i + 1]]
 
     def compute_time(self, direction: Direction) -> np.ndarray:
-        """Seconds of each rank's local work (column 0) and stage work (columns 1..n)."""
-        return self.cost.compute_time(self.pairs, _check_direction(direction))
+        """Seconds of each rank's kernel calls: the local call (column 0) and stage i's (column i).
+        Fused, stage 1's pairs run in the local call and column 1 is 0. A stage call with work
+        adds `CostModel.call_overhead`: extra calls are what more stages pay beyond latency."""
+        time = self.cost.compute_time(self.pairs, _check_direction(direction))
+        if self.fuse_local:
+            time[:, 0] += time[:, 1]
+            time[:, 1] = 0.0
+        overhead = self.cost.call_overhead(self.rows_per_rank, direction)
+        time[:, 1:] += np.where(time[:, 1:] > 0, overhead, 0.0)
+        return time
 
     def comm_time(self) -> np.ndarray:
-        """Seconds of each stage's collective (a fetch; in the backward its reduce lasts the same)."""
+        """Seconds of each stage's collective (its forward fetch; its backward reduce lasts the same)."""
         return self.cost.comm_time(self.stage_rows)
 
     @cached_property
@@ -186,9 +222,9 @@ class StagePlan:
         return self.time_fwd + self.time_bwd
 
     def dag(self, direction: Direction) -> nx.DiGraph:
-        """The task DAG, one node per rank and stage: ("compute", rank, i) with i = 0 the local
-        stage, and the shared collectives ("fetch", i), ("reduce", i) for i = 1..n; node
-        attribute "duration" in seconds. Its critical path is the modelled time."""
+        """The task DAG, one node per rank and call: ("compute", rank, i) with i = 0 the local
+        call, and the shared collectives, ("fetch", i) forward and ("reduce", i) backward for
+        i = 1..n; node attribute "duration" in seconds. Its critical path is the modelled time."""
         folded = self._folded(direction)
         out = nx.DiGraph()
 
@@ -206,7 +242,7 @@ class StagePlan:
         return out
 
     def _folded(self, direction: Direction) -> nx.DiGraph:
-        return _folded_dag(_check_direction(direction), self.compute_time(direction), self.comm_time())
+        return _folded_dag(_check_direction(direction), self.compute_time(direction), self.comm_time(), self.fuse_local)
 
     def to_dict(self) -> dict:
         return {
@@ -216,6 +252,8 @@ class StagePlan:
             "pairs": self.pairs.tolist(),
             "stage_rows": self.stage_rows.tolist(),
             "cost": asdict(self.cost),
+            "rows_per_rank": self.rows_per_rank,
+            "fuse_local": self.fuse_local,
             "scan": [list(row) for row in self.scan],
         }
 
@@ -229,6 +267,8 @@ class StagePlan:
                 pairs=data["pairs"],
                 stage_rows=data["stage_rows"],
                 cost=CostModel(**data["cost"]),
+                rows_per_rank=data["rows_per_rank"],
+                fuse_local=data["fuse_local"],
                 scan=tuple(tuple(row) for row in data["scan"]),
             )
         except (MaskError, MaskParamError):
@@ -258,11 +298,13 @@ def plan_stages(
     max_stages: int = 8,
     *,
     chunk_size: int,
+    fuse_local: bool | None = None,
 ) -> StagePlan:
     """Split every rank's remote keys into stages: `num_stages` of them, or the count in
-    1..max_stages with the least modelled forward + backward time (ties, within rounding, go to
-    fewer stages). `remote[r]` holds the key ranges rank r needs beyond its own chunks (it may
-    hold more, never fewer); `chunk_size` is the one `pieces` were cut with."""
+    1..max_stages, with stage 1 fused into the local call or not (`fuse_local`, or both tried),
+    whichever has the least modelled forward + backward time (ties, within rounding, go to
+    fewer stages, then to unfused). `remote[r]` holds the key ranges rank r needs beyond its
+    own chunks (it may hold more, never fewer); `chunk_size` is the one `pieces` were cut with."""
     problem = _Problem.of(pieces, rank_of_chunk, cp_size, remote, chunk_size)
     if num_stages is not None:
         _check_count(num_stages, "num_stages")
@@ -270,8 +312,10 @@ def plan_stages(
     else:
         _check_count(max_stages, "max_stages")
         counts = list(range(1, max_stages + 1))
-    plans = [problem.plan(n, cost) for n in counts]
-    scan = tuple((p.num_stages, p.time_fwd, p.time_bwd) for p in plans)
+    fuses = [False, True] if fuse_local is None else [_check_flag(fuse_local, "fuse_local")]
+    splits = [problem.plan(n, cost) for n in counts]
+    plans = [replace(split, fuse_local=fuse) for split in splits for fuse in fuses]
+    scan = tuple((p.num_stages, p.fuse_local, p.time_fwd, p.time_bwd) for p in plans)
     best = min(p.time for p in plans)
     chosen = next(p for p in plans if p.time <= best * (1 + 1e-9))
     return replace(chosen, scan=scan)
@@ -340,12 +384,14 @@ class _Problem:
         return int(self.remote_counts.size)
 
     def plan(self, num_stages: int, cost: CostModel) -> StagePlan:
+        """The unfused plan of `num_stages` stages (the split does not depend on fusing)."""
         seg, offsets = _split(self.remote, self.remote_counts, num_stages)
         slot = np.repeat(np.arange(self.cp_size * num_stages), np.diff(offsets))
         seg_rank, seg_stage = slot // num_stages, slot % num_stages
+        rows_per_rank = self.rank_of_chunk.size // self.cp_size * self.chunk_size
         return StagePlan(
             num_stages, seg, offsets, self._pairs(seg, seg_rank, seg_stage + 1, num_stages + 1),
-            self._stage_rows(seg, seg_rank, seg_stage, num_stages), cost,
+            self._stage_rows(seg, seg_rank, seg_stage, num_stages), cost, rows_per_rank, False,
         )
 
     def _pairs(self, seg: np.ndarray, seg_rank: np.ndarray, seg_slot: np.ndarray, num_slots: int) -> np.ndarray:
@@ -409,29 +455,38 @@ def _chunk_parts(ranges: np.ndarray, chunk_size: int) -> tuple[np.ndarray, np.nd
     return index, chunk, hi - lo
 
 
-def _comm_stream(direction: Direction, num_stages: int) -> list[tuple[str, int]]:
-    """The collectives in stream order: fetch_1, fetch_2, reduce_1, fetch_3, reduce_2, ..."""
-    order = [("fetch", 1)]
-    for i in range(1, num_stages + 1):
-        order += [("fetch", i + 1)] if i < num_stages else []
-        order += [("reduce", i)] if direction == "bwd" else []
-    return order
+def _call_order(direction: Direction, num_stages: int, fuse_local: bool) -> list[int]:
+    """The order a rank runs its calls in (0: the local call), as the runtime does: forward the
+    local call first, the stages as their keys arrive; backward the stages first (each stage's
+    reduce runs behind the next call) and the local call last. Fused, stage 1 runs inside the
+    local call, so the backward puts it right after (its reduce follows the fused call)."""
+    stages = list(range(1, num_stages + 1))
+    if direction == "fwd":
+        return [0, *stages]
+    return [*stages[1:], 0, 1] if fuse_local else [*stages, 0]
 
 
-def _folded_dag(direction: Direction, compute: np.ndarray, comm: np.ndarray) -> nx.DiGraph:
+def _folded_dag(direction: Direction, compute: np.ndarray, comm: np.ndarray, fuse_local: bool) -> nx.DiGraph:
     """The task DAG with ranks folded: ("compute", i) holds one duration per rank
-    (per_rank=True), the collectives one duration for all."""
-    n = comm.size
+    (per_rank=True), the collectives one duration for all. The collectives of a direction share
+    one stream: forward the fetches in stage order, backward the reduces in call order."""
+    order = _call_order(direction, comm.size, fuse_local)
+    computes = [("compute", i) for i in order]
+    if direction == "fwd":
+        stream = [("fetch", i) for i in range(1, comm.size + 1)]
+    else:
+        stream = [("reduce", i) for i in order if i]
     g = nx.DiGraph()
-    computes = [("compute", i) for i in range(n + 1)]
-    g.add_nodes_from((v, {"duration": compute[:, i], "per_rank": True}) for i, v in enumerate(computes))
-    stream = _comm_stream(direction, n)
+    g.add_nodes_from((v, {"duration": compute[:, v[1]], "per_rank": True}) for v in computes)
     g.add_nodes_from((v, {"duration": float(comm[v[1] - 1]), "per_rank": False}) for v in stream)
     nx.add_path(g, computes)
     nx.add_path(g, stream)
-    g.add_edges_from((("fetch", i), ("compute", i)) for i in range(1, n + 1))
-    if direction == "bwd":
-        g.add_edges_from((("compute", i), ("reduce", i)) for i in range(1, n + 1))
+    if direction == "fwd":
+        g.add_edges_from((v, ("compute", v[1])) for v in stream)
+        if fuse_local:
+            g.add_edge(("fetch", 1), ("compute", 0))
+    else:
+        g.add_edges_from((("compute", v[1]), v) for v in stream)
     return g
 
 
@@ -466,6 +521,12 @@ def _check_ranges(value: object, what: str) -> np.ndarray:
 def _check_count(value: object, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise MaskParamError(f"{what} must be a positive int, got {value!r}")
+
+
+def _check_flag(value: object, what: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise MaskParamError(f"{what} must be a bool, got {value!r}")
+    return bool(value)
 
 
 def _check_direction(direction: str) -> Direction:
