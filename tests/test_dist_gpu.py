@@ -29,7 +29,8 @@ MASKS = {
     "full": lambda: Mask.from_cu_seqlens([0, SEQ]),
 }
 
-STAGES = {"varlen_causal": 3}  # forced; the other masks take the cost model's count
+# (stage count, local fusion) forced; None: the cost model's choice.
+STAGES = {"varlen_causal": (3, False), "sliding_window": (2, True), "full": (None, None)}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -56,7 +57,8 @@ def _worker(rank: int, world: int, port: int, name: str, errors: mp.Queue) -> No
 
         exact = run(lambda *t: maskc.reference_attention(*t, mask)[0], torch.float64)
         low = run(lambda *t: maskc.reference_attention(*t, mask)[0], torch.bfloat16)
-        plan = make_plan(mask, world, 512, num_stages=STAGES.get(name))
+        num_stages, fuse_local = STAGES[name]
+        plan = make_plan(mask, world, 512, num_stages=num_stages, fuse_local=fuse_local)
 
         def distributed(qq, kk, vv):
             local = [maskc.dist.dispatch(x, plan) for x in (qq, kk, vv)]

@@ -32,7 +32,8 @@ from test_ir import masks
 @settings(max_examples=80, deadline=None)
 def test_stage_masks_are_the_global_mask_seen_from_each_rank(mask: Mask, cp: int, chunk: int, stages: int | None) -> None:
     """The local stage's mask and every remote stage's, over the keys each brings (in buffer
-    order), are the global mask's; the stages bring every remote key the rank needs once."""
+    order), are the global mask's, and so is a fused call's over its own keys and stage 0's;
+    the stages bring every remote key the rank needs once."""
     n = max(mask.shape)
     plan = make_plan(Mask(mask.slices, n, n), cp, chunk, num_stages=stages)
     dense = plan.mask.to_dense()
@@ -40,7 +41,9 @@ def test_stage_masks_are_the_global_mask_seen_from_each_rank(mask: Mask, cp: int
         rows = torch.from_numpy(plan.comm.local_rows(rank))
         blocks = [(local_mask(plan, rank), plan.comm.local_rows(rank))]
         blocks += [(local_mask(plan, rank, i), stage_tables(plan, i).recv_rows(rank)) for i in range(plan.stages.num_stages)]
-        for stage_mask, keys in blocks:
+        # A fused call's keys: its own, then stage 0's.
+        blocks_fused = [(local_mask(plan, rank, None, 0), np.concatenate([blocks[0][1], blocks[1][1]]))]
+        for stage_mask, keys in blocks + blocks_fused:
             assert torch.equal(stage_mask.to_dense(), dense[rows][:, torch.from_numpy(keys)])
         remote = np.concatenate([keys for _, keys in blocks[1:]])
         assert sorted(remote.tolist()) == sorted(plan.comm.recv_rows(rank).tolist())
@@ -65,7 +68,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, name: str, algorithm: str, stages: int | None, errors: mp.Queue) -> None:
+def _worker(rank: int, world: int, port: int, name: str, algorithm: str, stages: tuple, errors: mp.Queue) -> None:
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -78,7 +81,8 @@ def _worker(rank: int, world: int, port: int, name: str, algorithm: str, stages:
         ref, ref_meta = maskc.reference_attention(*leaves[:3], mask, sink=leaves[3], softcap=4.0, return_max_logits=True)
         (ref * dout).sum().backward()
 
-        plan = make_plan(mask, world, 16, algorithm=algorithm, num_stages=stages)
+        num_stages, fuse_local = stages
+        plan = make_plan(mask, world, 16, algorithm=algorithm, num_stages=num_stages, fuse_local=fuse_local)
         ours = [x.clone().requires_grad_() for x in (q, k, v, sink)]
         local = [maskc.dist.dispatch(x, plan) for x in ours[:3]]
         out, meta = maskc.dist.attention(*local, plan, sink=ours[3], softcap=4.0, return_max_logits=True)
@@ -95,7 +99,8 @@ def _worker(rank: int, world: int, port: int, name: str, algorithm: str, stages:
         # dispatch / undispatch round trip, and a plan mismatch is refused.
         x = torch.randn(SEQ, 3, dtype=torch.float64)
         assert torch.equal(maskc.dist.undispatch(maskc.dist.dispatch(x, plan), plan), x)
-        other = make_plan(mask, world, 16 if rank == 0 else 8, algorithm=algorithm, num_stages=stages)
+        other = make_plan(mask, world, 16 if rank == 0 else 8, algorithm=algorithm, num_stages=num_stages,
+                          fuse_local=fuse_local)
         assert (plan_digest(other) == plan_digest(plan)) == (rank == 0)
         with pytest.raises(maskc.MaskcError, match="different maskc plans"):
             maskc.dist.attention(*(maskc.dist.dispatch(x, other) for x in (q, k, v)), other)
@@ -106,11 +111,12 @@ def _worker(rank: int, world: int, port: int, name: str, algorithm: str, stages:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("name,algorithm,stages", [("varlen_causal", "swap", 2), ("sliding_window_and_globals", "greedy", None),
-                                                   ("random", "local", 3)])  # fmt: skip
-def test_gloo_forward_and_backward_equal_the_reference(world: int, name: str, algorithm: str, stages: int | None) -> None:
-    """The stage pipeline (2 or 3 stages, or the cost model's count) gives the reference's
-    output, lse, max_logits and gradients."""
+@pytest.mark.parametrize("name,algorithm,stages", [("varlen_causal", "swap", (2, True)), ("sliding_window_and_globals", "greedy", (None, None)),
+                                                   ("random", "local", (3, False)), ("random", "swap", (1, True))])  # fmt: skip
+def test_gloo_forward_and_backward_equal_the_reference(world: int, name: str, algorithm: str, stages: tuple) -> None:
+    """The stage pipeline ((stage count, local fusion): 2 fused, 3 unfused, 1 fused (a single
+    call), or the cost model's choice) gives the reference's output, lse, max_logits and
+    gradients."""
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = _free_port()

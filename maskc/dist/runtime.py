@@ -5,9 +5,11 @@ every rank) and this rank's local rows (its chunks, ascending). `attention` runs
 stage pipeline: the rank attends its queries to its own keys (the local stage) and to the
 remote key/value rows of each stage (GroupCast: one all-to-all-v per stage with that stage's
 split sizes, issued ahead so it runs behind the compute), and merges the partial outputs by
-their lse. In the backward each stage's partial dK/dV of the received rows go back to their
-owners, which add them to their own (GroupReduce: the transposed all-to-all-v and a
-scatter-add), while the next stage computes. Local compute is maskc's kernels on CUDA and the
+their lse. When communication is small the plan fuses the local stage with the first remote
+stage (`StagePlan.fuse_local`): one kernel call over both once its keys arrive, no merge. In
+the backward each stage's partial dK/dV of the received rows go back to their owners, which
+add them to their own (GroupReduce: the transposed all-to-all-v and a scatter-add), while the
+next stage computes. Local compute is maskc's kernels on CUDA and the
 reference attention elsewhere (gloo on CPUs), through their functional forward / backward.
 """
 
@@ -52,22 +54,24 @@ def stage_tables(plan: Plan, stage: int) -> CommTables:
     return cached
 
 
-def local_mask(plan: Plan, rank: int, stage: int | None = None) -> Mask:
-    """The mask of `rank`'s queries (its local rows) against one stage's keys, in local
-    coordinates: its own keys (stage None, the local stage) or the keys it receives in remote
-    stage `stage`, in buffer order. Built once per plan, rank and stage."""
-    key = ("local_mask", rank, stage)
+def local_mask(plan: Plan, rank: int, *sources: int | None) -> Mask:
+    """The mask of `rank`'s queries (its local rows) against the keys of one kernel call, in
+    local coordinates: the keys of `sources` one after another, each None (its own keys) or a
+    remote stage i (the keys it receives in stage i, in buffer order); by default its own keys.
+    Built once per plan, rank and sources."""
+    sources = sources or (None,)
+    key = ("local_mask", rank, sources)
     cached = _memo(plan).get(key)
     if cached is not None:
         return cached
     cs = plan.chunk_size
     own = plan.chunks_of(rank)
-    if stage is None:
-        ranges = np.stack([own * cs, (own + 1) * cs], axis=1)
-    else:
-        ranges = stage_tables(plan, stage).recv(rank).reshape(-1, 2)
+    ranges = np.concatenate(
+        [np.stack([own * cs, (own + 1) * cs], axis=1) if s is None else stage_tables(plan, s).recv(rank).reshape(-1, 2)
+         for s in sources]  # fmt: skip
+    )
     lengths = ranges[:, 1] - ranges[:, 0]
-    offsets = np.cumsum(lengths) - lengths  # where each key range starts in the stage's keys
+    offsets = np.cumsum(lengths) - lengths  # where each key range starts in the call's keys
     order = np.argsort(ranges[:, 0], kind="stable")
     begin, end = ranges[order, 0], ranges[order, 1]
 
@@ -220,11 +224,6 @@ def undispatch(x_local: torch.Tensor, plan: Plan, group: Any = None) -> torch.Te
 
 # ---- attention ---------------------------------------------------------------------------------
 
-#: SMs the attention kernels leave to the communication kernels that run alongside them on CUDA
-#: when the plan moves keys (a persistent grid on every SM would hold NCCL back until it ends).
-DEFAULT_SM_MARGIN = 8
-
-
 @dataclass(frozen=True)
 class _Options:
     """What every stage's attention call shares."""
@@ -269,25 +268,39 @@ def _finish(what: str, work: Any) -> None:
 
 
 def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The softmax over every stage's keys from each stage's output and lse: lse = logsumexp of
-    the stages' lse, out = sum of exp(lse_i - lse) * out_i, in float32 at least (rows no stage
-    reaches keep lse = -inf and out = 0)."""
+    """The softmax over every call's keys from each call's output and lse: lse = logsumexp of
+    their lse, out = sum of exp(lse_i - lse) * out_i, added up in float32 at least in one
+    buffer (each part read once: a merge pass is a cost of every extra stage call). Rows no
+    call reaches keep lse = -inf and out = 0."""
+    if len(outs) == 1:
+        return outs[0], lses[0]
     stacked = torch.stack(lses)
     lse = torch.logsumexp(stacked, dim=0)
     safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    weights = torch.exp(stacked - safe)
+    weights = torch.exp(stacked - safe).unsqueeze(-1)
     wide = torch.promote_types(outs[0].dtype, torch.float32)
-    out = sum(w.unsqueeze(-1).to(wide) * o.to(wide) for w, o in zip(weights, outs))
+    out = outs[0] * weights[0].to(wide)
+    for part, weight in zip(outs[1:], weights[1:]):
+        out.addcmul_(part, weight.to(wide))
     return out.to(outs[0].dtype), lse
 
 
+def _calls(plan: Plan) -> list[tuple[int | None, ...]]:
+    """The forward's kernel calls in order, each as its key sources (see local_mask): the local
+    call first, with stage 0's keys when the plan fuses them (StagePlan.fuse_local), then one
+    call per remaining stage."""
+    fused = plan.stages.fuse_local
+    return [(None, 0) if fused else (None,)] + [(i,) for i in range(1 if fused else 0, plan.stages.num_stages)]
+
+
 class _StagedAttention(torch.autograd.Function):
-    """The stage pipeline. Forward: every remote stage's keys are requested up front (one
-    all-to-all-v each, in stage order) and stage i's keys are waited for only when stage i
-    computes, so the later stages' transfers run behind the local stage and the earlier ones;
-    the partial outputs merge by their lse. Backward: each remote stage's dK/dV go back to their
-    owners (GroupReduce) while the next stage computes, the local stage last; the stages' dQ add
-    up in one float32 buffer and the received dK/dV in float32 before the cast."""
+    """The stage pipeline. Forward: every stage's keys are requested up front (one
+    all-to-all-v each, in stage order) and waited for only when the call that uses them runs,
+    so the later stages' transfers run behind the earlier calls; the partial outputs merge by
+    their lse. Backward: each remote-only call runs first and its dK/dV go back to their owners
+    (GroupReduce) while the next call computes; the local call runs last (and, fused, sends
+    stage 0's dK/dV back after it). The calls' dQ add up in one float32 buffer and the received
+    dK/dV in float32 before the cast."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -301,17 +314,26 @@ class _StagedAttention(torch.autograd.Function):
             buf = kv.new_empty(int(comm.recv_counts[rank].sum()), *kv.shape[1:])
             send = kv.index_select(0, _rows(plan, "gather", rank, kv.device, i))
             fetches.append((buf, _start("GroupCast", buf, send, comm.recv_counts[rank], comm.send_counts[rank], opt.group)))
-        parts = [opt.forward(q, k, v, local_mask(plan, rank), sink)]
-        received = []
-        for i, (buf, work) in enumerate(fetches):
+
+        def arrived(stage: int) -> torch.Tensor:
+            buf, work = fetches[stage]
             _finish("GroupCast", work)
-            keys, values = buf[:, :hkv].contiguous(), buf[:, hkv:].contiguous()
-            received += [keys, values]
-            if buf.shape[0]:
-                parts.append(opt.forward(q, keys, values, local_mask(plan, rank, i), None))
+            return buf
+
+        parts, keys_values = [], []
+        for sources in _calls(plan):
+            if sources == (None,):
+                keys, values = k, v
+            else:
+                joined = torch.cat([kv if s is None else arrived(s) for s in sources])
+                keys, values = joined[:, :hkv].contiguous(), joined[:, hkv:].contiguous()
+            keys_values += [keys, values]
+            if keys.shape[0]:
+                local = None in sources
+                parts.append(opt.forward(q, keys, values, local_mask(plan, rank, *sources), sink if local else None))
         out, lse = _merge([p[0] for p in parts], [p[1] for p in parts])
         max_logits = torch.stack([p[2] for p in parts]).amax(dim=0) if opt.return_max_logits else lse.new_empty(0)
-        ctx.save_for_backward(q, k, v, sink, out, lse, *received)
+        ctx.save_for_backward(q, sink, out, lse, *keys_values)
         ctx.opt = opt
         ctx.mark_non_differentiable(max_logits)
         return out, lse, max_logits
@@ -319,29 +341,40 @@ class _StagedAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None, _dmax: Any) -> tuple:  # type: ignore[override]
-        q, k, v, sink, out, lse, *received = ctx.saved_tensors
+        q, sink, out, lse, *keys_values = ctx.saved_tensors
         opt = ctx.opt
-        plan, rank, hkv = opt.plan, opt.rank, k.shape[1]
+        plan, rank = opt.plan, opt.rank
+        k, v = keys_values[0], keys_values[1]
+        hkv, local_rows = k.shape[1], q.shape[0]
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
-        reduces = []
-        for i in range(plan.stages.num_stages):
-            keys, values = received[2 * i], received[2 * i + 1]
-            comm = stage_tables(plan, i)
+        calls = _calls(plan)
+        reduces, own, dsink = [], None, None
+        for c in [*range(1, len(calls)), 0]:
+            sources, keys, values = calls[c], keys_values[2 * c], keys_values[2 * c + 1]
             if keys.shape[0]:
-                dk_i, dv_i, _ = opt.backward(q, keys, values, out, lse, dout, dlse, local_mask(plan, rank, i), None, dq)
-                partial = torch.cat([dk_i, dv_i], dim=1)
+                local = None in sources
+                dk, dv, dsink_c = opt.backward(q, keys, values, out, lse, dout, dlse, local_mask(plan, rank, *sources),
+                                               sink if local else None, dq)  # fmt: skip
+                dsink = dsink_c if local else dsink
+                partial = torch.cat([dk, dv], dim=1)
             else:
-                partial = k.new_empty(0, 2 * hkv, k.shape[2])
-            back = partial.new_empty(int(comm.send_counts[rank].sum()), *partial.shape[1:])
-            reduces.append((i, back, _start("GroupReduce", back, partial, comm.reduce_recv_counts[rank],
-                                            comm.reduce_send_counts[rank], opt.group)))  # fmt: skip
-        dk, dv, dsink = opt.backward(q, k, v, out, lse, dout, dlse, local_mask(plan, rank), sink, dq)
-        dkv = torch.cat([dk, dv], dim=1)
-        dkv = dkv.to(torch.promote_types(dkv.dtype, torch.float32))
-        for i, back, work in reduces:
+                partial = keys.new_empty(0, 2 * hkv, keys.shape[2])
+            start = 0
+            for s in sources:
+                rows = local_rows if s is None else int(stage_tables(plan, s).recv_counts[rank].sum())
+                piece, start = partial[start : start + rows], start + rows
+                if s is None:
+                    own = piece
+                    continue
+                comm = stage_tables(plan, s)
+                back = piece.new_empty(int(comm.send_counts[rank].sum()), *piece.shape[1:])
+                reduces.append((s, back, _start("GroupReduce", back, piece, comm.reduce_recv_counts[rank],
+                                                comm.reduce_send_counts[rank], opt.group)))  # fmt: skip
+        dkv = own.to(torch.promote_types(own.dtype, torch.float32))
+        for s, back, work in reduces:
             _finish("GroupReduce", work)
-            dkv.index_add_(0, _rows(plan, "scatter", rank, dkv.device, i), back.to(dkv.dtype))
+            dkv.index_add_(0, _rows(plan, "scatter", rank, dkv.device, s), back.to(dkv.dtype))
         dkv = dkv.to(k.dtype)
         return dq.to(q.dtype), dkv[:, :hkv], dkv[:, hkv:], dsink, None
 
@@ -357,14 +390,16 @@ def attention(
     sink: torch.Tensor | None = None,
     return_max_logits: bool = False,
     group: Any = None,
-    sm_margin: int | None = None,
+    sm_margin: int = 0,
 ) -> tuple[torch.Tensor, AttentionMeta]:
     """Exact masked attention of this rank's queries (local layout, from `dispatch`) over the
     whole sequence: local q [L, Hq, D], k / v [L, Hkv, D] with L = the plan's rows per rank.
     Returns this rank's output and meta (lse of its rows; max_logits reduced over all ranks).
-    The keys come in the plan's stages (`_StagedAttention`); on CUDA the kernels leave
-    `sm_margin` SMs to the transfers running beside them (default DEFAULT_SM_MARGIN when the
-    plan moves keys, else 0). The sinks' gradient on each rank is its rows' share: sum it over
+    The keys come in the plan's stages (`_StagedAttention`); on CUDA the kernels can leave
+    `sm_margin` SMs to the transfers running beside them. It defaults to 0: the transfers are
+    issued before the kernels they overlap, so NCCL holds its SMs first; on 4 H200s (one
+    unfused stage) leaving 8 SMs moved the forward by -2% to +3% and cost the backward 2.5-5%
+    on four of the five benchmark masks (it gained 4.6% on the fifth). The sinks' gradient on each rank is its rows' share: sum it over
     ranks like any replicated parameter's (DDP does)."""
     rank = _rank(plan, group)
     rows = plan.padded_length // plan.cp_size
@@ -372,8 +407,6 @@ def attention(
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != rows:
             raise MaskcError(f"{name} must be this rank's [{rows}, heads, head_dim] rows (from maskc.dist.dispatch)")
     _check_same_plan(plan, group, q.device)
-    if sm_margin is None:
-        sm_margin = DEFAULT_SM_MARGIN if plan.comm.comm_rows_total and q.is_cuda else 0
     opt = _Options(plan, rank, group, softmax_scale, float(softcap), return_max_logits, int(sm_margin))
     out, lse, max_logits = _StagedAttention.apply(q, k, v, sink, opt)
     if not return_max_logits:
