@@ -8,8 +8,10 @@ time / N with time the slowest rank's median (the backward counts 2.5x the FLOPs
 bench/kernel.py over the N * 16k global tokens. Baselines in the same run: PyTorch's
 `context_parallel` (ring over SDPA, load-balanced for causal) on full and causal; every rank
 all-gathering K and V and running FlexAttention on its contiguous query shard (the backward
-reduce-scatters dK, dV) on every mask. Rank 0 appends one JSON row per mask to OUT/dist.jsonl
-and prints a table. `--device cpu` runs the maskc path only, over gloo with the reference
+reduce-scatters dK, dV) on every mask. `--also` adds maskc with forced stage plans beside the
+cost model's, `--sm-margins` a sweep of the SMs left to NCCL; with several GPUs the all-to-all
+bandwidth (what CostModel.bandwidth stands for) is measured first. Rank 0 appends one JSON row
+per mask to OUT/dist.jsonl and prints a table. `--device cpu` runs the maskc path only, over gloo with the reference
 attention in float32 (a smoke test of the harness, not a benchmark).
 """
 
@@ -33,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import maskc  # noqa: E402
 from maskc.dist import make_plan  # noqa: E402
 
-from kernel import D, HKV, HQ, build_masks, flex_mask_mod  # noqa: E402
+from kernel import D, HKV, HQ, build_masks, compiled_flex, flex_mask_mod  # noqa: E402
 
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "varlen_block_causal")
 
@@ -75,6 +77,16 @@ def forward_backward_ms(call: Callable[[], torch.Tensor], leaves: list[torch.Ten
     return fwd, slowest_median_ms(backward, device)
 
 
+def alltoall_bandwidth(nbytes: int, device: torch.device) -> float:
+    """GB/s per rank and direction of an even all-to-all moving `nbytes` out of every rank
+    (the slowest rank's median): the number CostModel.bandwidth stands for."""
+    world = dist.get_world_size()
+    send = torch.empty(nbytes // world * world, dtype=torch.uint8, device=device)
+    recv = torch.empty_like(send)
+    ms = slowest_median_ms(lambda: dist.all_to_all_single(recv, send), device)
+    return send.numel() * (world - 1) / world / (ms * 1e-3) / 1e9
+
+
 class _GatherSequence(torch.autograd.Function):
     """All ranks' contiguous shards of a sequence-first tensor, in rank order; the backward
     reduce-scatters the gradient back to the shards."""
@@ -94,13 +106,13 @@ class _GatherSequence(torch.autograd.Function):
 
 def allgather_flex(name: str, seqlen: int, lens: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     """The all-gather + FlexAttention baseline: (call, leaves) for this rank's contiguous shard."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     rows = seqlen // dist.get_world_size()
     off = dist.get_rank() * rows
     mod = flex_mask_mod(name, seqlen, lens, q.device, q_offset=off)
     block_mask = None if mod is None else create_block_mask(mod, 1, None, rows, seqlen, device=q.device)
-    flex = torch.compile(flex_attention, dynamic=False)
+    flex = compiled_flex()
     shard = [x[off : off + rows].detach().clone().requires_grad_() for x in (q, k, v)]
 
     def call() -> torch.Tensor:
@@ -126,7 +138,8 @@ def torch_ring(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     cp_impl._cp_options.enable_load_balance = causal
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
         with context_parallel(mesh, buffers=(qt, kt, vt, do), buffer_seq_dims=(2, 2, 2, 2)):
-            leaves = [x.requires_grad_() for x in (qt, kt, vt)]
+            # The buffers are sharded in place and restored (resized) on exit: the leaves are copies.
+            leaves = [x.detach().clone().requires_grad_() for x in (qt, kt, vt)]
 
             def call() -> torch.Tensor:
                 return F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
@@ -142,6 +155,10 @@ def main() -> None:
     parser.add_argument("--masks", default=",".join(MASKS))
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--no-baselines", action="store_true")
+    parser.add_argument("--sm-margins", default="", help="also run maskc with each of these sm_margin values (a sweep)")
+    parser.add_argument(
+        "--also", default="", help="also run maskc with these forced plans: stage counts, 'f' for local fusion (e.g. 1,1f,2)"
+    )
     args = parser.parse_args()
     cuda = args.device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -157,17 +174,33 @@ def main() -> None:
     torch.manual_seed(seqlen)  # the same global inputs on every rank
     q, k, v = (torch.randn(seqlen, h, D if cuda else 16, device=device, dtype=dtype) for h in (heads[0], heads[1], heads[1]))
     args.out.mkdir(parents=True, exist_ok=True)
+    if world > 1:
+        kv_bytes = q.shape[0] // world * 2 * heads[1] * q.shape[2] * q.element_size()  # a rank's K and V
+        link = {"cp": world, "alltoall_GBps": alltoall_bandwidth(kv_bytes, device)}
+        if rank == 0:
+            print(json.dumps(link), flush=True)
+            with (args.out / "dist.jsonl").open("a") as log:
+                print(json.dumps(link), file=log)
+    forced = [(int(spec.rstrip("f")), spec.endswith("f")) for spec in args.also.split(",") if spec]
+    margins = [int(m) for m in args.sm_margins.split(",") if m]
     rows = []
     for name in args.masks.split(","):
         mask = masks[name]
         flops = 4 * mask.area() * heads[0] * q.shape[2]
         row: dict[str, Any] = {"cp": world, "per_gpu": args.per_gpu, "mask": name, "area": mask.area()}
         plan = make_plan(mask, world)
-        row["num_stages"] = plan.stages.num_stages
-        local = [maskc.dist.dispatch(x, plan).detach().requires_grad_() for x in (q, k, v)]
-        runs: dict[str, Callable[[], tuple[float, float] | str]] = {
-            "maskc": lambda: forward_backward_ms(lambda: maskc.dist.attention(*local, plan)[0], local, device)
-        }
+        row["num_stages"], row["fuse_local"] = plan.stages.num_stages, plan.stages.fuse_local
+
+        def ours(plan: Any, sm_margin: int = 0) -> tuple[float, float]:
+            local = [maskc.dist.dispatch(x, plan).detach().requires_grad_() for x in (q, k, v)]
+            return forward_backward_ms(lambda: maskc.dist.attention(*local, plan, sm_margin=sm_margin)[0], local, device)
+
+        runs: dict[str, Callable[[], tuple[float, float] | str]] = {"maskc": lambda: ours(plan)}
+        runs.update({f"maskc_sm{m}": lambda m=m: ours(plan, m) for m in margins})
+        for n, fuse in forced:
+            if (n, fuse) != (plan.stages.num_stages, plan.stages.fuse_local):
+                other = make_plan(mask, world, num_stages=n, fuse_local=fuse)
+                runs[f"maskc_{n}{'f' if fuse else ''}"] = lambda other=other: ours(other)
         if cuda and not args.no_baselines:
             runs["flex_allgather"] = lambda: forward_backward_ms(*allgather_flex(name, seqlen, lens, q, k, v), device)
             if name in ("full", "causal") and world > 1:
@@ -186,11 +219,14 @@ def main() -> None:
             with (args.out / "dist.jsonl").open("a") as log:
                 print(json.dumps(row), file=log)
     if rank == 0:
-        print(f"\n cp mask                  {'maskc fwd/bwd':>15} {'torch ring':>15} {'flex allgather':>15}  (per-GPU TFLOP/s)")
+        tags = [t for t in dict.fromkeys(key for row in rows for key in row) if t.startswith("maskc")]
+        tags += ["torch_ring", "flex_allgather"]
+        print("\n cp mask                 stages " + " ".join(f"{t:>15}" for t in tags) + "  (per-GPU TFLOP/s fwd / bwd)")
         for row in rows:
-            cells = [row.get(t) for t in ("maskc", "torch_ring", "flex_allgather")]
+            cells = [row.get(t) for t in tags]
             text = [f"{c[0]:6.0f} / {c[1]:4.0f}" if isinstance(c, list) else ("-" if c is None else "error") for c in cells]
-            print(f" {row['cp']:2d} {row['mask']:20s} " + " ".join(f"{t:>15}" for t in text))
+            stages = f"{row['num_stages']}{'f' if row['fuse_local'] else ''}"
+            print(f" {row['cp']:2d} {row['mask']:20s} {stages:>6} " + " ".join(f"{t:>15}" for t in text))
     dist.destroy_process_group()
 
 

@@ -117,11 +117,22 @@ def flex_mask_mod(name: str, seqlen: int, lens: np.ndarray, device: torch.device
     return mods[name]
 
 
+def compiled_flex() -> Callable:
+    """FlexAttention under torch.compile. It recompiles per shape, mask and grad mode; past
+    dynamo's default limits it would fall back to eager, which materialises every score (and
+    runs out of memory at long sequences), so the limits are raised."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.config.cache_size_limit = 1000
+    torch._dynamo.config.recompile_limit = 1000
+    return torch.compile(flex_attention, dynamic=False)
+
+
 def baselines(name: str, seqlen: int, lens: np.ndarray, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable]:
     """The baseline calls that express mask `name` natively (seqlen-first q/k/v)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     calls: dict[str, Callable] = {}
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
@@ -134,7 +145,7 @@ def baselines(name: str, seqlen: int, lens: np.ndarray, q: torch.Tensor, k: torc
 
             calls[tag] = sdpa
     mod = flex_mask_mod(name, seqlen, lens, q.device)
-    flex = torch.compile(flex_attention, dynamic=False)
+    flex = compiled_flex()
     block_mask = None if mod is None else create_block_mask(mod, 1, None, seqlen, seqlen, device=q.device)
     calls["flex"] = lambda: flex(qt, kt, vt, block_mask=block_mask, enable_gqa=True)
     try:
@@ -168,9 +179,6 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    # FlexAttention recompiles per shape and mask; past dynamo's default limits it would fall back to eager.
-    torch._dynamo.config.cache_size_limit = 1000
-    torch._dynamo.config.recompile_limit = 1000
     maskc.runtime.register_artifact(args.artifacts)
     log = (args.out / "kernel.jsonl").open("a")
     print(json.dumps({"host_overhead_us": host_overhead_us()}), file=log, flush=True)
