@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import maskc
 from maskc.dist import make_plan
-from maskc.dist.runtime import local_mask, plan_digest, stage_tables
+from maskc.dist.runtime import key_order, local_mask, plan_digest, stage_tables
 from maskc.ir import AttnSlice, Mask
 
 from test_ir import masks
@@ -31,9 +31,10 @@ from test_ir import masks
 )
 @settings(max_examples=80, deadline=None)
 def test_stage_masks_are_the_global_mask_seen_from_each_rank(mask: Mask, cp: int, chunk: int, stages: int | None) -> None:
-    """The local stage's mask and every remote stage's, over the keys each brings (in buffer
-    order), are the global mask's, and so is a fused call's over its own keys and stage 0's;
-    the stages bring every remote key the rank needs once."""
+    """The local stage's mask and every remote stage's, over the keys each brings, are the global
+    mask's, and so is a fused call's over its own keys and stage 0's, all in ascending global
+    position (key_order puts a call's buffers in that order); the stages bring every remote key
+    the rank needs once."""
     n = max(mask.shape)
     plan = make_plan(Mask(mask.slices, n, n), cp, chunk, num_stages=stages)
     dense = plan.mask.to_dense()
@@ -41,10 +42,13 @@ def test_stage_masks_are_the_global_mask_seen_from_each_rank(mask: Mask, cp: int
         rows = torch.from_numpy(plan.comm.local_rows(rank))
         blocks = [(local_mask(plan, rank), plan.comm.local_rows(rank))]
         blocks += [(local_mask(plan, rank, i), stage_tables(plan, i).recv_rows(rank)) for i in range(plan.stages.num_stages)]
-        # A fused call's keys: its own, then stage 0's.
+        # A fused call's keys: its own and stage 0's.
         blocks_fused = [(local_mask(plan, rank, None, 0), np.concatenate([blocks[0][1], blocks[1][1]]))]
-        for stage_mask, keys in blocks + blocks_fused:
-            assert torch.equal(stage_mask.to_dense(), dense[rows][:, torch.from_numpy(keys)])
+        for stage_mask, keys in blocks + blocks_fused:  # keys in ascending global position
+            assert torch.equal(stage_mask.to_dense(), dense[rows][:, torch.from_numpy(np.sort(keys))])
+        order = key_order(plan, rank, (None, 0), torch.device("cpu"))
+        keys = blocks_fused[0][1]
+        assert np.array_equal(keys if order is None else keys[order.numpy()], np.sort(keys))
         remote = np.concatenate([keys for _, keys in blocks[1:]])
         assert sorted(remote.tolist()) == sorted(plan.comm.recv_rows(rank).tolist())
 

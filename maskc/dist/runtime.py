@@ -56,9 +56,9 @@ def stage_tables(plan: Plan, stage: int) -> CommTables:
 
 def local_mask(plan: Plan, rank: int, *sources: int | None) -> Mask:
     """The mask of `rank`'s queries (its local rows) against the keys of one kernel call, in
-    local coordinates: the keys of `sources` one after another, each None (its own keys) or a
-    remote stage i (the keys it receives in stage i, in buffer order); by default its own keys.
-    Built once per plan, rank and sources."""
+    local coordinates: the keys of `sources`, each None (its own keys) or a remote stage i (the
+    keys it receives in stage i), in ascending global position (`key_order`); by default its
+    own keys. Built once per plan, rank and sources."""
     sources = sources or (None,)
     key = ("local_mask", rank, sources)
     cached = _memo(plan).get(key)
@@ -70,6 +70,7 @@ def local_mask(plan: Plan, rank: int, *sources: int | None) -> Mask:
         [np.stack([own * cs, (own + 1) * cs], axis=1) if s is None else stage_tables(plan, s).recv(rank).reshape(-1, 2)
          for s in sources]  # fmt: skip
     )
+    ranges = ranges[np.argsort(ranges[:, 0], kind="stable")]
     lengths = ranges[:, 1] - ranges[:, 0]
     offsets = np.cumsum(lengths) - lengths  # where each key range starts in the call's keys
     order = np.argsort(ranges[:, 0], kind="stable")
@@ -99,6 +100,19 @@ def local_mask(plan: Plan, rank: int, *sources: int | None) -> Mask:
     mask = Mask.from_arrays(q, k, t, own.size * cs, int(lengths.sum()))
     _memo(plan)[key] = mask
     return mask
+
+
+def key_order(plan: Plan, rank: int, sources: tuple[int | None, ...], device: torch.device) -> torch.Tensor | None:
+    """A call's keys in ascending global position, as rows of its sources' buffers laid end to
+    end (own keys, then each stage's in receive order); None when they already are. A document's
+    keys then sit together whichever rank held them, as in one GPU's sequence, so the kernel
+    meets the same runs (and no more partial blocks) than without context parallelism."""
+    key = ("key_order", rank, sources, device)
+    if key not in _memo(plan):
+        rows = np.concatenate([plan.comm.local_rows(rank) if s is None else stage_tables(plan, s).recv_rows(rank) for s in sources])
+        order = np.argsort(rows, kind="stable")
+        _memo(plan)[key] = None if np.array_equal(order, np.arange(order.size)) else torch.from_numpy(order).to(device)
+    return _memo(plan)[key]
 
 
 # ---- process group helpers --------------------------------------------------------------------
@@ -322,10 +336,12 @@ class _StagedAttention(torch.autograd.Function):
 
         parts, keys_values = [], []
         for sources in _calls(plan):
+            order = key_order(plan, rank, sources, kv.device)
             if sources == (None,):
-                keys, values = k, v
+                keys, values = k, v  # own keys: ascending already
             else:
                 joined = torch.cat([kv if s is None else arrived(s) for s in sources])
+                joined = joined if order is None else joined[order]
                 keys, values = joined[:, :hkv].contiguous(), joined[:, hkv:].contiguous()
             keys_values += [keys, values]
             if keys.shape[0]:
@@ -360,6 +376,9 @@ class _StagedAttention(torch.autograd.Function):
                 partial = torch.cat([dk, dv], dim=1)
             else:
                 partial = keys.new_empty(0, 2 * hkv, keys.shape[2])
+            order = key_order(plan, rank, sources, partial.device)
+            if order is not None:  # back to the sources' buffer order
+                partial = torch.empty_like(partial).index_copy_(0, order, partial)
             start = 0
             for s in sources:
                 rows = local_rows if s is None else int(stage_tables(plan, s).recv_counts[rank].sum())
