@@ -1,10 +1,11 @@
 """Scaling plot of bench/dist.py's rows: per-GPU TFLOP/s against the number of GPUs, one column
-per mask, forward above and backward below, maskc (one stage plan, chosen with --plan) beside
-the baselines measured in the same runs.
+per mask, forward above and backward below, maskc beside the baselines measured in the same
+runs.
 
-`python bench/dist_plot.py ROWS.jsonl [...] --out PLOT.png --plan 1f`: the rows of several
-torchrun runs (one per GPU count); a row's maskc figure for plan "1f" (one stage, local keys
-fused) is its `maskc_1f` entry, or its `maskc` entry when the cost model picked that plan.
+`python bench/dist_plot.py ROWS.jsonl [...] --out PLOT.png [--plan 1f]`: the rows of several
+torchrun runs (one per GPU count). maskc is the cost model's plan (`maskc`), or with --plan a
+forced one: for "1f" (one stage, local keys fused) a row's `maskc_1f` entry, or its `maskc`
+entry when the model picked that plan.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ BASELINES = {"torch_ring": "PyTorch ring CP", "flex_allgather": "all-gather + Fl
 
 
 def maskc_figure(row: dict[str, Any], plan: str) -> list[float] | None:
-    """The row's (fwd, bwd) TFLOP/s of maskc run with stage plan `plan` ("2", "1f", ...)."""
+    """The row's (fwd, bwd) TFLOP/s of maskc with stage plan `plan` ("model", "2", "1f", ...)."""
     chosen = f"{row['num_stages']}{'f' if row.get('fuse_local') else ''}"
-    value = row.get("maskc") if chosen == plan else row.get(f"maskc_{plan}")
+    value = row.get("maskc") if plan in ("model", chosen) else row.get(f"maskc_{plan}")
     return value if isinstance(value, list) else None
 
 
@@ -33,7 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rows", nargs="+", type=Path)
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--plan", default="1f", help="maskc's stage plan to plot: a stage count, 'f' for local fusion")
+    parser.add_argument("--plan", default="model", help="maskc's stage plan: the model's, or a stage count ('f': fused)")
     args = parser.parse_args()
     rows = [json.loads(line) for path in args.rows for line in path.read_text().splitlines() if '"mask"' in line]
     masks = list(dict.fromkeys(r["mask"] for r in rows))
