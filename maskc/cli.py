@@ -108,7 +108,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json and len(chosen) > 1:
         raise MaskcError(f"--json prints one plan; {args.file} defines {len(chosen)} masks: pick one with --mask")
     for family, given in chosen:
-        plan = make_plan(family.lower(**given), args.cp, args.chunk_size, algorithm=args.algorithm, num_stages=args.stages)
+        plan = make_plan(family.lower(**given), args.cp, args.chunk_size, algorithm=args.algorithm, num_stages=args.stages,
+                         fuse_local=args.fuse_local)  # fmt: skip
         print(plan.to_json() if args.json else format_report(plan, family.name))
         if args.png:
             png = Path(args.png) if len(chosen) == 1 else Path(args.png).with_name(f"{family.name}_{Path(args.png).name}")
@@ -248,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     common(plan)
     dist_options(plan, True)
     plan.add_argument("--stages", type=_positive, metavar="N", help="overlap stages (default: the cost model's best)")
+    plan.add_argument(
+        "--fuse-local", action=argparse.BooleanOptionalAction, default=None,
+        help="run the first stage's keys in the local call, or not (default: the cost model's choice)",
+    )
     plan.add_argument("--json", action="store_true", help="print Plan.to_json() (one mask: pick it with --mask)")
     plan.add_argument("--png", metavar="PATH", help="also draw which chunks went where and the per-rank areas")
     plan.set_defaults(func=_plan)

@@ -137,6 +137,12 @@ def test_plan_command_json_png_and_report(tmp_path: Path) -> None:
     report = maskc_cli("plan", "examples/varlen_causal.mask", *docs, "--cp", "4", "--algorithm", "greedy")
     assert report.returncode == 0, report.stderr
     assert "imbalance" in report.stdout and "ring P2P" in report.stdout and "all-gather" in report.stdout
+    for flag, fused in (("--fuse-local", True), ("--no-fuse-local", False)):
+        forced = maskc_cli("plan", "examples/varlen_causal.mask", *docs, "--cp", "4", "--stages", "2", flag, "--json")
+        assert forced.returncode == 0, forced.stderr
+        assert (json.loads(forced.stdout)["num_stages"], json.loads(forced.stdout)["fuse_local"]) == (2, fused)
+    fused = maskc_cli("plan", "examples/varlen_causal.mask", *docs, "--cp", "4", "--fuse-local")
+    assert "fused with the local keys" in fused.stdout
     bad = maskc_cli("plan", "examples/varlen_causal.mask", "--cp", "4", "--algorithm", "nope")
     assert bad.returncode == 2 and "unknown dispatch algorithm" in bad.stderr
 

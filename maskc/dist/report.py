@@ -31,7 +31,8 @@ def format_report(plan: Plan, name: str) -> str:
         f"    maskc         {volume(comm, baseline=False)}",
         f"    ring P2P      {volume(s['ring_p2p_rows_total'])}",
         f"    all-gather    {volume(s['allgather_rows_total'])}",
-        f"  overlap stages  {s['num_stages']}; modelled forward {s['modelled_forward_s'] * 1e3:.3f} ms, "
+        f"  overlap stages  {s['num_stages']}{' (the first fused with the local keys: one call)' if s['fuse_local'] else ''}; "
+        f"modelled forward {s['modelled_forward_s'] * 1e3:.3f} ms, "
         f"backward {s['modelled_backward_s'] * 1e3:.3f} ms",
         f"  {'rank':>6} {'chunks':>7} {'area':>16} {'recv MiB':>10} {'ring MiB':>10} {'all-gather MiB':>15}",
     ]
