@@ -4,8 +4,9 @@ For full, causal, varlen full, varlen causal and varlen block causal masks at cp
 64 with 8k tokens per rank (documents from the real length histogram, `common.pack_documents`),
 prints per algorithm the imbalance (max / mean rank area), the largest rank area against the
 lower bound, the K/V rows maskc's tables move against ring P2P and all-gather, the chosen
-stage count and whether stage 1 is fused into the local call, plus the planning time.
-Run: `python bench/dist_plan.py [--cp 8,16,32,64] [--tokens-per-rank 8192]`.
+stage count and whether stage 1 is fused into the local call, the modelled forward and
+backward time (the cost model's defaults: an H200 with NVLink), plus the planning time.
+Run: `python bench/dist_plan.py [--cp 8,16,32,64] [--tokens-per-rank 8192] [--algorithms swap]`.
 """
 
 from __future__ import annotations
@@ -45,16 +46,17 @@ def main() -> None:
     parser.add_argument("--cp", default="8,16,32,64")
     parser.add_argument("--tokens-per-rank", type=int, default=8192)
     parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
     args = parser.parse_args()
     print(
         f"{'mask':20} {'cp':>3} {'algorithm':10} {'imbalance':>9} {'max/LB':>7} {'maskc rows':>12} "
-        f"{'ring rows':>12} {'allgather rows':>14} {'stages':>6} {'fused':>5} {'plan ms':>8}"
+        f"{'ring rows':>12} {'allgather rows':>14} {'stages':>6} {'fused':>5} {'fwd ms':>7} {'bwd ms':>7} {'plan ms':>8}"
     )
     for cp in map(int, args.cp.split(",")):
         seqlen = cp * args.tokens_per_rank
         for name in MASKS:
             mask = seed_mask(name, seqlen)
-            for algorithm in ALGORITHMS:
+            for algorithm in args.algorithms.split(","):
                 start = time.perf_counter()
                 plan = make_plan(mask, cp, args.chunk_size, algorithm=algorithm)
                 ms = (time.perf_counter() - start) * 1e3
@@ -62,7 +64,8 @@ def main() -> None:
                 print(
                     f"{name:20} {cp:>3} {algorithm:10} {s['imbalance']:9.4f} {s['max_area'] / max(s['lower_bound'], 1):7.4f} "
                     f"{s['comm_rows_total']:12,} {s['ring_p2p_rows_total']:12,} {s['allgather_rows_total']:14,} "
-                    f"{s['num_stages']:>6} {'yes' if s['fuse_local'] else 'no':>5} {ms:8.1f}",
+                    f"{s['num_stages']:>6} {'yes' if s['fuse_local'] else 'no':>5} {s['modelled_forward_s'] * 1e3:7.2f} "
+                    f"{s['modelled_backward_s'] * 1e3:7.2f} {ms:8.1f}",
                     flush=True,
                 )
 
