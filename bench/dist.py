@@ -11,8 +11,9 @@ all-gathering K and V and running FlexAttention on its contiguous query shard (t
 reduce-scatters dK, dV) on every mask. `--also` adds maskc with forced stage plans beside the
 cost model's, `--sm-margins` a sweep of the SMs left to NCCL; with several GPUs the all-to-all
 bandwidth (what CostModel.bandwidth stands for) is measured first. Rank 0 appends one JSON row
-per mask to OUT/dist.jsonl and prints a table. `--device cpu` runs the maskc path only, over gloo with the reference
-attention in float32 (a smoke test of the harness, not a benchmark).
+per mask to OUT/dist.jsonl and prints a table (plot the rows with bench/dist_plot.py).
+`--device cpu` runs the maskc path only, over gloo with the reference attention in float32 (a
+smoke test of the harness, not a benchmark).
 """
 
 from __future__ import annotations

@@ -336,11 +336,11 @@ class _StagedAttention(torch.autograd.Function):
 
         parts, keys_values = [], []
         for sources in _calls(plan):
-            order = key_order(plan, rank, sources, kv.device)
             if sources == (None,):
                 keys, values = k, v  # own keys: ascending already
             else:
                 joined = torch.cat([kv if s is None else arrived(s) for s in sources])
+                order = key_order(plan, rank, sources, kv.device)
                 joined = joined if order is None else joined[order]
                 keys, values = joined[:, :hkv].contiguous(), joined[:, hkv:].contiguous()
             keys_values += [keys, values]
@@ -360,8 +360,7 @@ class _StagedAttention(torch.autograd.Function):
         q, sink, out, lse, *keys_values = ctx.saved_tensors
         opt = ctx.opt
         plan, rank = opt.plan, opt.rank
-        k, v = keys_values[0], keys_values[1]
-        hkv, local_rows = k.shape[1], q.shape[0]
+        hkv, kv_dtype, local_rows = keys_values[0].shape[1], keys_values[0].dtype, q.shape[0]
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         calls = _calls(plan)
@@ -394,7 +393,7 @@ class _StagedAttention(torch.autograd.Function):
         for s, back, work in reduces:
             _finish("GroupReduce", work)
             dkv.index_add_(0, _rows(plan, "scatter", rank, dkv.device, s), back.to(dkv.dtype))
-        dkv = dkv.to(k.dtype)
+        dkv = dkv.to(kv_dtype)
         return dq.to(q.dtype), dkv[:, :hkv], dkv[:, hkv:], dsink, None
 
 
@@ -418,8 +417,8 @@ def attention(
     `sm_margin` SMs to the transfers running beside them. It defaults to 0: the transfers are
     issued before the kernels they overlap, so NCCL holds its SMs first; on 4 H200s (one
     unfused stage) leaving 8 SMs moved the forward by -2% to +3% and cost the backward 2.5-5%
-    on four of the five benchmark masks (it gained 4.6% on the fifth). The sinks' gradient on each rank is its rows' share: sum it over
-    ranks like any replicated parameter's (DDP does)."""
+    on four of the five benchmark masks (it gained 4.6% on the fifth). The sinks' gradient on
+    each rank is its rows' share: sum it over ranks like any replicated parameter's (DDP does)."""
     rank = _rank(plan, group)
     rows = plan.padded_length // plan.cp_size
     for name, x in (("q", q), ("k", k), ("v", v)):
