@@ -166,3 +166,27 @@ def test_a_rank_that_never_joins_is_a_clear_timeout_error() -> None:
     assert results.get(timeout=120) == "ok"
     for p in procs:
         p.join(timeout=60)
+
+
+def test_attention_input_errors_name_the_problem(tmp_path) -> None:
+    """One process: no process group, a plan for another world size, rows that are not this
+    rank's and a bad sm_margin are refused with the reason."""
+    mask = MASKS["varlen_causal"]()
+    plan = make_plan(mask, 1, 16)
+    q, k = torch.randn(SEQ, HQ, D, dtype=torch.float64), torch.randn(SEQ, HKV, D, dtype=torch.float64)
+    with pytest.raises(maskc.MaskcError, match="initialised torch.distributed process group"):
+        maskc.dist.attention(q, k, k, plan)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        local = [maskc.dist.dispatch(x, plan) for x in (q, k, k)]
+        with pytest.raises(maskc.MaskcError, match="plan is for 2 ranks but the process group has 1"):
+            maskc.dist.attention(*local, make_plan(mask, 2, 16))
+        with pytest.raises(maskc.MaskcError, match="q must be this rank's"):
+            maskc.dist.attention(local[0][:-1], *local[1:], plan)
+        for bad in (-1, 2.0, True):
+            with pytest.raises(maskc.MaskcError, match="sm_margin must be a non-negative int"):
+                maskc.dist.attention(*local, plan, sm_margin=bad)
+        out, _ = maskc.dist.attention(*local, plan)
+        torch.testing.assert_close(maskc.dist.undispatch(out, plan), maskc.reference_attention(q, k, k, mask)[0])
+    finally:
+        dist.destroy_process_group()

@@ -424,6 +424,8 @@ def attention(
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != rows:
             raise MaskcError(f"{name} must be this rank's [{rows}, heads, head_dim] rows (from maskc.dist.dispatch)")
+    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int) or sm_margin < 0:
+        raise MaskcError(f"sm_margin must be a non-negative int (SMs left to NCCL), got {sm_margin!r}")
     _check_same_plan(plan, group, q.device)
     opt = _Options(plan, rank, group, softmax_scale, float(softcap), return_max_logits, int(sm_margin))
     out, lse, max_logits = _StagedAttention.apply(q, k, v, sink, opt)
