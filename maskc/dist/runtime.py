@@ -321,28 +321,38 @@ class _StagedAttention(torch.autograd.Function):
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None, opt: _Options
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         plan, rank, hkv = opt.plan, opt.rank, k.shape[1]
-        kv = torch.cat([k, v], dim=1)  # one collective for both
+        own, fused = k.shape[0], plan.stages.fuse_local
+        recv = [int(stage_tables(plan, i).recv_counts[rank].sum()) for i in range(plan.stages.num_stages)]
+        # K and V side by side (one collective moves both). Fused, the own rows head the buffer
+        # stage 0's keys land in, so the fused call's keys are in place with no concatenation.
+        if fused:
+            joined = k.new_empty(own + recv[0], 2 * hkv, k.shape[2])
+            kv = joined[:own]
+            kv[:, :hkv], kv[:, hkv:] = k, v
+            landing = [joined[own:]]
+        else:
+            kv = torch.cat([k, v], dim=1)
+            landing = []
+        landing += [kv.new_empty(rows, *kv.shape[1:]) for rows in recv[len(landing) :]]
         fetches = []
-        for i in range(plan.stages.num_stages):
+        for i, buf in enumerate(landing):
             comm = stage_tables(plan, i)
-            buf = kv.new_empty(int(comm.recv_counts[rank].sum()), *kv.shape[1:])
             send = kv.index_select(0, _rows(plan, "gather", rank, kv.device, i))
-            fetches.append((buf, _start("GroupCast", buf, send, comm.recv_counts[rank], comm.send_counts[rank], opt.group)))
-
-        def arrived(stage: int) -> torch.Tensor:
-            buf, work = fetches[stage]
-            _finish("GroupCast", work)
-            return buf
+            fetches.append(_start("GroupCast", buf, send, comm.recv_counts[rank], comm.send_counts[rank], opt.group))
 
         parts, keys_values = [], []
         for sources in _calls(plan):
             if sources == (None,):
                 keys, values = k, v  # own keys: ascending already
             else:
-                joined = torch.cat([kv if s is None else arrived(s) for s in sources])
+                for stage in filter(lambda s: s is not None, sources):
+                    _finish("GroupCast", fetches[stage])
+                buf = joined if None in sources else landing[sources[0]]
                 order = key_order(plan, rank, sources, kv.device)
-                joined = joined if order is None else joined[order]
-                keys, values = joined[:, :hkv].contiguous(), joined[:, hkv:].contiguous()
+                if order is None:
+                    keys, values = buf[:, :hkv].contiguous(), buf[:, hkv:].contiguous()
+                else:  # gathered in ascending global position, straight into K and V
+                    keys, values = buf[order, :hkv], buf[order, hkv:]
             keys_values += [keys, values]
             if keys.shape[0]:
                 local = None in sources
@@ -372,12 +382,14 @@ class _StagedAttention(torch.autograd.Function):
                 dk, dv, dsink_c = opt.backward(q, keys, values, out, lse, dout, dlse, local_mask(plan, rank, *sources),
                                                sink if local else None, dq)  # fmt: skip
                 dsink = dsink_c if local else dsink
-                partial = torch.cat([dk, dv], dim=1)
+                order = key_order(plan, rank, sources, dk.device)
+                if order is None:
+                    partial = torch.cat([dk, dv], dim=1)
+                else:  # back to the sources' buffer order
+                    partial = dk.new_empty(dk.shape[0], 2 * hkv, dk.shape[2])
+                    partial[order, :hkv], partial[order, hkv:] = dk, dv
             else:
                 partial = keys.new_empty(0, 2 * hkv, keys.shape[2])
-            order = key_order(plan, rank, sources, partial.device)
-            if order is not None:  # back to the sources' buffer order
-                partial = torch.empty_like(partial).index_copy_(0, order, partial)
             start = 0
             for s in sources:
                 rows = local_rows if s is None else int(stage_tables(plan, s).recv_counts[rank].sum())
