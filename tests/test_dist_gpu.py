@@ -7,7 +7,6 @@ heads 8:2, head_dim 128, bf16, forward and backward.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from datetime import timedelta
 
@@ -19,6 +18,8 @@ import torch.multiprocessing as mp
 import maskc
 from maskc.dist import make_plan
 from maskc.ir import Mask
+
+from test_dist_runtime import run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -79,16 +80,4 @@ def _worker(rank: int, world: int, port: int, name: str, errors: mp.Queue) -> No
 def test_nccl_forward_and_backward_with_maskc_kernels(world: int, name: str) -> None:
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, name, errors)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    failures = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    assert not failures, "\n".join(failures)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(_worker, world, name, timeout=300)

@@ -72,6 +72,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(worker, world: int, *args, timeout: float) -> None:
+    """worker(rank, world, port, *args, errors) in one spawned process per rank; fails with
+    every rank's traceback (put on `errors`) or exit code."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, errors)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    failures = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    assert not failures, "\n".join(failures)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
 def _worker(rank: int, world: int, port: int, name: str, algorithm: str, stages: tuple, errors: mp.Queue) -> None:
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -121,17 +137,7 @@ def test_gloo_forward_and_backward_equal_the_reference(world: int, name: str, al
     """The stage pipeline ((stage count, local fusion): 2 fused, 3 unfused, 1 fused (a single
     call), or the cost model's choice) gives the reference's output, lse, max_logits and
     gradients."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, name, algorithm, stages, errors)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    failures = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    assert not failures, "\n".join(failures)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(_worker, world, name, algorithm, stages, timeout=240)
 
 
 def _lonely_worker(rank: int, port: int, results: mp.Queue) -> None:

@@ -345,8 +345,9 @@ class _StagedAttention(torch.autograd.Function):
             if sources == (None,):
                 keys, values = k, v  # own keys: ascending already
             else:
-                for stage in filter(lambda s: s is not None, sources):
-                    _finish("GroupCast", fetches[stage])
+                for stage in sources:
+                    if stage is not None:
+                        _finish("GroupCast", fetches[stage])
                 buf = joined if None in sources else landing[sources[0]]
                 order = key_order(plan, rank, sources, kv.device)
                 if order is None:
