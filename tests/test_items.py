@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from maskc.ir import Mask
-from maskc.ir.items import SECTION, deal, heads_inner, section_order, sync_group_order
+from maskc.ir.items import ASCENDING, HEADS_INNER, SECTION, deal, heads_inner, section_order, sync_group_order
 from maskc.ir.schedule import build_backward_schedule
 
 
@@ -17,13 +17,42 @@ def test_heads_inner_only_where_tiles_share_their_last_block() -> None:
 def test_sync_groups_run_together_heaviest_item_first_ties_by_last_block() -> None:
     last = np.array([5, 9, 5, 2, 9])
     cost = np.array([3, 8, 1, 8, 2])
-    order = sync_group_order(last, cost, num_heads_kv=2)
+    order = sync_group_order(last, cost, num_heads_kv=2, num_ctas=4)
     # Groups: {1, 4} (heaviest item 8, ends at 9), {3} (8, ends at 2), {0, 2} (3): ties by last block.
+    # Inside a group each head's works pair up, the lighter one walking first to last.
     assert order.tolist() == [
         [3, 0, 0], [3, 1, 0],
-        [1, 0, 1], [4, 0, 1], [1, 1, 1], [4, 1, 1],
-        [0, 0, 1], [2, 0, 1], [0, 1, 1], [2, 1, 1],
+        [1, 0, 1], [4, 0, 3], [1, 1, 1], [4, 1, 3],
+        [0, 0, 1], [2, 0, 3], [0, 1, 1], [2, 1, 3],
     ]  # fmt: skip
+
+
+def test_a_group_pairs_its_longest_and_shortest_works() -> None:
+    cost = np.array([5, 9, 2, 7, 4])
+    order = sync_group_order(np.full(5, 3), cost, num_heads_kv=1, num_ctas=5)
+    assert order[:, 0].tolist() == [1, 2, 3, 4, 0]  # (9, 2), (7, 4), then 5 alone
+    assert order[:, 2].tolist() == [HEADS_INNER, HEADS_INNER | ASCENDING] * 2 + [HEADS_INNER]
+
+
+def test_groups_pair_only_when_they_fill_every_cta_and_their_lengths_differ() -> None:
+    last = np.array([3, 3, 3, 8, 8])
+    cost = np.array([9, 2, 5, 4, 3])
+    # Group {0, 1, 2}: 6 items on 6 CTAs, costs 9 vs 2: pairs. Group {3, 4}: 4 items, too few.
+    order = sync_group_order(last, cost, num_heads_kv=2, num_ctas=6)
+    assert order[:, 0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
+    assert (order[:, 2] & ASCENDING).tolist() == [0, ASCENDING, 0] * 2 + [0] * 4
+    # Equal lengths (within PAIR_SPREAD) never pair, however many items.
+    even = sync_group_order(np.full(4, 3), np.array([4, 4, 3, 4]), num_heads_kv=8, num_ctas=2)
+    assert not (even[:, 2] & ASCENDING).any()
+
+
+def test_deal_keeps_a_pair_on_one_cta_and_counts_its_cost_once() -> None:
+    order = np.array([[0, 0, 1], [1, 0, 3], [2, 0, 1], [3, 0, 1]])
+    lists = deal(order, np.array([6, 4, 5, 5]), num_ctas=2)
+    # The pair (0, 1) costs 10: CTA 0 takes it, CTA 1 takes 2 then 3 (free at 5 < 10).
+    assert lists.cta_items.tolist() == [0, 2, 4] and lists.items[:, 0].tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="second of a pair"):
+        deal(order[1:], np.array([6, 4, 5, 5]), num_ctas=2)
 
 
 def test_section_order_keeps_k_tiles_ascending_per_head() -> None:
@@ -50,12 +79,12 @@ def test_deal_rejects_no_cta() -> None:
 
 def test_documents_walk_heads_innermost_a_sliding_window_outermost() -> None:
     docs = build_backward_schedule(Mask.from_cu_seqlens([0, 512, 1024], causal=True), 64, 128, 2, 4)
-    assert docs.items[:, 2].tolist() == [1] * len(docs.items)
+    assert (docs.items[:, 2] & HEADS_INNER).tolist() == [1] * len(docs.items)
     window = build_backward_schedule(Mask.sliding_window([0, 2048], left=255), 64, 128, 2, 4)
     tiles = window.work_tile[window.items[:, 0]]
     # The window's tiles end at distinct q blocks but the last ones, which share the last block.
     assert window.items[tiles < 12, 2].tolist() == [0] * int((tiles < 12).sum())
-    assert set(window.items[tiles >= 14, 2].tolist()) == {1}
+    assert set((window.items[tiles >= 14, 2] & HEADS_INNER).tolist()) == {1}
 
 
 def _heap_deal(costs: list[float], num_ctas: int) -> list[int]:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from maskc.errors import MaskError
 from maskc.ir import AttnSlice, Mask
-from maskc.ir.items import section_order
+from maskc.ir.items import ASCENDING, HEADS_INNER, section_order
 from maskc.ir.schedule import (
     BackwardSchedule,
     Schedule,
@@ -100,13 +100,16 @@ def test_bad_tile_shape() -> None:
 
 
 def check_items(s: BackwardSchedule, num_heads_kv: int, num_ctas: int) -> None:
-    """The CTAs' item lists hold every (work, K/V head) once, with one walk flag per work."""
+    """The CTAs' item lists hold every (work, K/V head) once, with one walk flag per work; the
+    second of a pair (ASCENDING) runs right after its partner on the same CTA, same head."""
     assert s.cta_items.tolist() == sorted(s.cta_items.tolist()) and len(s.cta_items) == num_ctas + 1
     assert s.cta_items[0] == 0 and s.cta_items[-1] == len(s.items) == s.num_work * num_heads_kv
     assert sorted(map(tuple, s.items[:, :2].tolist())) == [(w, h) for w in range(s.num_work) for h in range(num_heads_kv)]
     flags = {}
-    for w, _, inner in s.items.tolist():
-        assert flags.setdefault(w, inner) == inner and inner in (0, 1)
+    for w, _, flag in s.items.tolist():
+        assert flags.setdefault(w, flag) == flag and flag in (0, HEADS_INNER, HEADS_INNER | ASCENDING)
+    for i in np.flatnonzero(s.items[:, 2] & ASCENDING):
+        assert i not in s.cta_items[:-1] and s.items[i - 1, 1] == s.items[i, 1] and not s.items[i - 1, 2] & ASCENDING
 
 
 @given(
@@ -127,8 +130,10 @@ def test_backward_schedule_of_causal_skips_blocks_above_the_diagonal() -> None:
     s = build_backward_schedule(Mask.from_cu_seqlens([0, 1024], causal=True), 128, 128, 1, 1)
     # k tile n is needed by q blocks n..7: the first key tile is the heaviest.
     assert s.work_tile[0] == 0 and s.blocks_per_item().tolist() == [8, 7, 6, 5, 4, 3, 2, 1]
-    # Every tile ends at the last q block: one sync group, walked with the heads innermost.
-    assert s.items[:, 2].tolist() == [1] * 8
+    # Every tile ends at the last q block: one sync group, walked with the heads innermost, in
+    # (longest, shortest) pairs whose second walks first to last: 8 + 1, 7 + 2, 6 + 3, 5 + 4 blocks.
+    assert s.work_tile[s.items[:, 0]].tolist() == [0, 7, 1, 6, 2, 5, 3, 4]
+    assert s.items[:, 2].tolist() == [HEADS_INNER, HEADS_INNER | ASCENDING] * 4
 
 
 @given(masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 16]), st.sampled_from([1, 4, 8]), st.sampled_from([1, 3]))

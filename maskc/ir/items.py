@@ -10,10 +10,18 @@ varlen mask, every tile of a causal one). The kernel walks an item's q blocks la
 so the tiles of a group meet each Q / dO block and each block of dQ rows at the same time if
 they also take the query heads innermost (whatever their lengths); a tile alone in its
 group (a sliding window) walks heads outermost instead, a step behind its neighbour of the
-same length. Each item carries that choice (`heads_inner`).
+same length. Each item carries that choice (`HEADS_INNER` in its flags).
+
+A group's tiles have unequal lengths (a causal tile reaches from its diagonal to the end), so
+after its first item a CTA would start the next one while the others are midway, and the CTAs
+would spread over every head's Q / dO. So the tiles of a group that fills every CTA and whose
+lengths differ (`PAIR_SPREAD`) run in pairs on one CTA: the longest
+walks last to first, then the shortest first to last (`ASCENDING`); every CTA of the group is
+then at one of two q blocks at any time, and the pairs cost about the same, so they end
+together and the next ones start in step.
 
 - `sync_group_order`: group by group, heaviest items first; a group's items run together,
-  one K/V head after the other.
+  one K/V head after the other, in (longest, shortest) pairs where that pays.
 - `section_order`: k tile order in sections (the deterministic kernel's, whose CTAs may only
   wait for lower items: for each K/V head the k tiles ascend).
 """
@@ -28,12 +36,22 @@ import numpy as np
 ITEM_OVERHEAD_BLOCKS = 2
 #: Work items (k tiles) per section of `section_order`.
 SECTION = 16
+#: Item flags (items[:, 2]): take the query heads innermost; walk the q blocks first to last (the
+#: item runs right after the one before it on the same CTA: the two are a pair).
+HEADS_INNER = 1
+ASCENDING = 2
+#: A sync group runs in pairs when its longest tile costs at least this many times its shortest
+#: and its items fill every CTA (smaller groups do not spread the CTAs over many q blocks, and
+#: pairs would only coarsen the dealing: measured on the H100, pairs everywhere cost varlen
+#: masks up to 3%).
+PAIR_SPREAD = 1.5
 
 
 @dataclass(frozen=True, eq=False)
 class ItemLists:
-    """`items [I, 3]` int32 (work index into the schedule, K/V head, heads_inner), grouped by
-    CTA, each CTA's in priority order; `cta_items [G+1]` CSR offsets of each CTA's items."""
+    """`items [I, 3]` int32 (work index into the schedule, K/V head, flags: HEADS_INNER,
+    ASCENDING), grouped by CTA, each CTA's in priority order; `cta_items [G+1]` CSR offsets of
+    each CTA's items."""
 
     items: np.ndarray
     cta_items: np.ndarray
@@ -49,9 +67,10 @@ def heads_inner(last_block: np.ndarray) -> np.ndarray:
     return (size[group_of] > 1).astype(np.int64)
 
 
-def _groups_by_head(works: np.ndarray, sizes: np.ndarray, inner: np.ndarray, num_heads_kv: int) -> np.ndarray:
-    """(work, head, heads_inner) rows: `works` cut into consecutive groups of `sizes`, each
-    group's works repeated for every K/V head, head-major inside the group."""
+def _groups_by_head(works: np.ndarray, sizes: np.ndarray, flags: np.ndarray, num_heads_kv: int) -> np.ndarray:
+    """(work, head, flags) rows: `works` (with their `flags`, aligned) cut into consecutive
+    groups of `sizes`, each group's works repeated for every K/V head, head-major inside the
+    group."""
     group = np.repeat(np.arange(sizes.size), sizes)
     start = np.r_[0, np.cumsum(sizes)[:-1]]
     within = np.arange(works.size) - start[group]
@@ -60,15 +79,30 @@ def _groups_by_head(works: np.ndarray, sizes: np.ndarray, inner: np.ndarray, num
     out = np.empty((works.size * num_heads_kv, 3), np.int64)
     out[pos.ravel(), 0] = np.repeat(works, num_heads_kv)
     out[pos.ravel(), 1] = np.tile(heads, works.size)
-    out[pos.ravel(), 2] = np.repeat(inner[works], num_heads_kv)
+    out[pos.ravel(), 2] = np.repeat(flags, num_heads_kv)
     return out
 
 
-def sync_group_order(last_block: np.ndarray, cost: np.ndarray, num_heads_kv: int) -> np.ndarray:
+def _in_pairs(works: np.ndarray, sizes: np.ndarray, cost: np.ndarray, paired: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The works of each `paired` group (consecutive groups of `sizes`) reordered longest,
+    shortest, second longest, second shortest, ...; and True where a work is the second of its
+    pair. Other groups keep their order."""
+    group = np.repeat(np.arange(sizes.size), sizes)
+    start = np.r_[0, np.cumsum(sizes)[:-1]]
+    by_cost = works[np.lexsort((-cost[works], group))]  # heaviest first inside each group
+    within = np.arange(works.size) - start[group]
+    rank = np.where(within % 2 == 0, within // 2, sizes[group] - 1 - within // 2)
+    pair = paired[group]
+    return np.where(pair, by_cost[start[group] + rank], works), pair & (within % 2 == 1)
+
+
+def sync_group_order(last_block: np.ndarray, cost: np.ndarray, num_heads_kv: int, num_ctas: int) -> np.ndarray:
     """Items group by group, the group with the heaviest item first, ties by last block (so
     equal items start in step: a sliding window's tiles run in rounds, its light last tiles
-    after them); inside a group head by head, each head's works in schedule order.
-    `last_block[w]` is the end of work w's last run (-1: none), `cost[w]` its estimated cost."""
+    after them); inside a group head by head, each head's works in (longest, shortest) pairs,
+    the second of each ASCENDING, if the group's items fill `num_ctas` CTAs and its costs
+    differ by PAIR_SPREAD. `last_block[w]` is the end of work w's last run (-1: none),
+    `cost[w]` its estimated cost."""
     groups, group_of = np.unique(last_block, return_inverse=True)
     heaviest = np.zeros(groups.size)
     np.maximum.at(heaviest, group_of, cost)
@@ -76,32 +110,42 @@ def sync_group_order(last_block: np.ndarray, cost: np.ndarray, num_heads_kv: int
     rank[np.lexsort((groups, -heaviest))] = np.arange(groups.size)
     works = np.lexsort((np.arange(last_block.size), rank[group_of]))  # by group rank, stable
     sizes = np.bincount(rank[group_of], minlength=groups.size)
-    return _groups_by_head(works, sizes, heads_inner(last_block), num_heads_kv)
+    lightest = np.full(groups.size, np.inf)
+    np.minimum.at(lightest, group_of, cost)
+    by_rank = np.argsort(rank)
+    paired = (sizes * num_heads_kv >= num_ctas) & (heaviest[by_rank] >= PAIR_SPREAD * lightest[by_rank])
+    works, second = _in_pairs(works, sizes, cost, paired)
+    flags = heads_inner(last_block)[works] * HEADS_INNER + second * ASCENDING
+    return _groups_by_head(works, sizes, flags, num_heads_kv)
 
 
 def section_order(last_block: np.ndarray, num_heads_kv: int) -> np.ndarray:
     """Items in sections of SECTION works in schedule order; inside a section head by head."""
     num_work = last_block.size
     sizes = np.diff(np.r_[np.arange(0, num_work, SECTION), num_work])
-    return _groups_by_head(np.arange(num_work), sizes, heads_inner(last_block), num_heads_kv)
+    return _groups_by_head(np.arange(num_work), sizes, heads_inner(last_block) * HEADS_INNER, num_heads_kv)
 
 
 def deal(order: np.ndarray, cost: np.ndarray, num_ctas: int) -> ItemLists:
-    """Greedy list scheduling: each item of `order` (rows (work, head, heads_inner)) goes to the
-    CTA that is free first, given `cost[work]`; ties go to the lower CTA. Each CTA keeps its
-    items in `order`'s order (what the deterministic kernel's deadlock freedom needs).
+    """Greedy list scheduling: each unit of `order` (rows (work, head, flags); an ASCENDING row
+    joins the row before it: a pair) goes to the CTA that is free first, given the `cost[work]`
+    of its rows; ties go to the lower CTA. Each CTA keeps its items in `order`'s order (what
+    the deterministic kernel's deadlock freedom needs).
 
     Vectorised in rounds: with the CTAs sorted by free time, the next items go to them in that
     order for as long as no item of the round would free its CTA before the next CTA's turn
     (then the round ends, exactly where the one-at-a-time rule would diverge)."""
     if num_ctas < 1:
         raise ValueError(f"num_ctas must be at least 1, got {num_ctas}")
-    costs = cost[order[:, 0]].astype(np.float64)
+    if len(order) and order[0, 2] & ASCENDING:
+        raise ValueError("the first item cannot be the second of a pair (ASCENDING)")
+    unit = np.cumsum((order[:, 2] & ASCENDING) == 0) - 1
+    costs = np.bincount(unit, weights=cost[order[:, 0]].astype(np.float64)) if len(order) else np.zeros(0)
     free = np.zeros(num_ctas)
     ctas = np.arange(num_ctas)
-    owner = np.empty(len(order), np.int64)
+    owner = np.empty(costs.size, np.int64)
     i = 0
-    while i < len(order):
+    while i < costs.size:
         by = np.lexsort((ctas, free))
         chunk = costs[i : i + num_ctas]
         starts = free[by[: chunk.size]]
@@ -111,6 +155,7 @@ def deal(order: np.ndarray, cost: np.ndarray, num_ctas: int) -> ItemLists:
         owner[i : i + n] = by[:n]
         free[by[:n]] += chunk[:n]
         i += n
+    owner = owner[unit]
     by_cta = np.argsort(owner, kind="stable")
     cta_items = np.r_[0, np.cumsum(np.bincount(owner, minlength=num_ctas))]
     return ItemLists(

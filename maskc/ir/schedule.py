@@ -151,7 +151,7 @@ def build_schedule(mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool
 @dataclass(frozen=True, eq=False)
 class BackwardSchedule(Schedule):
     """A transposed schedule (work items are k tiles, runs are q blocks) plus the persistent
-    CTAs' item lists (`maskc.ir.items`): `items [I, 3]` (work, K/V head, heads_inner) CTA by CTA and
+    CTAs' item lists (`maskc.ir.items`): `items [I, 3]` (work, K/V head, walk flags) CTA by CTA and
     `cta_items [G+1]`, their CSR offsets; the launch uses G CTAs."""
 
     items: np.ndarray
@@ -185,7 +185,7 @@ def build_backward_schedule(mask: Mask, tile_m: int, tile_n: int, num_heads_kv: 
     `num_ctas` CTAs in sync groups (`maskc.ir.items.sync_group_order`)."""
     s = build_schedule(mask.transpose(), tile_n, tile_m)
     cost = _item_cost(s)
-    lists = deal(sync_group_order(_last_blocks(s), cost, num_heads_kv), cost, num_ctas)
+    lists = deal(sync_group_order(_last_blocks(s), cost, num_heads_kv, num_ctas), cost, num_ctas)
     return BackwardSchedule(**_with_items(s, lists))
 
 
