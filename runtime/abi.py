@@ -99,7 +99,7 @@ BACKWARD_ABI: tuple[Arg, ...] = (
     TensorArg("dlse", "float32", ("DL", "Hq")),
     TensorArg("lse_log2", "float32", ("QP",), align=16),
     TensorArg("delta", "float32", ("QP",), align=16),
-    TensorArg("dq_accum", "float32", ("Tq", "Hq", "D"), align=16),
+    TensorArg("dq_accum", "float32", ("Tq8", "Hq", "D"), align=16),
     TensorArg("dk", "input", ("Tk", "Hkv", "D")),
     TensorArg("dv", "input", ("Tk", "Hkv", "D")),
     TensorArg("dq_semaphore", "int32", ("QS",)),
@@ -117,7 +117,8 @@ tile_m; the main kernel loads a block's with one TMA copy) into the caller's scr
 `lse_log2` = lse * log2(e), +inf for padding and rows with no key (P = 0); `delta` =
 rowsum(dO * O) - dlse in float32, 0 for padding. dK/dV are owned per (k tile, kv head) and
 summed over the kv head's query heads; dQ (times the softmax scale) is added to `dq_accum` in
-fp32 by TMA reductions (zeroed by the caller). Deterministic variants order those additions:
+fp32 by TMA reductions (zeroed by the caller; Tq8 = Tq rounded up to a multiple of 8: the
+kernel adds whole 8-row groups, rows >= Tq unused). Deterministic variants order those additions:
 `dq_semaphore` [Hq * ceil(Tq / tile_m) * 2] counts the additions landed per (head, q block,
 warpgroup) (zeroed by the caller), and `work_blocks` / `block_rank` come from
 `build_deterministic_backward_schedule`; other variants never read the three (one element each).

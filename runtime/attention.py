@@ -338,17 +338,20 @@ def _backward(q, k, v, out, lse, sink, dout, dlse, call: _Call, dq_accum: torch.
     softmax with no value: d sink = -sum over rows of P_sink * (rowsum(dO * O) - dlse)). With
     `dq_accum` (float32, like q) the kernel adds dQ into it and dq is that buffer, uncast."""
     entry = call.kernel
-    tq, hq, _ = q.shape
+    tq, hq, d = q.shape
     padded = -(-tq // entry.tile_m) * entry.tile_m
     accumulate = dq_accum is not None
-    if not accumulate:
-        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    # The kernel adds whole 8-row groups of dQ (the ABI's Tq8): pad the buffer when Tq is not a multiple.
+    rows8 = -(-tq // 8) * 8
+    dq_rows = dq_accum if accumulate and rows8 == tq else torch.zeros(rows8, hq, d, dtype=torch.float32, device=q.device)
+    if accumulate and dq_rows is not dq_accum:
+        dq_rows[:tq] = dq_accum
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     # The preprocess kernel fills the statistics (head-major, padded to whole q blocks).
     delta = torch.empty(hq, padded, dtype=torch.float32, device=q.device)
     tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout.contiguous(), "lse": lse,
                "dlse": dlse if dlse is not None else lse[:0], "lse_log2": torch.empty_like(delta).view(-1),
-               "delta": delta.view(-1), "dq_accum": dq_accum, "dk": dk, "dv": dv}  # fmt: skip
+               "delta": delta.view(-1), "dq_accum": dq_rows, "dk": dk, "dv": dv}  # fmt: skip
     if entry.deterministic:  # one counter per (head, q block, consumer warpgroup)
         semaphores = hq * padded // entry.tile_m * (entry.tile_n // WARPGROUP_ROWS)
         tensors["dq_semaphore"] = torch.zeros(semaphores, dtype=torch.int32, device=q.device)
@@ -360,7 +363,11 @@ def _backward(q, k, v, out, lse, sink, dout, dlse, call: _Call, dq_accum: torch.
     if sink is not None:
         delta_rows = delta[:, :tq].t()  # [Tq, Hq]
         dsink = -(torch.exp(sink[None] - lse[:, None, :]) * delta_rows[:, None, :]).sum(dim=0)
-    return (dq_accum if accumulate else dq_accum.to(q.dtype)), dk, dv, dsink
+    if not accumulate:
+        return dq_rows[:tq].to(q.dtype), dk, dv, dsink
+    if dq_rows is not dq_accum:
+        dq_accum.copy_(dq_rows[:tq])
+    return dq_accum, dk, dv, dsink
 
 
 def _attn_fwd_impl(
