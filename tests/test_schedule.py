@@ -126,6 +126,19 @@ def test_backward_schedule_covers_exactly_the_transposed_mask(
     check_items(s, num_heads_kv, num_ctas)
 
 
+def test_lines_side_by_side_in_a_tile_fuse_into_full_blocks() -> None:
+    # Block causal in one document at 40..552, blocks of 128: band j of queries sees keys 40 ..
+    # its end. Transposed, keys 192..255 (all in block 1) see queries 168..551 through three
+    # bands' lines side by side; fused, only the blocks at 168 and 552 stay partial.
+    bands = [AttnSlice((40 + 128 * j, min(40 + 128 * (j + 1), 552)), (40, min(40 + 128 * (j + 1), 552)), "full") for j in range(4)]
+    s = build_schedule(Mask(bands, 552, 552).transpose(), 64, 64)
+    w = int(np.flatnonzero(s.work_tile == 3)[0])
+    runs = s.ranges[s.work_ranges[w] : s.work_ranges[w + 1]].tolist()
+    assert runs == [[2, 3, 1], [3, 8, 0], [8, 9, 1]]
+    assert s.work_lines[w + 1] - s.work_lines[w] == 1
+    assert s.lines[s.work_lines[w]].tolist() == [192, 256, 168, 0, 551, 0]
+
+
 def test_backward_schedule_of_causal_skips_blocks_above_the_diagonal() -> None:
     s = build_backward_schedule(Mask.from_cu_seqlens([0, 1024], causal=True), 128, 128, 1, 1)
     # k tile n is needed by q blocks n..7: the first key tile is the heaviest.

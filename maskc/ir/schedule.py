@@ -76,6 +76,30 @@ def _merge_runs(tile: np.ndarray, begin: np.ndarray, end: np.ndarray) -> tuple[n
     return tile[first], begin[first], np.maximum.reduceat(end, first)
 
 
+def _fuse_side_by_side(tile: np.ndarray, ln: RowLines) -> tuple[np.ndarray, RowLines]:
+    """Lines cut to one tile's rows (`ln.r0`, `ln.r1` the cut), where two over the same rows
+    meet side by side on every row (one's hi + 1 is the other's lo; lines allow a key on every
+    row they span), fused into one. A mask made of row bands (varlen block causal: each band of
+    queries sees the keys up to its end) transposes into lines that split a key's queries at
+    every band; unfused, each block on a band edge would count as partial and be masked line
+    by line."""
+    if tile.size == 0:
+        return tile, ln
+    order = np.lexsort((ln.lo_a + ln.lo_s * ln.r0, ln.r1, ln.r0, tile))
+    tile, ln = tile[order], ln.take(order)
+    linked = (
+        (tile[1:] == tile[:-1])
+        & (ln.r0[1:] == ln.r0[:-1])
+        & (ln.r1[1:] == ln.r1[:-1])
+        & (ln.lo_s[1:] == ln.hi_s[:-1])
+        & (ln.lo_a[1:] == ln.hi_a[:-1] + 1)
+    )
+    first = np.flatnonzero(np.r_[True, ~linked])
+    last = np.r_[first[1:], tile.size] - 1
+    fused = RowLines(ln.r0[first], ln.r1[first], ln.lo_a[first], ln.lo_s[first], ln.hi_a[last], ln.hi_s[last])
+    return tile[first], fused
+
+
 def build_schedule(mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool = True) -> Schedule:
     """The forward schedule of `mask` for (tile_m x tile_n) tiles; work items heaviest first, or
     in tile order (`heaviest_first=False`)."""
@@ -86,11 +110,13 @@ def build_schedule(mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool
     lines = RowLines.of(merged.q_ranges, merged.k_ranges, merged.types)
     num_tiles = -(-sq // tile_m)
 
-    # (line, q tile) pairs and the rows [a, b) of the line inside the tile.
+    # (line, q tile) pairs: the line cut to its rows [a, b) inside the tile.
     pair_line, pair_tile = expand_spans(lines.r0 // tile_m, (lines.r1 - 1) // tile_m)
     ln = lines.take(pair_line)
     a = np.maximum(ln.r0, pair_tile * tile_m)
     b = np.minimum(ln.r1, (pair_tile + 1) * tile_m)
+    pair_tile, ln = _fuse_side_by_side(pair_tile, RowLines(a, b, ln.lo_a, ln.lo_s, ln.hi_a, ln.hi_s))
+    a, b = ln.r0, ln.r1
     lo_first, lo_last = ln.lo_a + ln.lo_s * a, ln.lo_a + ln.lo_s * (b - 1)
     hi_first, hi_last = ln.hi_a + ln.hi_s * a, ln.hi_a + ln.hi_s * (b - 1)
 
@@ -131,7 +157,7 @@ def build_schedule(mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool
     ranges = np.stack([run_begin[order], run_end[order], run_partial[order]], axis=1)
     work_ranges = np.r_[0, np.cumsum(np.bincount(rank[run_tile], minlength=num_tiles))]
 
-    line_order = np.lexsort((pair_line, rank[pair_tile]))
+    line_order = np.lexsort((lo_first, rank[pair_tile]))
     line_table = np.stack([ln.r0, ln.r1, ln.lo_a, ln.lo_s, ln.hi_a, ln.hi_s], axis=1)[line_order]
     work_lines = np.r_[0, np.cumsum(np.bincount(rank[pair_tile], minlength=num_tiles))]
 
