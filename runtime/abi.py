@@ -122,8 +122,9 @@ kernel adds whole 8-row groups, rows >= Tq unused). Deterministic variants order
 `dq_semaphore` [Hq * ceil(Tq / tile_m) * 2] counts the additions landed per (head, q block,
 warpgroup) (zeroed by the caller), and `work_blocks` / `block_rank` come from
 `build_deterministic_backward_schedule`; other variants never read the three (one element each).
-CTA c of the `num_ctas` runs items[cta_items[c]:cta_items[c+1]], rows (work, K/V head, 1 to
-walk each q block's query heads innermost, 0 outermost) (`maskc.ir.items`)."""
+CTA c of the `num_ctas` runs items[cta_items[c]:cta_items[c+1]], rows (work, K/V head, flags:
+1 to walk each q block's query heads innermost, 2 to walk the q blocks first to last)
+(`maskc.ir.items`)."""
 
 ABIS: dict[str, tuple[Arg, ...]] = {"fwd": FORWARD_ABI, "bwd": BACKWARD_ABI}
 """The ABI of each kernel direction."""

@@ -15,10 +15,10 @@ same length. Each item carries that choice (`HEADS_INNER` in its flags).
 A group's tiles have unequal lengths (a causal tile reaches from its diagonal to the end), so
 after its first item a CTA would start the next one while the others are midway, and the CTAs
 would spread over every head's Q / dO. So the tiles of a group that fills every CTA and whose
-lengths differ (`PAIR_SPREAD`) run in pairs on one CTA: the longest
-walks last to first, then the shortest first to last (`ASCENDING`); every CTA of the group is
-then at one of two q blocks at any time, and the pairs cost about the same, so they end
-together and the next ones start in step.
+lengths differ (`PAIR_SPREAD`) run in pairs on one CTA: the longest walks last to first, then
+the shortest first to last (`ASCENDING`); every CTA of the group is then at one of two q
+blocks at any time, and the pairs cost about the same, so they end together and the next ones
+start in step.
 
 - `sync_group_order`: group by group, heaviest items first; a group's items run together,
   one K/V head after the other, in (longest, shortest) pairs where that pays.
