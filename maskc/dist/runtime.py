@@ -71,23 +71,21 @@ def local_mask(plan: Plan, rank: int, *sources: int | None) -> Mask:
          for s in sources]  # fmt: skip
     )
     ranges = ranges[np.argsort(ranges[:, 0], kind="stable")]
-    lengths = ranges[:, 1] - ranges[:, 0]
+    begin, end = ranges[:, 0], ranges[:, 1]
+    lengths = end - begin
     offsets = np.cumsum(lengths) - lengths  # where each key range starts in the call's keys
-    order = np.argsort(ranges[:, 0], kind="stable")
-    begin, end = ranges[order, 0], ranges[order, 1]
 
     pieces = cut(plan.mask, cs)
     pieces = pieces.take(np.flatnonzero(plan.rank_of_chunk[pieces.chunk] == rank))
     first = np.searchsorted(end, pieces.key_begin(), side="right")
     last = np.searchsorted(begin, pieces.key_end(), side="left") - 1
-    piece, j = expand_spans(first, last)
-    rng = order[j]
-    clipped, source = pieces.take(piece).clipped(ranges[rng, 0], ranges[rng, 1])
+    piece, rng = expand_spans(first, last)
+    clipped, source = pieces.take(piece).clipped(begin[rng], end[rng])
     rng = rng[source]
     local_chunk = np.full(plan.num_chunks, -1, dtype=np.int64)
     local_chunk[own] = np.arange(own.size)
     dr = local_chunk[clipped.chunk] * cs - clipped.chunk * cs  # global row -> local row
-    dc = offsets[rng] - ranges[rng, 0]  # global key -> position in the stage's keys
+    dc = offsets[rng] - begin[rng]  # global key -> position in the call's keys
     lines = RowLines(
         clipped.r0 + dr,
         clipped.r1 + dr,
