@@ -105,7 +105,9 @@ BACKWARD_ABI: tuple[Arg, ...] = (
     TensorArg("dq_semaphore", "int32", ("QS",)),
     TensorArg("work_blocks", "int32", ("WB",)),
     TensorArg("block_rank", "int32", ("B",)),
-    TensorArg("items", "int32", ("I", 3)),
+    TensorArg("dkv_accum", "float32", ("KA",), align=16),
+    TensorArg("dkv_count", "int32", ("KC",)),
+    TensorArg("items", "int32", ("I", 5)),
     TensorArg("cta_items", "int32", ("G1",)),
     *SCHEDULE_AND_LAUNCH,
 )
@@ -123,8 +125,11 @@ kernel adds whole 8-row groups, rows >= Tq unused). Deterministic variants order
 warpgroup) (zeroed by the caller), and `work_blocks` / `block_rank` come from
 `build_deterministic_backward_schedule`; other variants never read the three (one element each).
 CTA c of the `num_ctas` runs items[cta_items[c]:cta_items[c+1]], rows (work, K/V head, flags:
-1 to walk each q block's query heads innermost, 2 to walk the q blocks first to last)
-(`maskc.ir.items`)."""
+1 to walk each q block's query heads innermost, 2 to walk the q blocks first to last; query
+head within the K/V head, -1 for all; split slot, -1 for none) (`maskc.ir.items`). The pieces
+of a split item (one per query head) add dK / dV into `dkv_accum` (KA = slots * 2 * tile_n *
+D, per slot and 64-key warpgroup block [2, 64, D]) and count themselves in `dkv_count` (KC =
+slots * tile_n / 64), both zeroed by the caller (one element each when there is no slot)."""
 
 ABIS: dict[str, tuple[Arg, ...]] = {"fwd": FORWARD_ABI, "bwd": BACKWARD_ABI}
 """The ABI of each kernel direction."""

@@ -64,12 +64,15 @@ def _request_key(fields: dict[str, Any]) -> tuple:
 class _Entry:
     """A loaded kernel and the tile shape its schedule needs: tile_m is in query tokens (with
     PackGQA, the kernel's TILE_M packed rows hold TILE_M / G tokens), and items_per_tile the
-    work items of each q tile (query heads, or K/V heads with PackGQA). `index` is its place in
+    work items of each q tile (query heads, or K/V heads with PackGQA); a backward item may be
+    split into `pieces` (one per query head of its K/V head). `index` is its place in
     `_LOADED`: what the custom ops take to name it."""
 
-    def __init__(self, kernel: Kernel, tile_m: int, tile_n: int, items_per_tile: int, deterministic: bool = False):
+    def __init__(
+        self, kernel: Kernel, tile_m: int, tile_n: int, items_per_tile: int, deterministic: bool = False, pieces: int = 1
+    ):
         self.kernel, self.tile_m, self.tile_n, self.items_per_tile = kernel, tile_m, tile_n, items_per_tile
-        self.deterministic = deterministic
+        self.deterministic, self.pieces = deterministic, pieces
         self.index = len(_LOADED)
         _LOADED.append(self)
 
@@ -77,7 +80,8 @@ class _Entry:
 def _entry(kernel: Kernel, fields: dict[str, Any]) -> _Entry:
     hq, hkv = fields["num_heads_q"], fields["num_heads_kv"]
     if fields["direction"] == "bwd":  # items are (k tile, kv head); tile_m is the q block
-        return _Entry(kernel, fields["tile_m"], fields["tile_n"], hkv, fields.get("deterministic", False))
+        deterministic = fields.get("deterministic", False)  # its items are never split (no atomics)
+        return _Entry(kernel, fields["tile_m"], fields["tile_n"], hkv, deterministic, 1 if deterministic else hq // hkv)
     if fields.get("pack_gqa", False):
         return _Entry(kernel, fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv)
     return _Entry(kernel, fields["tile_m"], fields["tile_n"], hq)
@@ -190,17 +194,18 @@ def _check_device(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"maskc.attention runs on CUDA tensors; {name} is on {x.device} (use maskc.reference_attention on CPU)")
 
 
-def _schedule_tensors(mask: Mask, build: Callable, device: torch.device, *params: int) -> tuple[torch.Tensor, list[int]]:
+def _schedule_tensors(mask: Mask, build: Callable, device: torch.device, *params: int) -> tuple[torch.Tensor, list[int], int]:
     """The schedule `build(mask, *params)` on the device as one int32 tensor holding its arrays
-    back to back (one copy, one op argument) and the row count of each, built once per (mask,
-    builder, params, device): masks are immutable. An empty array gets a zero row (never read)
-    so it has an address."""
+    back to back (one copy, one op argument), the row count of each and its split slots (a
+    backward's), built once per (mask, builder, params, device): masks are immutable. An empty
+    array gets a zero row (never read) so it has an address."""
     key = (build.__name__, *params, device)
     cached = mask.memo.get(key)
     if cached is None:
-        arrays = [a if len(a) else np.zeros((1, *a.shape[1:]), np.int32) for a in build(mask, *params).arrays()]
+        schedule = build(mask, *params)
+        arrays = [a if len(a) else np.zeros((1, *a.shape[1:]), np.int32) for a in schedule.arrays()]
         flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays])).to(device)
-        cached = mask.memo[key] = (flat, [a.shape[0] for a in arrays])
+        cached = mask.memo[key] = (flat, [a.shape[0] for a in arrays], getattr(schedule, "num_slots", 0))
     return cached
 
 
@@ -217,7 +222,8 @@ def _schedule_views(flat: torch.Tensor, rows: list[int]) -> dict[str, torch.Tens
 
 class _LaunchArgs(NamedTuple):
     """One kernel launch as op arguments: its schedule (`_schedule_tensors`) and `launch`, the
-    kernel's index in `_LOADED`, the grid size and the row count of each schedule array.
+    kernel's index in `_LOADED`, the grid size, the split slots and the row count of each
+    schedule array.
     Few op arguments keep the dispatcher's per-call cost down."""
 
     schedule: torch.Tensor | None
@@ -230,16 +236,19 @@ _NO_LAUNCH = _LaunchArgs(None, [])
 
 def _forward_launch(entry: _Entry, mask: Mask, num_sms: int, device: torch.device) -> _LaunchArgs:
     """One CTA per work item, up to the SM count."""
-    schedule, rows = _schedule_tensors(mask, build_schedule, device, entry.tile_m, entry.tile_n)
-    return _LaunchArgs(schedule, [entry.index, min(num_sms, max(1, rows[0] * entry.items_per_tile)), *rows])
+    schedule, rows, _ = _schedule_tensors(mask, build_schedule, device, entry.tile_m, entry.tile_n)
+    return _LaunchArgs(schedule, [entry.index, min(num_sms, max(1, rows[0] * entry.items_per_tile)), 0, *rows])
 
 
 def _backward_launch(entry: _Entry, mask: Mask, num_sms: int, device: torch.device) -> _LaunchArgs:
-    """The backward schedule deals its (k tile, K/V head) items to the CTAs itself."""
-    num_ctas = min(num_sms, max(1, -(-mask.shape[1] // entry.tile_n) * entry.items_per_tile))
-    build = build_deterministic_backward_schedule if entry.deterministic else build_backward_schedule
-    schedule, rows = _schedule_tensors(mask, build, device, entry.tile_m, entry.tile_n, entry.items_per_tile, num_ctas)
-    return _LaunchArgs(schedule, [entry.index, num_ctas, *rows])
+    """The backward schedule deals its (k tile, K/V head) items, or their pieces, to the CTAs itself."""
+    num_ctas = min(num_sms, max(1, -(-mask.shape[1] // entry.tile_n) * entry.items_per_tile * entry.pieces))
+    params = (entry.tile_m, entry.tile_n, entry.items_per_tile, num_ctas)
+    if entry.deterministic:
+        schedule, rows, slots = _schedule_tensors(mask, build_deterministic_backward_schedule, device, *params)
+    else:
+        schedule, rows, slots = _schedule_tensors(mask, build_backward_schedule, device, *params, entry.pieces)
+    return _LaunchArgs(schedule, [entry.index, num_ctas, slots, *rows])
 
 
 @torch.compiler.assume_constant_result
@@ -300,6 +309,7 @@ class _Call:
 
     kernel: _Entry
     num_ctas: int
+    slots: int
     schedule: dict[str, torch.Tensor]
     scale: float
     softcap: float
@@ -307,8 +317,8 @@ class _Call:
 
     @classmethod
     def of(cls, schedule: torch.Tensor, launch: list[int], scale: float, softcap: float, **flags: bool) -> _Call:
-        kernel, num_ctas, *rows = launch
-        return cls(_LOADED[kernel], num_ctas, _schedule_views(schedule, rows), scale, softcap, **flags)
+        kernel, num_ctas, slots, *rows = launch
+        return cls(_LOADED[kernel], num_ctas, slots, _schedule_views(schedule, rows), scale, softcap, **flags)
 
 
 def _launch(call: _Call, tensors: dict, device: torch.device) -> None:
@@ -358,6 +368,10 @@ def _backward(q, k, v, out, lse, sink, dout, dlse, call: _Call, dq_accum: torch.
     else:
         unused = torch.zeros(1, dtype=torch.int32, device=q.device)
         tensors.update(dq_semaphore=unused, work_blocks=unused, block_rank=unused)
+    # Split items' fp32 dK / dV sums and piece counters (one element each when there is none).
+    slots = max(call.slots, 1)
+    tensors["dkv_accum"] = torch.zeros(slots * 2 * entry.tile_n * d, dtype=torch.float32, device=q.device)
+    tensors["dkv_count"] = torch.zeros(slots * (entry.tile_n // WARPGROUP_ROWS), dtype=torch.int32, device=q.device)
     _launch(call, tensors, q.device)
     dsink = None
     if sink is not None:

@@ -158,7 +158,7 @@ def _targets(gm: torch.fx.GraphModule) -> set[Any]:
 @pytest.mark.parametrize("mask", [MASK, Mask([], 5, 7), Mask([AttnSlice((0, 450), (0, 1500)), AttnSlice((900, 1000), (5, 77))], 1500, 1500)])  # fmt: skip
 def test_a_flat_schedule_cuts_back_into_the_abi_arrays(mask: Mask, build: Any, params: tuple[int, ...]) -> None:
     """One op argument per schedule: the kernel still gets each array, empty ones as a zero row."""
-    flat, rows = rt._schedule_tensors(mask, build, torch.device("cpu"), *params)
+    flat, rows, _ = rt._schedule_tensors(mask, build, torch.device("cpu"), *params)
     views = rt._schedule_views(flat, rows)
     assert rt._schedule_views(flat, rows) is views  # cut once per schedule tensor
     arrays = build(mask, *params).arrays()
@@ -285,4 +285,4 @@ def test_deterministic_selects_the_ordered_backward_kernel_and_schedule(cpu_ops:
         _loss(out, meta.lse).backward()
         name, args = cpu_ops.calls[-1]
         assert name == "bwd" and rt._LOADED[args["launch"][0]] is entry
-        assert len(args["launch"]) == 2 + arrays and entry.deterministic == deterministic
+        assert len(args["launch"]) == 3 + arrays and entry.deterministic == deterministic  # kernel, CTAs, split slots, rows

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from maskc.ir import Mask
-from maskc.ir.items import ASCENDING, HEADS_INNER, SECTION, deal, heads_inner, section_order, sync_group_order
+from maskc.ir.items import ASCENDING, HEADS_INNER, SECTION, deal, heads_inner, section_order, split_tail, sync_group_order, whole
 from maskc.ir.schedule import build_backward_schedule
 
 
@@ -69,7 +69,7 @@ def test_deal_balances_by_cost_and_keeps_each_ctas_items_in_order() -> None:
     # CTA 0 takes the heavy item; CTA 1 the next four light ones, then the 6 (free at 4 < 10).
     assert lists.num_ctas == 2 and lists.cta_items.tolist() == [0, 1, 6]
     assert lists.items[:, 0].tolist() == [0, 1, 2, 3, 4, 5]
-    assert lists.items.dtype == np.int32 and lists.items.shape == (6, 3)
+    assert lists.items.dtype == np.int32 and lists.items.shape == (6, 3)  # the rows as given
 
 
 def test_deal_rejects_no_cta() -> None:
@@ -111,3 +111,27 @@ def test_deal_in_rounds_equals_one_item_at_a_time(seed: int) -> None:
     for c in range(num_ctas):
         mine = lists.items[lists.cta_items[c] : lists.cta_items[c + 1], 0].tolist()
         assert mine == [i for i in range(n) if owner[i] == c]
+
+
+def test_split_tail_cuts_the_last_items_into_one_piece_per_query_head() -> None:
+    # 5 equal items on 4 CTAs: whole, the fifth runs alone after the first round (makespan 2x).
+    items = whole(np.stack([np.arange(5), np.zeros(5, np.int64), np.zeros(5, np.int64)], axis=1))
+    rows, cost = split_tail(items, np.full(5, 40.0), qheads_per_kvhead=4, num_ctas=4)
+    pieces = rows[rows[:, 4] >= 0]
+    assert len(pieces) and (pieces[:, 3] >= 0).all() and (rows[rows[:, 4] < 0, 3] == -1).all()
+    # Every split item has each query head once, all under one slot.
+    for slot in np.unique(pieces[:, 4]):
+        mine = pieces[pieces[:, 4] == slot]
+        assert sorted(mine[:, 3].tolist()) == [0, 1, 2, 3] and len(set(mine[:, 0].tolist())) == 1
+    lists = deal(rows, cost, num_ctas=4)
+    assert lists.num_slots == len(np.unique(pieces[:, 4])) and lists.items.shape == (len(rows), 5)
+    row_cost = np.where(lists.items[:, 3] >= 0, cost.min(), 40.0)  # a piece: a quarter of the q blocks + overhead
+    load = np.bincount(np.repeat(np.arange(4), np.diff(lists.cta_items)), weights=row_cost, minlength=4)
+    assert cost.min() < 40 and load.max() < 80  # shorter than the whole items' two rounds
+
+
+def test_split_tail_leaves_balanced_or_single_head_items_whole() -> None:
+    items = whole(np.stack([np.arange(8), np.zeros(8, np.int64), np.zeros(8, np.int64)], axis=1))
+    for qheads, num_ctas in ((4, 4), (1, 3)):  # 8 equal items on 4 CTAs are balanced; one query head cannot split
+        rows, cost = split_tail(items, np.full(8, 40.0), qheads_per_kvhead=qheads, num_ctas=num_ctas)
+        assert rows is items and (rows[:, 3:] == -1).all()

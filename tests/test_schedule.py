@@ -99,14 +99,23 @@ def test_bad_tile_shape() -> None:
         build_schedule(Mask([], 4, 4), 0, 128)
 
 
-def check_items(s: BackwardSchedule, num_heads_kv: int, num_ctas: int) -> None:
-    """The CTAs' item lists hold every (work, K/V head) once, with one walk flag per work; the
-    second of a pair (ASCENDING) runs right after its partner on the same CTA, same head."""
+def check_items(s: BackwardSchedule, num_heads_kv: int, num_ctas: int, qheads_per_kvhead: int = 1) -> None:
+    """The CTAs' item lists hold every (work, K/V head) once, whole, or split into one piece
+    per query head under one slot of its own; one walk flag per work; the second of a pair
+    (ASCENDING) runs right after its partner on the same CTA, same head."""
     assert s.cta_items.tolist() == sorted(s.cta_items.tolist()) and len(s.cta_items) == num_ctas + 1
-    assert s.cta_items[0] == 0 and s.cta_items[-1] == len(s.items) == s.num_work * num_heads_kv
-    assert sorted(map(tuple, s.items[:, :2].tolist())) == [(w, h) for w in range(s.num_work) for h in range(num_heads_kv)]
+    assert s.cta_items[0] == 0 and s.cta_items[-1] == len(s.items)
+    whole = s.items[s.items[:, 4] < 0]
+    pieces = s.items[s.items[:, 4] >= 0]
+    assert (whole[:, 3] == -1).all() and not (pieces[:, 2] & ASCENDING).any()
+    covered = [tuple(r) for r in whole[:, :2].tolist()]
+    for slot in range(s.num_slots):
+        mine = pieces[pieces[:, 4] == slot]
+        assert sorted(mine[:, 3].tolist()) == list(range(qheads_per_kvhead)) and len({tuple(r) for r in mine[:, :2].tolist()}) == 1
+        covered.append(tuple(mine[0, :2].tolist()))
+    assert sorted(covered) == [(w, h) for w in range(s.num_work) for h in range(num_heads_kv)]
     flags = {}
-    for w, _, flag in s.items.tolist():
+    for w, _, flag in whole[:, :3].tolist():
         assert flags.setdefault(w, flag) == flag and flag in (0, HEADS_INNER, HEADS_INNER | ASCENDING)
     for i in np.flatnonzero(s.items[:, 2] & ASCENDING):
         assert i not in s.cta_items[:-1] and s.items[i - 1, 1] == s.items[i, 1] and not s.items[i - 1, 2] & ASCENDING
@@ -114,16 +123,16 @@ def check_items(s: BackwardSchedule, num_heads_kv: int, num_ctas: int) -> None:
 
 @given(
     masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 16]), st.sampled_from([1, 4, 8]), st.sampled_from([1, 3]),
-    st.sampled_from([1, 5]),
+    st.sampled_from([1, 5]), st.sampled_from([1, 4]),
 )
 @settings(max_examples=200, deadline=None)
 def test_backward_schedule_covers_exactly_the_transposed_mask(
-    mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int, num_ctas: int
+    mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int, num_ctas: int, qheads_per_kvhead: int
 ) -> None:
-    s = build_backward_schedule(mask, tile_m, tile_n, num_heads_kv, num_ctas)
+    s = build_backward_schedule(mask, tile_m, tile_n, num_heads_kv, num_ctas, qheads_per_kvhead)
     assert (s.tile_m, s.tile_n) == (tile_n, tile_m)  # work items are k tiles, runs are q blocks
     assert torch.equal(decode(s), mask.to_dense().T)
-    check_items(s, num_heads_kv, num_ctas)
+    check_items(s, num_heads_kv, num_ctas, qheads_per_kvhead)
 
 
 def test_lines_side_by_side_in_a_tile_fuse_into_full_blocks() -> None:
@@ -160,8 +169,9 @@ def test_deterministic_backward_schedule_orders_dq_additions(mask: Mask, tile_m:
     # and every CTA walks its items in that order.
     rank = {tuple(row): i for i, row in enumerate(section_order(np.zeros(s.num_work, np.int64), num_heads_kv)[:, :2].tolist())}
     for c in range(4):
-        mine = [rank[w, h] for w, h, _ in s.items[s.cta_items[c] : s.cta_items[c + 1]].tolist()]
+        mine = [rank[w, h] for w, h in s.items[s.cta_items[c] : s.cta_items[c + 1], :2].tolist()]
         assert mine == sorted(mine)
+    assert s.num_slots == 0  # never split: pieces would add dK / dV in no fixed order
     for h in range(num_heads_kv):
         assert [w for (w, hh), _ in sorted(rank.items(), key=lambda kv: kv[1]) if hh == h] == list(range(s.num_work))
     # Walk the pairs in kernel order: each (k tile, q block) has as rank the number of lower

@@ -24,6 +24,11 @@ start in step.
   one K/V head after the other, in (longest, shortest) pairs where that pays.
 - `section_order`: k tile order in sections (the deterministic kernel's, whose CTAs may only
   wait for lower items: for each K/V head the k tiles ascend).
+
+Items are whole k tiles, so the last round of the deal leaves CTAs idle: 1024 equal items on
+132 CTAs take 8 rounds where 7.76 would do (3%). `split_tail` cuts the items at the end of the
+order into one piece per query head where that shortens the deal; the pieces of an item add
+their dK / dV into an fp32 slot, and the last piece to finish stores the sums.
 """
 
 from __future__ import annotations
@@ -47,11 +52,20 @@ ASCENDING = 2
 PAIR_SPREAD = 1.5
 
 
+#: A split item's pieces are worth it when the deal's busiest CTA gets lighter by this fraction.
+SPLIT_GAIN = 0.01
+#: A piece's fixed cost in q blocks: the K/V load and epilogue of an item (a few microseconds,
+#: under half a q block of eight query heads) plus its fp32 dK / dV additions.
+PIECE_OVERHEAD_BLOCKS = 1.5
+
+
 @dataclass(frozen=True, eq=False)
 class ItemLists:
-    """`items [I, 3]` int32 (work index into the schedule, K/V head, flags: HEADS_INNER,
-    ASCENDING), grouped by CTA, each CTA's in priority order; `cta_items [G+1]` CSR offsets of
-    each CTA's items."""
+    """`items [I, 5]` int32 (work index into the schedule, K/V head, flags: HEADS_INNER,
+    ASCENDING, query head within the K/V head's (-1: all of them), split slot (-1: the item
+    owns its dK / dV; else the fp32 slot its pieces add into)), grouped by CTA, each CTA's in
+    priority order; `cta_items [G+1]` CSR offsets of each CTA's items; `num_slots` the split
+    slots used."""
 
     items: np.ndarray
     cta_items: np.ndarray
@@ -59,6 +73,10 @@ class ItemLists:
     @property
     def num_ctas(self) -> int:
         return int(self.cta_items.shape[0]) - 1
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.items[:, 4].max()) + 1 if len(self.items) else 0
 
 
 def heads_inner(last_block: np.ndarray) -> np.ndarray:
@@ -126,22 +144,25 @@ def section_order(last_block: np.ndarray, num_heads_kv: int) -> np.ndarray:
     return _groups_by_head(np.arange(num_work), sizes, heads_inner(last_block) * HEADS_INNER, num_heads_kv)
 
 
-def deal(order: np.ndarray, cost: np.ndarray, num_ctas: int) -> ItemLists:
-    """Greedy list scheduling: each unit of `order` (rows (work, head, flags); an ASCENDING row
-    joins the row before it: a pair) goes to the CTA that is free first, given the `cost[work]`
-    of its rows; ties go to the lower CTA. Each CTA keeps its items in `order`'s order (what
-    the deterministic kernel's deadlock freedom needs).
+def whole(order: np.ndarray) -> np.ndarray:
+    """(work, head, flags) rows as items that own their dK / dV: every query head, no slot."""
+    return np.c_[order, np.full((len(order), 2), -1, np.int64)]
 
-    Vectorised in rounds: with the CTAs sorted by free time, the next items go to them in that
-    order for as long as no item of the round would free its CTA before the next CTA's turn
+
+def _units(order: np.ndarray) -> np.ndarray:
+    """Per row, its unit of dealing: an ASCENDING row joins the row before it (a pair)."""
+    return np.cumsum((order[:, 2] & ASCENDING) == 0) - 1
+
+
+def _free_times(costs: np.ndarray, num_ctas: int, free: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy list scheduling of units of `costs`: each to the CTA that is free first (ties:
+    the lower CTA), from CTAs free at `free` (default all at 0). The owner of each unit and
+    when each CTA is free at the end.
+
+    Vectorised in rounds: with the CTAs sorted by free time, the next units go to them in that
+    order for as long as no unit of the round would free its CTA before the next CTA's turn
     (then the round ends, exactly where the one-at-a-time rule would diverge)."""
-    if num_ctas < 1:
-        raise ValueError(f"num_ctas must be at least 1, got {num_ctas}")
-    if len(order) and order[0, 2] & ASCENDING:
-        raise ValueError("the first item cannot be the second of a pair (ASCENDING)")
-    unit = np.cumsum((order[:, 2] & ASCENDING) == 0) - 1
-    costs = np.bincount(unit, weights=cost[order[:, 0]].astype(np.float64)) if len(order) else np.zeros(0)
-    free = np.zeros(num_ctas)
+    free = np.zeros(num_ctas) if free is None else free.copy()
     ctas = np.arange(num_ctas)
     owner = np.empty(costs.size, np.int64)
     i = 0
@@ -155,10 +176,64 @@ def deal(order: np.ndarray, cost: np.ndarray, num_ctas: int) -> ItemLists:
         owner[i : i + n] = by[:n]
         free[by[:n]] += chunk[:n]
         i += n
-    owner = owner[unit]
+    return owner, free
+
+
+def _unit_costs(items: np.ndarray, cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    unit = _units(items)
+    return unit, (np.bincount(unit, weights=cost.astype(np.float64)) if len(items) else np.zeros(0))
+
+
+def split_tail(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
+    """`items` (rows of `whole`, in dealing order, `cost` per row) with the units at the end
+    cut into one piece per query head, as many units as shorten the deal's makespan most (by
+    SPLIT_GAIN at least; else none). A piece costs its share of the item's q blocks plus
+    PIECE_OVERHEAD_BLOCKS. The pieces run head by head (CTAs at one query head share its
+    Q / dO), each split item with its own slot. Returns the rows and their costs."""
+    if qheads_per_kvhead == 1 or not len(items):
+        return items, cost
+    unit, unit_costs = _unit_costs(items, cost)
+    makespan = _free_times(unit_costs, num_ctas)[1].max()
+    if makespan * num_ctas <= unit_costs.sum() * (1 + SPLIT_GAIN):
+        return items, cost  # balanced already
+    best = (makespan * (1 - SPLIT_GAIN), items, cost)
+    num_units = len(unit_costs)
+    # Candidates: enough pieces for 1 .. 32 rounds of the CTAs. The deal of the units before
+    # the longest tail is common to all of them.
+    pieces = np.array([1, 2, 3, 4, 6, 8, 12, 16, 24, 32]) * num_ctas
+    splits = np.unique(np.minimum(-(-pieces // qheads_per_kvhead), num_units))
+    common = num_units - int(splits[-1])
+    free = _free_times(unit_costs[:common], num_ctas)[1]
+    for k in splits:
+        first = int(np.searchsorted(unit, num_units - k))
+        tail = items[first:]
+        pieces = np.tile(tail, (qheads_per_kvhead, 1))
+        pieces[:, 2] &= ~ASCENDING
+        pieces[:, 3] = np.repeat(np.arange(qheads_per_kvhead), len(tail))
+        pieces[:, 4] = np.tile(np.arange(len(tail)), qheads_per_kvhead)
+        piece_cost = (cost[first:] - ITEM_OVERHEAD_BLOCKS) / qheads_per_kvhead + PIECE_OVERHEAD_BLOCKS
+        tail_units = np.r_[unit_costs[common : num_units - k], np.tile(piece_cost, qheads_per_kvhead)]
+        makespan = _free_times(tail_units, num_ctas, free)[1].max()
+        if makespan < best[0]:
+            row_cost = np.r_[cost[:first], np.tile(piece_cost, qheads_per_kvhead)]
+            best = (makespan, np.r_[items[:first], pieces], row_cost)
+    return best[1], best[2]
+
+
+def deal(items: np.ndarray, cost: np.ndarray, num_ctas: int) -> ItemLists:
+    """Greedy list scheduling: each unit of `items` (rows of `whole` or `split_tail`; an
+    ASCENDING row joins the row before it: a pair) goes to the CTA that is free first, given
+    the `cost` of its rows; ties go to the lower CTA. Each CTA keeps its items in their order
+    (what the deterministic kernel's deadlock freedom needs)."""
+    if num_ctas < 1:
+        raise ValueError(f"num_ctas must be at least 1, got {num_ctas}")
+    if len(items) and items[0, 2] & ASCENDING:
+        raise ValueError("the first item cannot be the second of a pair (ASCENDING)")
+    unit, unit_costs = _unit_costs(items, cost)
+    owner = _free_times(unit_costs, num_ctas)[0][unit]
     by_cta = np.argsort(owner, kind="stable")
     cta_items = np.r_[0, np.cumsum(np.bincount(owner, minlength=num_ctas))]
     return ItemLists(
-        items=np.ascontiguousarray(order[by_cta], dtype=np.int32).reshape(-1, 3),
+        items=np.ascontiguousarray(items[by_cta], dtype=np.int32).reshape(-1, items.shape[1]),
         cta_items=np.ascontiguousarray(cta_items, dtype=np.int32),
     )

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from maskc.errors import MaskError
-from maskc.ir.items import ITEM_OVERHEAD_BLOCKS, ItemLists, deal, section_order, sync_group_order
+from maskc.ir.items import ITEM_OVERHEAD_BLOCKS, ItemLists, deal, section_order, split_tail, sync_group_order, whole
 from maskc.ir.mask import Mask
 from maskc.ir.merge import merge_ranges
 from maskc.ir.slices import RowLines, expand_spans
@@ -177,11 +177,13 @@ def build_schedule(mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool
 @dataclass(frozen=True, eq=False)
 class BackwardSchedule(Schedule):
     """A transposed schedule (work items are k tiles, runs are q blocks) plus the persistent
-    CTAs' item lists (`maskc.ir.items`): `items [I, 3]` (work, K/V head, walk flags) CTA by CTA and
-    `cta_items [G+1]`, their CSR offsets; the launch uses G CTAs."""
+    CTAs' item lists (`maskc.ir.items`): `items [I, 5]` (work, K/V head, walk flags, query
+    head, split slot) CTA by CTA and `cta_items [G+1]`, their CSR offsets; the launch uses G
+    CTAs and `num_slots` fp32 dK / dV slots for the split items."""
 
     items: np.ndarray
     cta_items: np.ndarray
+    num_slots: int
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         return (*super().arrays(), self.items, self.cta_items)
@@ -196,23 +198,28 @@ def _last_blocks(s: Schedule) -> np.ndarray:
 
 
 def _with_items(s: Schedule, lists: ItemLists) -> dict:
-    return {**{f: getattr(s, f) for f in Schedule.__dataclass_fields__}, "items": lists.items, "cta_items": lists.cta_items}
+    fields = {f: getattr(s, f) for f in Schedule.__dataclass_fields__}
+    return {**fields, "items": lists.items, "cta_items": lists.cta_items, "num_slots": lists.num_slots}
 
 
 def _item_cost(s: Schedule) -> np.ndarray:
     return s.blocks_per_item() + ITEM_OVERHEAD_BLOCKS
 
 
-def build_backward_schedule(mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int, num_ctas: int) -> BackwardSchedule:
+def build_backward_schedule(
+    mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int, num_ctas: int, qheads_per_kvhead: int = 1
+) -> BackwardSchedule:
     """The transposed schedule the backward kernels read: for every k tile of `tile_n` keys,
     runs of q blocks of `tile_m` queries, full or partial, with the lines of `mask.transpose()`
     (rows are keys, columns queries). It is the forward schedule of the transposed mask, so one
     scheduler and one line mask serve both directions. Its items (k tile, K/V head) go to
-    `num_ctas` CTAs in sync groups (`maskc.ir.items.sync_group_order`)."""
+    `num_ctas` CTAs in sync groups (`maskc.ir.items.sync_group_order`), the last ones split by
+    query head where that balances the CTAs (`maskc.ir.items.split_tail`)."""
     s = build_schedule(mask.transpose(), tile_n, tile_m)
     cost = _item_cost(s)
-    lists = deal(sync_group_order(_last_blocks(s), cost, num_heads_kv, num_ctas), cost, num_ctas)
-    return BackwardSchedule(**_with_items(s, lists))
+    items = whole(sync_group_order(_last_blocks(s), cost, num_heads_kv, num_ctas))
+    items, row_cost = split_tail(items, cost[items[:, 0]], qheads_per_kvhead, num_ctas)
+    return BackwardSchedule(**_with_items(s, deal(items, row_cost, num_ctas)))
 
 
 @dataclass(frozen=True, eq=False)
@@ -250,7 +257,8 @@ def build_deterministic_backward_schedule(
     rank = np.empty(order.size, np.int64)
     rank[order] = np.arange(order.size) - first_of_group
     work_blocks = np.r_[0, np.cumsum(np.bincount(run_work, weights=lengths, minlength=s.num_work))]
-    lists = deal(section_order(_last_blocks(s), num_heads_kv), _item_cost(s), num_ctas)
+    items = whole(section_order(_last_blocks(s), num_heads_kv))
+    lists = deal(items, _item_cost(s)[items[:, 0]], num_ctas)
     return DeterministicBackwardSchedule(
         **_with_items(s, lists),
         work_blocks=_as32(work_blocks),
