@@ -368,10 +368,11 @@ def _backward(q, k, v, out, lse, sink, dout, dlse, call: _Call, dq_accum: torch.
     else:
         unused = torch.zeros(1, dtype=torch.int32, device=q.device)
         tensors.update(dq_semaphore=unused, work_blocks=unused, block_rank=unused)
-    # Split items' fp32 dK / dV sums and piece counters (one element each when there is none).
-    slots = max(call.slots, 1)
-    tensors["dkv_accum"] = torch.zeros(slots * 2 * entry.tile_n * d, dtype=torch.float32, device=q.device)
-    tensors["dkv_count"] = torch.zeros(slots * (entry.tile_n // WARPGROUP_ROWS), dtype=torch.int32, device=q.device)
+    # Split items' fp32 dK / dV sums and piece counters in one zeroed buffer (never read, and
+    # not filled, when nothing is split).
+    sums, counts = max(call.slots, 1) * 2 * entry.tile_n * d, max(call.slots, 1) * (entry.tile_n // WARPGROUP_ROWS)
+    split = (torch.zeros if call.slots else torch.empty)(sums + counts, dtype=torch.float32, device=q.device)
+    tensors["dkv_accum"], tensors["dkv_count"] = split[:sums], split[sums:].view(torch.int32)
     _launch(call, tensors, q.device)
     dsink = None
     if sink is not None:

@@ -76,7 +76,12 @@ class ItemLists:
 
     @property
     def num_slots(self) -> int:
-        return int(self.items[:, 4].max()) + 1 if len(self.items) else 0
+        return slots_used(self.items)
+
+
+def slots_used(items: np.ndarray) -> int:
+    """The split slots that item rows (see `ItemLists`) add into."""
+    return int(items[:, 4].max()) + 1 if len(items) else 0
 
 
 def heads_inner(last_block: np.ndarray) -> np.ndarray:
@@ -200,8 +205,8 @@ def split_tail(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_
     num_units = len(unit_costs)
     # Candidates: enough pieces for 1 .. 32 rounds of the CTAs. The deal of the units before
     # the longest tail is common to all of them.
-    pieces = np.array([1, 2, 3, 4, 6, 8, 12, 16, 24, 32]) * num_ctas
-    splits = np.unique(np.minimum(-(-pieces // qheads_per_kvhead), num_units))
+    piece_counts = np.array([1, 2, 3, 4, 6, 8, 12, 16, 24, 32]) * num_ctas
+    splits = np.unique(np.minimum(-(-piece_counts // qheads_per_kvhead), num_units))
     common = num_units - int(splits[-1])
     free = _free_times(unit_costs[:common], num_ctas)[1]
     for k in splits:

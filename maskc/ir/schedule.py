@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from maskc.errors import MaskError
-from maskc.ir.items import ITEM_OVERHEAD_BLOCKS, ItemLists, deal, section_order, split_tail, sync_group_order, whole
+from maskc.ir.items import ITEM_OVERHEAD_BLOCKS, ItemLists, deal, section_order, slots_used, split_tail, sync_group_order, whole
 from maskc.ir.mask import Mask
 from maskc.ir.merge import merge_ranges
 from maskc.ir.slices import RowLines, expand_spans
@@ -183,7 +183,10 @@ class BackwardSchedule(Schedule):
 
     items: np.ndarray
     cta_items: np.ndarray
-    num_slots: int
+
+    @property
+    def num_slots(self) -> int:
+        return slots_used(self.items)
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         return (*super().arrays(), self.items, self.cta_items)
@@ -198,8 +201,7 @@ def _last_blocks(s: Schedule) -> np.ndarray:
 
 
 def _with_items(s: Schedule, lists: ItemLists) -> dict:
-    fields = {f: getattr(s, f) for f in Schedule.__dataclass_fields__}
-    return {**fields, "items": lists.items, "cta_items": lists.cta_items, "num_slots": lists.num_slots}
+    return {**{f: getattr(s, f) for f in Schedule.__dataclass_fields__}, "items": lists.items, "cta_items": lists.cta_items}
 
 
 def _item_cost(s: Schedule) -> np.ndarray:
