@@ -17,30 +17,40 @@ def test_heads_inner_only_where_tiles_share_their_last_block() -> None:
 def test_sync_groups_run_together_heaviest_item_first_ties_by_last_block() -> None:
     last = np.array([5, 9, 5, 2, 9])
     cost = np.array([3, 8, 1, 8, 2])
-    order = sync_group_order(last, cost, num_heads_kv=2, num_ctas=4)
-    # Groups: {1, 4} (heaviest item 8, ends at 9), {3} (8, ends at 2), {0, 2} (3): ties by last block.
-    # Inside a group each head's works pair up, the lighter one walking first to last.
+    order = sync_group_order(last, cost, num_heads_kv=2, num_ctas=8)
+    # Groups: {3} (heaviest item 8, ends at 2), {1, 4} (8, ends at 9): ties by last block; then {0, 2} (3).
+    # Inside a group head by head; no group fills the 8 CTAs, so none runs in pairs.
     assert order.tolist() == [
         [3, 0, 0], [3, 1, 0],
-        [1, 0, 1], [4, 0, 3], [1, 1, 1], [4, 1, 3],
-        [0, 0, 1], [2, 0, 3], [0, 1, 1], [2, 1, 3],
+        [1, 0, 1], [4, 0, 1], [1, 1, 1], [4, 1, 1],
+        [0, 0, 1], [2, 0, 1], [0, 1, 1], [2, 1, 1],
     ]  # fmt: skip
 
 
-def test_a_group_pairs_its_longest_and_shortest_works() -> None:
-    cost = np.array([5, 9, 2, 7, 4])
-    order = sync_group_order(np.full(5, 3), cost, num_heads_kv=1, num_ctas=5)
-    assert order[:, 0].tolist() == [1, 2, 3, 4, 0]  # (9, 2), (7, 4), then 5 alone
-    assert order[:, 2].tolist() == [HEADS_INNER, HEADS_INNER | ASCENDING] * 2 + [HEADS_INNER]
+def test_a_group_of_even_lengths_pairs_its_longest_and_shortest_works() -> None:
+    ramp = np.arange(12, 0, -1)  # a causal mask's k tiles: lengths 12 .. 1, each pair costs 13
+    order = sync_group_order(np.full(12, 20), ramp, num_heads_kv=1, num_ctas=3)
+    assert order[:, 0].tolist() == [0, 11, 1, 10, 2, 9, 3, 8, 4, 7, 5, 6]
+    assert order[:, 2].tolist() == [HEADS_INNER, HEADS_INNER | ASCENDING] * 6
+
+
+def test_a_group_of_lengths_in_steps_walks_in_order() -> None:
+    """A context-parallel rank's local causal mask: whole chunks of keys see the same queries,
+    so the lengths come in steps. Pairs of unequal cost would spread the CTAs over more q
+    blocks than walking the works in order, a step at a time."""
+    steps = np.array([8] * 4 + [7] + [6] * 7 + [5] + [4] * 7 + [3] + [2] * 7 + [1]) * 4
+    order = sync_group_order(np.full(steps.size, 99), steps, num_heads_kv=1, num_ctas=3)
+    assert order[:, 0].tolist() == list(range(steps.size))
+    assert not (order[:, 2] & ASCENDING).any()
 
 
 def test_groups_pair_only_when_they_fill_every_cta_and_their_lengths_differ() -> None:
-    last = np.array([3, 3, 3, 8, 8])
-    cost = np.array([9, 2, 5, 4, 3])
-    # Group {0, 1, 2}: 6 items on 6 CTAs, costs 9 vs 2: pairs. Group {3, 4}: 4 items, too few.
-    order = sync_group_order(last, cost, num_heads_kv=2, num_ctas=6)
-    assert order[:, 0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
-    assert (order[:, 2] & ASCENDING).tolist() == [0, ASCENDING, 0] * 2 + [0] * 4
+    last = np.array([20] * 12 + [30, 30])
+    cost = np.r_[np.arange(12, 0, -1), [9, 2]]
+    # Group {0 .. 11} (a ramp, 12 items on 3 CTAs) pairs; group {12, 13} (costs 9 vs 2) has too few items.
+    order = sync_group_order(last, cost, num_heads_kv=1, num_ctas=3)
+    assert (order[:, 2] & ASCENDING).tolist() == [0, ASCENDING] * 6 + [0, 0]
+    assert order[12:, 0].tolist() == [12, 13]
     # Equal lengths (within PAIR_SPREAD) never pair, however many items.
     even = sync_group_order(np.full(4, 3), np.array([4, 4, 3, 4]), num_heads_kv=8, num_ctas=2)
     assert not (even[:, 2] & ASCENDING).any()

@@ -149,13 +149,19 @@ def test_lines_side_by_side_in_a_tile_fuse_into_full_blocks() -> None:
 
 
 def test_backward_schedule_of_causal_skips_blocks_above_the_diagonal() -> None:
-    s = build_backward_schedule(Mask.from_cu_seqlens([0, 1024], causal=True), 128, 128, 1, 1)
+    mask = Mask.from_cu_seqlens([0, 1024], causal=True)
+    s = build_backward_schedule(mask, 128, 128, 1, 4)
     # k tile n is needed by q blocks n..7: the first key tile is the heaviest.
     assert s.work_tile[0] == 0 and s.blocks_per_item().tolist() == [8, 7, 6, 5, 4, 3, 2, 1]
     # Every tile ends at the last q block: one sync group, walked with the heads innermost, in
-    # (longest, shortest) pairs whose second walks first to last: 8 + 1, 7 + 2, 6 + 3, 5 + 4 blocks.
+    # (longest, shortest) pairs whose second walks first to last: 8 + 1, 7 + 2, 6 + 3, 5 + 4 blocks,
+    # one pair per CTA.
     assert s.work_tile[s.items[:, 0]].tolist() == [0, 7, 1, 6, 2, 5, 3, 4]
     assert s.items[:, 2].tolist() == [HEADS_INNER, HEADS_INNER | ASCENDING] * 4
+    assert s.cta_items.tolist() == [0, 2, 4, 6, 8]
+    # On one CTA pairs keep no CTA closer to another: the tiles walk in order.
+    one = build_backward_schedule(mask, 128, 128, 1, 1)
+    assert one.work_tile[one.items[:, 0]].tolist() == list(range(8)) and not (one.items[:, 2] & ASCENDING).any()
 
 
 @given(masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 16]), st.sampled_from([1, 4, 8]), st.sampled_from([1, 3]))

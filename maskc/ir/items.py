@@ -15,10 +15,13 @@ same length. Each item carries that choice (`HEADS_INNER` in its flags).
 A group's tiles have unequal lengths (a causal tile reaches from its diagonal to the end), so
 after its first item a CTA would start the next one while the others are midway, and the CTAs
 would spread over every head's Q / dO. So the tiles of a group that fills every CTA and whose
-lengths differ (`PAIR_SPREAD`) run in pairs on one CTA: the longest walks last to first, then
-the shortest first to last (`ASCENDING`); every CTA of the group is then at one of two q
-blocks at any time, and the pairs cost about the same, so they end together and the next ones
-start in step.
+lengths differ (`PAIR_SPREAD`) may run in pairs on one CTA: the longest walks last to first,
+then the shortest first to last (`ASCENDING`). Where the lengths fall evenly (a causal mask)
+every CTA of the group is then at one of two q blocks at any time, and the pairs cost the same,
+so they end together and the next ones start in step. Where they come in steps (the local
+mask of a context-parallel rank: whole chunks of keys see the same queries) the pairs' costs
+differ and walking in order keeps the CTAs closer; the deal's model decides (`_places`: how
+many (head, q block) places the CTAs walk at once, the rows the L2 must hold).
 
 - `sync_group_order`: group by group, heaviest items first; a group's items run together,
   one K/V head after the other, in (longest, shortest) pairs where that pays.
@@ -51,6 +54,9 @@ ASCENDING = 2
 #: masks up to 3%).
 PAIR_SPREAD = 1.5
 
+
+#: Times at which `_places` looks where the CTAs are.
+PLACE_SAMPLES = 64
 
 #: A split item's pieces are worth it when the deal's busiest CTA gets lighter by this fraction.
 SPLIT_GAIN = 0.01
@@ -119,13 +125,49 @@ def _in_pairs(works: np.ndarray, sizes: np.ndarray, cost: np.ndarray, paired: np
     return np.where(pair, by_cost[start[group] + rank], works), pair & (within % 2 == 1)
 
 
+def _places(rows: np.ndarray, group: np.ndarray, cost: np.ndarray, last_block: np.ndarray, num_ctas: int) -> np.ndarray:
+    """Per group of rows (`group[i]` of row i, consecutive), how many distinct (K/V head, q
+    block) places its CTAs walk at once, summed over PLACE_SAMPLES times of the deal of `rows`
+    (work, head, flags): the Q / dO / dQ rows the L2 must hold for them. Time and position
+    count in q blocks: an item walks down from its last block, or, if ASCENDING, up to it."""
+    c = cost[rows[:, 0]].astype(np.float64)
+    unit, unit_costs = _unit_costs(rows, c)
+    owner = _free_times(unit_costs, num_ctas)[0]
+    by_cta = np.argsort(owner, kind="stable")
+    done = np.cumsum(unit_costs[by_cta])
+    first = np.searchsorted(owner[by_cta], owner[by_cta])  # each CTA's first unit, in by_cta
+    unit_start = np.empty_like(unit_costs)
+    unit_start[by_cta] = done - unit_costs[by_cta] - np.r_[0.0, done][first]
+    before = np.cumsum(c) - c
+    start = unit_start[unit] + before - before[np.searchsorted(unit, unit)]  # a pair's second after its first
+    cta = owner[unit]
+    makespan = float((unit_start + unit_costs).max())
+    timeline = makespan + 1.0  # each CTA's rows on a timeline of its own, back to back
+    key = cta * timeline + start
+    rank = np.argsort(key, kind="stable")
+    t = (np.arange(PLACE_SAMPLES) + 0.5) * makespan / PLACE_SAMPLES
+    probe = (np.arange(num_ctas)[:, None] * timeline + t[None, :]).ravel()
+    at = rank[np.maximum(np.searchsorted(key[rank], probe, side="right") - 1, 0)]
+    elapsed = np.tile(t, num_ctas) - start[at]
+    busy = (cta[at] == np.repeat(np.arange(num_ctas), t.size)) & (elapsed >= 0) & (elapsed < c[at])
+    at, elapsed = at[busy], elapsed[busy]
+    last = last_block[rows[at, 0]]
+    position = np.where(rows[at, 2] & ASCENDING, last - c[at] + elapsed, last - elapsed).astype(np.int64)
+    position -= position.min(initial=0)
+    sample = np.tile(np.arange(t.size, dtype=np.int64), num_ctas)[busy]
+    heads, blocks = int(rows[:, 1].max(initial=0)) + 1, int(position.max(initial=0)) + 1
+    place = np.unique(((group[at] * t.size + sample) * heads + rows[at, 1]) * blocks + position)
+    return np.bincount(place // (t.size * heads * blocks), minlength=int(group.max(initial=-1)) + 1)
+
+
 def sync_group_order(last_block: np.ndarray, cost: np.ndarray, num_heads_kv: int, num_ctas: int) -> np.ndarray:
     """Items group by group, the group with the heaviest item first, ties by last block (so
     equal items start in step: a sliding window's tiles run in rounds, its light last tiles
     after them); inside a group head by head, each head's works in (longest, shortest) pairs,
-    the second of each ASCENDING, if the group's items fill `num_ctas` CTAs and its costs
-    differ by PAIR_SPREAD. `last_block[w]` is the end of work w's last run (-1: none),
-    `cost[w]` its estimated cost."""
+    the second of each ASCENDING, if the group's items fill `num_ctas` CTAs, its costs differ
+    by PAIR_SPREAD and the pairs keep its CTAs at fewer places (`_places`, over the deal of
+    every group in pairs against every group in order).
+    `last_block[w]` is the end of work w's last run (-1: none), `cost[w]` its estimated cost."""
     groups, group_of = np.unique(last_block, return_inverse=True)
     heaviest = np.zeros(groups.size)
     np.maximum.at(heaviest, group_of, cost)
@@ -137,6 +179,12 @@ def sync_group_order(last_block: np.ndarray, cost: np.ndarray, num_heads_kv: int
     np.minimum.at(lightest, group_of, cost)
     by_rank = np.argsort(rank)
     paired = (sizes * num_heads_kv >= num_ctas) & (heaviest[by_rank] >= PAIR_SPREAD * lightest[by_rank])
+    if paired.any():  # keep the pairs of the groups whose CTAs they keep at fewer places
+        group = np.repeat(np.arange(sizes.size), sizes * num_heads_kv)
+        in_order = _groups_by_head(works, sizes, np.zeros(works.size, np.int64), num_heads_kv)
+        works_paired, second = _in_pairs(works, sizes, cost, paired)
+        in_pairs = _groups_by_head(works_paired, sizes, second * ASCENDING, num_heads_kv)
+        paired &= _places(in_pairs, group, cost, last_block, num_ctas) < _places(in_order, group, cost, last_block, num_ctas)
     works, second = _in_pairs(works, sizes, cost, paired)
     flags = heads_inner(last_block)[works] * HEADS_INNER + second * ASCENDING
     return _groups_by_head(works, sizes, flags, num_heads_kv)
