@@ -179,12 +179,19 @@ def sync_group_order(last_block: np.ndarray, cost: np.ndarray, num_heads_kv: int
     np.minimum.at(lightest, group_of, cost)
     by_rank = np.argsort(rank)
     paired = (sizes * num_heads_kv >= num_ctas) & (heaviest[by_rank] >= PAIR_SPREAD * lightest[by_rank])
-    if paired.any():  # keep the pairs of the groups whose CTAs they keep at fewer places
-        group = np.repeat(np.arange(sizes.size), sizes * num_heads_kv)
-        in_order = _groups_by_head(works, sizes, np.zeros(works.size, np.int64), num_heads_kv)
-        works_paired, second = _in_pairs(works, sizes, cost, paired)
-        in_pairs = _groups_by_head(works_paired, sizes, second * ASCENDING, num_heads_kv)
-        paired &= _places(in_pairs, group, cost, last_block, num_ctas) < _places(in_order, group, cost, last_block, num_ctas)
+    candidates = np.flatnonzero(paired)
+    if candidates.size:  # keep the pairs of the groups whose CTAs they keep at fewer places
+        # The candidates alone, dealt back to back: the groups between them are lighter and
+        # come after them in the order, and left out they do not cut the deal's rounds short.
+        size = sizes[candidates]
+        start = np.r_[0, np.cumsum(sizes)[:-1]][candidates]
+        mine = np.repeat(start - np.r_[0, np.cumsum(size)[:-1]], size) + np.arange(size.sum())
+        group = np.repeat(np.arange(size.size), size * num_heads_kv)
+        in_order = _groups_by_head(works[mine], size, np.zeros(mine.size, np.int64), num_heads_kv)
+        works_paired, second = _in_pairs(works[mine], size, cost, np.ones(size.size, bool))
+        in_pairs = _groups_by_head(works_paired, size, second * ASCENDING, num_heads_kv)
+        fewer = _places(in_pairs, group, cost, last_block, num_ctas) < _places(in_order, group, cost, last_block, num_ctas)
+        paired[candidates] = fewer
     works, second = _in_pairs(works, sizes, cost, paired)
     flags = heads_inner(last_block)[works] * HEADS_INNER + second * ASCENDING
     return _groups_by_head(works, sizes, flags, num_heads_kv)
