@@ -165,8 +165,8 @@ def sync_group_order(last_block: np.ndarray, cost: np.ndarray, num_heads_kv: int
     equal items start in step: a sliding window's tiles run in rounds, its light last tiles
     after them); inside a group head by head, each head's works in (longest, shortest) pairs,
     the second of each ASCENDING, if the group's items fill `num_ctas` CTAs, its costs differ
-    by PAIR_SPREAD and the pairs keep its CTAs at fewer places (`_places`, over the deal of
-    every group in pairs against every group in order).
+    by PAIR_SPREAD and the pairs keep its CTAs at fewer places (`_places`, over a deal of the
+    groups that could pair, in pairs against in order).
     `last_block[w]` is the end of work w's last run (-1: none), `cost[w]` its estimated cost."""
     groups, group_of = np.unique(last_block, return_inverse=True)
     heaviest = np.zeros(groups.size)
@@ -181,8 +181,8 @@ def sync_group_order(last_block: np.ndarray, cost: np.ndarray, num_heads_kv: int
     paired = (sizes * num_heads_kv >= num_ctas) & (heaviest[by_rank] >= PAIR_SPREAD * lightest[by_rank])
     candidates = np.flatnonzero(paired)
     if candidates.size:  # keep the pairs of the groups whose CTAs they keep at fewer places
-        # The candidates alone, dealt back to back: the groups between them are lighter and
-        # come after them in the order, and left out they do not cut the deal's rounds short.
+        # The candidates alone, dealt back to back: pairs change only their walks, and the
+        # other groups' many small items would cut the deal's rounds short (host time).
         size = sizes[candidates]
         start = np.r_[0, np.cumsum(sizes)[:-1]][candidates]
         mine = np.repeat(start - np.r_[0, np.cumsum(size)[:-1]], size) + np.arange(size.sum())
