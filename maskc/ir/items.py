@@ -132,12 +132,7 @@ def _places(rows: np.ndarray, group: np.ndarray, cost: np.ndarray, last_block: n
     count in q blocks: an item walks down from its last block, or, if ASCENDING, up to it."""
     c = cost[rows[:, 0]].astype(np.float64)
     unit, unit_costs = _unit_costs(rows, c)
-    owner = _free_times(unit_costs, num_ctas)[0]
-    by_cta = np.argsort(owner, kind="stable")
-    done = np.cumsum(unit_costs[by_cta])
-    first = np.searchsorted(owner[by_cta], owner[by_cta])  # each CTA's first unit, in by_cta
-    unit_start = np.empty_like(unit_costs)
-    unit_start[by_cta] = done - unit_costs[by_cta] - np.r_[0.0, done][first]
+    owner, unit_start, _ = _free_times(unit_costs, num_ctas)
     before = np.cumsum(c) - c
     start = unit_start[unit] + before - before[np.searchsorted(unit, unit)]  # a pair's second after its first
     cta = owner[unit]
@@ -214,10 +209,12 @@ def _units(order: np.ndarray) -> np.ndarray:
     return np.cumsum((order[:, 2] & ASCENDING) == 0) - 1
 
 
-def _free_times(costs: np.ndarray, num_ctas: int, free: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _free_times(
+    costs: np.ndarray, num_ctas: int, free: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Greedy list scheduling of units of `costs`: each to the CTA that is free first (ties:
-    the lower CTA), from CTAs free at `free` (default all at 0). The owner of each unit and
-    when each CTA is free at the end.
+    the lower CTA), from CTAs free at `free` (default all at 0). The owner and start of each
+    unit, and when each CTA is free at the end.
 
     Vectorised in rounds: with the CTAs sorted by free time, the next units go to them in that
     order for as long as no unit of the round would free its CTA before the next CTA's turn
@@ -225,6 +222,7 @@ def _free_times(costs: np.ndarray, num_ctas: int, free: np.ndarray | None = None
     free = np.zeros(num_ctas) if free is None else free.copy()
     ctas = np.arange(num_ctas)
     owner = np.empty(costs.size, np.int64)
+    start = np.empty(costs.size)
     i = 0
     while i < costs.size:
         by = np.lexsort((ctas, free))
@@ -234,9 +232,10 @@ def _free_times(costs: np.ndarray, num_ctas: int, free: np.ndarray | None = None
         late = np.flatnonzero(freed[:-1] <= starts[1:])
         n = int(late[0]) + 1 if late.size else chunk.size
         owner[i : i + n] = by[:n]
+        start[i : i + n] = starts[:n]
         free[by[:n]] += chunk[:n]
         i += n
-    return owner, free
+    return owner, start, free
 
 
 def _unit_costs(items: np.ndarray, cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -253,7 +252,7 @@ def split_tail(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_
     if qheads_per_kvhead == 1 or not len(items):
         return items, cost
     unit, unit_costs = _unit_costs(items, cost)
-    makespan = _free_times(unit_costs, num_ctas)[1].max()
+    makespan = _free_times(unit_costs, num_ctas)[2].max()
     if makespan * num_ctas <= unit_costs.sum() * (1 + SPLIT_GAIN):
         return items, cost  # balanced already
     best = (makespan * (1 - SPLIT_GAIN), items, cost)
@@ -263,7 +262,7 @@ def split_tail(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_
     piece_counts = np.array([1, 2, 3, 4, 6, 8, 12, 16, 24, 32]) * num_ctas
     splits = np.unique(np.minimum(-(-piece_counts // qheads_per_kvhead), num_units))
     common = num_units - int(splits[-1])
-    free = _free_times(unit_costs[:common], num_ctas)[1]
+    free = _free_times(unit_costs[:common], num_ctas)[2]
     for k in splits:
         first = int(np.searchsorted(unit, num_units - k))
         tail = items[first:]
@@ -273,7 +272,7 @@ def split_tail(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_
         pieces[:, 4] = np.tile(np.arange(len(tail)), qheads_per_kvhead)
         piece_cost = (cost[first:] - ITEM_OVERHEAD_BLOCKS) / qheads_per_kvhead + PIECE_OVERHEAD_BLOCKS
         tail_units = np.r_[unit_costs[common : num_units - k], np.tile(piece_cost, qheads_per_kvhead)]
-        makespan = _free_times(tail_units, num_ctas, free)[1].max()
+        makespan = _free_times(tail_units, num_ctas, free)[2].max()
         if makespan < best[0]:
             row_cost = np.r_[cost[:first], np.tile(piece_cost, qheads_per_kvhead)]
             best = (makespan, np.r_[items[:first], pieces], row_cost)
