@@ -22,8 +22,9 @@ from maskc.ir.schedule import (
 from test_ir import masks
 
 
-def decode(s: Schedule) -> torch.Tensor:
-    """Dense mask the kernel would compute from the schedule, checking its invariants."""
+def decode(s: Schedule, free_past_end: bool = False) -> torch.Tensor:
+    """Dense mask the kernel would compute from the schedule, checking its invariants. A full
+    block must be in range unless the columns past the end need no mask (`free_past_end`)."""
     sq, sk = s.seqlen_q, s.seqlen_k
     dense = torch.zeros(sq, sk, dtype=torch.bool)
     assert sorted(s.work_tile.tolist()) == list(range(-(-sq // s.tile_m)))
@@ -43,7 +44,7 @@ def decode(s: Schedule) -> torch.Tensor:
                 c0, c1 = n * s.tile_n, min((n + 1) * s.tile_n, sk)
                 assert c0 < sk
                 if not partial:
-                    assert (n + 1) * s.tile_n <= sk, "a full block must be in range"
+                    assert free_past_end or (n + 1) * s.tile_n <= sk, "a full block must be in range"
                     dense[r0:r1, c0:c1] = True
                     continue
                 block = torch.zeros(r1 - r0, c1 - c0, dtype=torch.bool)
@@ -131,8 +132,20 @@ def test_backward_schedule_covers_exactly_the_transposed_mask(
 ) -> None:
     s = build_backward_schedule(mask, tile_m, tile_n, num_heads_kv, num_ctas, qheads_per_kvhead)
     assert (s.tile_m, s.tile_n) == (tile_n, tile_m)  # work items are k tiles, runs are q blocks
-    assert torch.equal(decode(s), mask.to_dense().T)
+    assert torch.equal(decode(s, free_past_end=True), mask.to_dense().T)
     check_items(s, num_heads_kv, num_ctas, qheads_per_kvhead)
+
+
+@pytest.mark.parametrize("seqlen", [1, 80, 1000, 16384])
+def test_backward_blocks_past_the_last_query_need_no_mask(seqlen: int) -> None:
+    """Queries past Tq have P = 0 in the backward, so a block reaching past them is full: a full
+    mask has no partial block at any length, whatever the q block size."""
+    full = Mask.from_cu_seqlens([0, seqlen])
+    for tile_m in (64, 80):
+        s = build_backward_schedule(full, tile_m, 128, 1, 4)
+        assert not s.ranges[:, 2].any()
+    # The forward's columns past Tk are keys and stay masked.
+    assert build_schedule(Mask.from_cu_seqlens([0, 1000]), 128, 128).ranges[:, 2].any()
 
 
 def test_lines_side_by_side_in_a_tile_fuse_into_full_blocks() -> None:
@@ -168,7 +181,7 @@ def test_backward_schedule_of_causal_skips_blocks_above_the_diagonal() -> None:
 @settings(max_examples=200, deadline=None)
 def test_deterministic_backward_schedule_orders_dq_additions(mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int) -> None:
     s = build_deterministic_backward_schedule(mask, tile_m, tile_n, num_heads_kv, 4)
-    assert torch.equal(decode(s), mask.to_dense().T)  # the same blocks as the plain schedule
+    assert torch.equal(decode(s, free_past_end=True), mask.to_dense().T)  # the same blocks as the plain schedule
     check_items(s, num_heads_kv, 4)
     assert s.work_tile.tolist() == sorted(s.work_tile.tolist())  # k tile order: waits go to earlier items
     # A CTA only waits for lower items: for each K/V head the k tiles come in ascending order,

@@ -100,9 +100,13 @@ def _fuse_side_by_side(tile: np.ndarray, ln: RowLines) -> tuple[np.ndarray, RowL
     return tile[first], fused
 
 
-def build_schedule(mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool = True) -> Schedule:
+def build_schedule(
+    mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool = True, free_past_end: bool = False
+) -> Schedule:
     """The forward schedule of `mask` for (tile_m x tile_n) tiles; work items heaviest first, or
-    in tile order (`heaviest_first=False`)."""
+    in tile order (`heaviest_first=False`). With `free_past_end` the columns past the last one
+    need no mask (the backward's queries past Tq: their P is 0), so a block a line covers up to
+    the last column is full."""
     if tile_m <= 0 or tile_n <= 0:
         raise MaskError(f"tile shape must be positive, got {tile_m} x {tile_n}")
     sq, sk = mask.shape
@@ -125,7 +129,10 @@ def build_schedule(mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool
     touch_begin, touch_end = lo_first // tile_n, hi_last // tile_n + 1
     all_rows = (a == pair_tile * tile_m) & (b == np.minimum((pair_tile + 1) * tile_m, sq))
     full_begin = -(-lo_last // tile_n)
-    full_end = np.minimum((hi_first + 1) // tile_n, sk // tile_n)
+    if free_past_end:
+        full_end = np.where(hi_first + 1 >= sk, -(-sk // tile_n), (hi_first + 1) // tile_n)
+    else:
+        full_end = np.minimum((hi_first + 1) // tile_n, sk // tile_n)
     has_full = all_rows & (full_end > full_begin)
     full_begin = np.where(has_full, full_begin, touch_begin)
     full_end = np.where(has_full, full_end, touch_begin)
@@ -217,7 +224,7 @@ def build_backward_schedule(
     scheduler and one line mask serve both directions. Its items (k tile, K/V head) go to
     `num_ctas` CTAs in sync groups (`maskc.ir.items.sync_group_order`), the last ones split by
     query head where that balances the CTAs (`maskc.ir.items.split_tail`)."""
-    s = build_schedule(mask.transpose(), tile_n, tile_m)
+    s = build_schedule(mask.transpose(), tile_n, tile_m, free_past_end=True)
     cost = _item_cost(s)
     items = whole(sync_group_order(_last_blocks(s), cost, num_heads_kv, num_ctas))
     items, row_cost = split_tail(items, cost[items[:, 0]], qheads_per_kvhead, num_ctas)
@@ -247,7 +254,7 @@ def build_deterministic_backward_schedule(
     """`build_backward_schedule` with items in k tile order (`maskc.ir.items.section_order`:
     a CTA then only ever waits for lower items, which are done or running: no deadlock) and
     the dQ ranks."""
-    s = build_schedule(mask.transpose(), tile_n, tile_m, heaviest_first=False)
+    s = build_schedule(mask.transpose(), tile_n, tile_m, heaviest_first=False, free_past_end=True)
     lengths = (s.ranges[:, 1] - s.ranges[:, 0]).astype(np.int64)
     run_work = np.repeat(np.arange(s.num_work), np.diff(s.work_ranges))
     _, q_block = expand_spans(s.ranges[:, 0].astype(np.int64), s.ranges[:, 1].astype(np.int64) - 1)
