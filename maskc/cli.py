@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from itertools import product
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import maskc
 from maskc.errors import MaskcError, MaskParamError
+
+if TYPE_CHECKING:
+    from maskc.ir import Mask
 
 PARAM_HELP = (
     "a runtime parameter NAME=VALUE (repeatable): an int (block=2048), a list of ints "
@@ -142,25 +146,30 @@ def _heads(text: str) -> tuple[int, int]:
     return pair
 
 
-def _kernel_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The kernels a training job needs, per (arch, head dim, heads, dtype): the forward per GQA
-    strategy (plain, and PackGQA when the heads allow it; the runtime picks per mask) and the
-    backward (softcap is its only feature: sinks and max logits need nothing in it)."""
-    from maskc.ir.strategy import pack_gqa_supported
+def _kernel_requests(args: argparse.Namespace, masks: list[Mask]) -> list[dict[str, Any]]:
+    """The kernels a training job on `masks` needs, per (arch, head dim, heads, dtype): the
+    forward per GQA strategy (plain, and PackGQA when the heads allow it; the runtime picks per
+    mask) and the backward (softcap is its only feature: sinks and max logits need nothing in
+    it), also without line masks where a mask's backward has no partial block."""
+    from maskc.ir.schedule import backward_has_partial_blocks
+    from maskc.ir.strategy import pack_gqa_supported, select_tiles
 
     requests = []
     for arch in args.arch:
         for head_dim in args.head_dim:
+            tiles = select_tiles(arch, head_dim, "bwd")
+            all_full = [not backward_has_partial_blocks(m, tiles.tile_m, tiles.tile_n) for m in masks]
+            unmasked = (False, True) if any(all_full) else (False,)
             for hq, hkv in args.heads:
                 for dtype in args.dtype:
                     base = {"arch": arch, "head_dim": head_dim, "dtype": dtype, "num_heads_q": hq, "num_heads_kv": hkv}
                     for pack in (False, True) if pack_gqa_supported(hq, hkv) else (False,):
                         requests.append({**base, "direction": "fwd", "has_softcap": args.softcap, "has_sink": args.sink,
                                          "has_max_logits": args.max_logits, "pack_gqa": pack})  # fmt: skip
-                    for deterministic in (False, True) if args.deterministic else (False,):
+                    for deterministic, no_masks in product((False, True) if args.deterministic else (False,), unmasked):
                         requests.append({**base, "direction": "bwd", "has_softcap": args.softcap, "has_sink": False,
-                                         "has_max_logits": False, "pack_gqa": False,
-                                         "deterministic": deterministic})  # fmt: skip
+                                         "has_max_logits": False, "pack_gqa": False, "deterministic": deterministic,
+                                         "unmasked": no_masks})  # fmt: skip
     return requests
 
 
@@ -178,7 +187,7 @@ def _compile(args: argparse.Namespace) -> int:
         from maskc.codegen.cache import cached_kernel, compressed_runtime_library
         from maskc.codegen.jit import variant_for
 
-        variants = [variant_for(r) for r in _kernel_requests(args)]
+        variants = [variant_for(r) for r in _kernel_requests(args, [item.mask for item in lowered])]
         for variant in tqdm(variants, desc="compiling kernels", unit="variant", disable=len(variants) < 2):
             kernels.append(cached_kernel(variant))
         library = compressed_runtime_library() if args.bundle_runtime else None

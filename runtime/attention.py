@@ -31,7 +31,12 @@ import torch.utils._pytree as pytree
 from maskc.codegen.variant import WARPGROUP_ROWS
 from maskc.errors import ArtifactError, MaskcError
 from maskc.ir import Mask
-from maskc.ir.schedule import build_backward_schedule, build_deterministic_backward_schedule, build_schedule
+from maskc.ir.schedule import (
+    backward_has_partial_blocks,
+    build_backward_schedule,
+    build_deterministic_backward_schedule,
+    build_schedule,
+)
 from maskc.ir.strategy import SUPPORTED_HEAD_DIMS, pack_gqa_supported, select_pack_gqa, select_tiles
 from maskc.reference import AttentionMeta, check_attention_args
 from maskc.runtime.abi import ABIS, BACKWARD_ABI, SCHEDULE_AND_LAUNCH, TensorArg, abi_to_json
@@ -42,9 +47,9 @@ DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 ARCHS = {(9, 0): "sm_90a"}
 REQUEST_FIELDS = (
     "arch", "direction", "head_dim", "dtype", "num_heads_q", "num_heads_kv", "has_softcap", "has_sink", "has_max_logits",
-    "pack_gqa", "deterministic",
+    "pack_gqa", "deterministic", "unmasked",
 )
-_OPTIONAL_FIELDS = ("pack_gqa", "deterministic")  # False where a request or manifest leaves them out
+_OPTIONAL_FIELDS = ("pack_gqa", "deterministic", "unmasked")  # False where a request or manifest leaves them out
 SCHEDULE_ARGS = (
     *(a for a in SCHEDULE_AND_LAUNCH if isinstance(a, TensorArg)),
     *(next(a for a in BACKWARD_ABI if a.name == name) for name in ("items", "cta_items", "work_blocks", "block_rank")),
@@ -100,13 +105,24 @@ def _pack_gqa(mask: Mask, request: dict[str, Any], num_sms: int) -> bool:
     return cached
 
 
-def _find_kernel(request: dict[str, Any], strategy_forced: bool) -> _Entry:
-    """A registered kernel for `request`; else, unless the caller forced the GQA strategy, one
-    of the other strategy (registered artifacts win over compiling); else compile `request`."""
+def _find_kernel(request: dict[str, Any], alternative: dict[str, Any] | None = None) -> _Entry:
+    """A registered kernel for `request`; else a registered one for `alternative`, a kernel that
+    serves the same call more slowly (registered artifacts win over compiling); else compile
+    `request`."""
     entry = _KERNELS.get(_request_key(request))
-    if entry is None and not strategy_forced:
-        entry = _KERNELS.get(_request_key({**request, "pack_gqa": not request["pack_gqa"]}))
+    if entry is None and alternative is not None:
+        entry = _KERNELS.get(_request_key(alternative))
     return entry or _jit(request)
+
+
+def _backward_kernel(mask: Mask, request: dict[str, Any]) -> _Entry:
+    """The backward kernel without line masks where the mask's backward schedule has no partial
+    block (a full mask at any length): the masked kernel spills registers in its block loop. The
+    masked kernel serves the other masks, and this one where only it is registered."""
+    tiles = select_tiles(request["arch"], request["head_dim"], "bwd")
+    if backward_has_partial_blocks(mask, tiles.tile_m, tiles.tile_n):
+        return _find_kernel(request)
+    return _find_kernel({**request, "unmasked": True}, alternative=request)
 
 
 _KERNELS: dict[tuple, _Entry] = {}
@@ -293,11 +309,12 @@ def _plan(
         if pack_gqa and not pack_gqa_supported(num_heads_q, num_heads_kv):
             raise MaskcError(f"pack_gqa needs Hq / Hkv a power of two in [2, 64]; got {num_heads_q} / {num_heads_kv}")
         request["pack_gqa"] = bool(pack_gqa)
-    forward = _find_kernel(request, strategy_forced=pack_gqa is not None)
+    other_strategy = None if pack_gqa is not None else {**request, "pack_gqa": not request["pack_gqa"]}
+    forward = _find_kernel(request, other_strategy)
     backward_launch = _NO_LAUNCH
     if needs_grad:
-        backward = _find_kernel({**base, "direction": "bwd", "has_sink": False, "has_max_logits": False,
-                                 "pack_gqa": False, "deterministic": deterministic}, strategy_forced=True)  # fmt: skip
+        backward = _backward_kernel(mask, {**base, "direction": "bwd", "has_sink": False, "has_max_logits": False,
+                                           "pack_gqa": False, "deterministic": deterministic})  # fmt: skip
         backward_launch = _backward_launch(backward, mask, num_sms, device)
     cached = mask.memo[key] = (_forward_launch(forward, mask, num_sms, device), backward_launch)
     return cached

@@ -8,6 +8,7 @@ caching allocator, checked) so an element the kernel never writes fails the test
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from pathlib import Path
@@ -303,6 +304,21 @@ def test_gradients_with_split_items(name: str, hq: int, hkv: int, d: int, dtype:
     _check_grads(mask, hq, hkv, d, dtype, softcap=5.0 if extras else 0.0, sink=extras)
     slots = [entry[2] for key, entry in mask.memo.items() if isinstance(key, tuple) and key[0] == "build_backward_schedule"]
     assert slots and slots[0] > 0, "the backward schedule split no item"
+
+
+@pytest.mark.parametrize("cu_seqlens", [[0, 1], [0, 1000], [0, 4096], [0, 1024, 1100], [0, 600, 1000]])
+def test_gradients_of_masks_without_partial_blocks(cu_seqlens: list[int]) -> None:
+    """Full masks at any length and documents on k tile edges take the backward kernel without
+    line masks (the artifacts, compiled from full.mask, ship it); documents that cut a k tile
+    ([0, 600, 1000]) the masked one. Gradients within the rule either way, deterministic too."""
+    rt = importlib.import_module("maskc.runtime.attention")
+    mask = Mask.from_cu_seqlens(cu_seqlens)
+    _check_grads(mask, 8, 2, 128, "bf16", softcap=5.0, sink=True)
+    _check_grads(mask, 8, 8, 64, "fp16", deterministic=True)
+    unmasked = {entry for key, entry in rt._KERNELS.items() if key[rt.REQUEST_FIELDS.index("unmasked")]}
+    used = [rt._LOADED[plan[1].launch[0]] for key, plan in mask.memo.items()
+            if isinstance(key, tuple) and key[0] == "plan" and plan[1].launch]  # fmt: skip
+    assert len(used) == 2 and all((entry in unmasked) == (cu_seqlens != [0, 600, 1000]) for entry in used)
 
 
 @pytest.mark.parametrize("name,hq,hkv,d,dtype", [

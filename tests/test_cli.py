@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from maskc.ir import Mask
 from maskc.runtime import load_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,3 +138,21 @@ def test_every_example_compiles_to_sm90_kernels_using_wgmma_and_tma(example: Pat
     for variant in manifest["variants"]:
         ptx = "".join(p.read_text() for p in (out / variant["object"]).parent.rglob("*.ptx"))
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+
+
+def test_the_backward_without_line_masks_is_built_for_masks_that_need_it() -> None:
+    """A mask whose backward has no partial block (full, or documents on k tile edges) also gets
+    the unmasked backward, in each deterministic mode; a causal mask only the masked one."""
+    from maskc.cli import _kernel_requests, build_parser
+
+    args = build_parser().parse_args(["compile", "x.mask", "-o", "out", "--deterministic", "--heads", "8:2,8:8"])
+
+    def backward(masks):
+        return sorted((r["num_heads_kv"], r["deterministic"], r["unmasked"]) for r in _kernel_requests(args, masks)
+                      if r["direction"] == "bwd")  # fmt: skip
+
+    causal, full = Mask.from_cu_seqlens([0, 1000], causal=True), Mask.from_cu_seqlens([0, 1000])
+    assert backward([causal]) == [(h, d, False) for h in (2, 8) for d in (False, True)]
+    assert backward([causal, full]) == backward([Mask.from_cu_seqlens([0, 1024, 1100])]) == [
+        (h, d, u) for h in (2, 8) for d in (False, True) for u in (False, True)
+    ]

@@ -32,6 +32,7 @@ COMPILED = {
     "d128_bf16_8x2": variant(),
     "d64_fp16_8x8_softcap": variant(head_dim=64, dtype="fp16", num_heads_kv=8, has_softcap=True, num_stages=4),
     "d128_bf16_8x2_deterministic": variant(deterministic=True),
+    "d128_bf16_8x2_unmasked": variant(unmasked=True),
 }
 
 
@@ -121,6 +122,17 @@ def test_mask_code_only_on_partial_blocks():
     assert "if partial != 0:" in consumer
     block = source[source.index("def bwd_block(") : source.index("def bwd_consumer(")]
     assert block.count("if const_expr(masked):") == 2
+    # The unmasked kernel: one block path and no line state (the runtime gives it no partial block).
+    unmasked = render(variant(unmasked=True))
+    consumer = unmasked[unmasked.index("def bwd_consumer(") : unmasked.index("def attn_bwd_kernel(")]
+    assert consumer.count("bwd_block(") == 1 and "partial != 0" not in consumer and "load_line_bounds" not in consumer
+    assert variant(unmasked=True).key() != variant().key()
+
+
+def test_unmasked_is_a_backward_option():
+    fields = {f: getattr(variant(), f) for f in ("arch", "head_dim", "dtype", "num_heads_q", "num_heads_kv")}
+    with pytest.raises(VariantError, match="unmasked is a backward option"):
+        KernelVariant(**fields, direction="fwd", tile_m=128, tile_n=128, num_stages=2, unmasked=True)
 
 
 # ---- compiling (CUTLASS DSL, no GPU) ------------------------------------------------------------
@@ -168,6 +180,9 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     assert "ld.global.v4" in ptx and "shfl.sync.bfly" in ptx
     assert ("tanh.approx" in ptx) == v.has_softcap
     assert ("ld.global.acquire.gpu" in ptx and "red.release.gpu.global.add" in ptx) == v.deterministic
+    # One block path without line masks, or a masked and a full one: each has head_dim / 16 wgmma
+    # for S^T and for dP^T, 4 for dV and for dK (64 queries), 8 for dQ (128 keys).
+    assert ptx.count("wgmma.mma_async") == (1 if v.unmasked else 2) * (v.head_dim // 8 + 16)
 
 
 def test_exported_structs_match_what_the_runtime_packs(compiled):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import lzma
 from pathlib import Path
@@ -97,3 +98,33 @@ def test_kernels_built_with_another_dsl_release_are_refused(tmp_path: Path, monk
     write_manifest(tmp_path, {"toolchain": {"nvidia-cutlass-dsl": "0.0.1"}, "variants": [variant], "files": ["k.o"]})
     with pytest.raises(ArtifactError, match=r"built with nvidia-cutlass-dsl 0.0.1, but the runtime library found is"):
         register_artifact(tmp_path)
+
+
+def test_the_unmasked_backward_serves_only_masks_without_partial_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel without line masks for a full mask (any length: blocks past the last query
+    count as full); the masked kernel for the rest, and for a full mask when only it is
+    registered (never a compile while a registered kernel can serve the call)."""
+    rt = importlib.import_module("maskc.runtime.attention")  # the module: maskc.runtime.attention is the function
+
+    def compile_refused(request):
+        raise ArtifactError(f"would compile {request}")
+
+    monkeypatch.setattr(rt, "_KERNELS", {})
+    monkeypatch.setattr(rt, "_LOADED", [])
+    monkeypatch.setattr(rt, "_jit", compile_refused)
+    request = {"arch": "sm_90a", "direction": "bwd", "head_dim": 128, "dtype": "bf16", "num_heads_q": 8,
+               "num_heads_kv": 2, "has_softcap": False, "has_sink": False, "has_max_logits": False}  # fmt: skip
+    entries = {}
+    for unmasked in (False, True):
+        fields = {**request, "unmasked": unmasked, "tile_m": 64, "tile_n": 128}
+        entries[unmasked] = rt._KERNELS[rt._request_key(fields)] = rt._entry(None, fields)
+    full, causal = Mask.from_cu_seqlens([0, 1000]), Mask.from_cu_seqlens([0, 1000], causal=True)
+    assert rt._backward_kernel(full, request) is entries[True]
+    assert rt._backward_kernel(causal, request) is entries[False]
+    assert rt._backward_kernel(Mask.from_cu_seqlens([0, 1000, 1100]), request) is entries[False]  # a boundary mid-block
+    assert rt._backward_kernel(Mask.from_cu_seqlens([0, 1024, 1100]), request) is entries[True]  # at a k tile edge
+    del rt._KERNELS[rt._request_key({**request, "unmasked": True})]
+    assert rt._backward_kernel(full, request) is entries[False]
+    del rt._KERNELS[rt._request_key(request)]
+    with pytest.raises(ArtifactError, match="'unmasked': True"):
+        rt._backward_kernel(full, request)  # neither registered: compile the unmasked one

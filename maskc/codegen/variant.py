@@ -54,6 +54,9 @@ class KernelVariant:
     #: Backward only: dQ additions in a fixed order (k tiles in ascending order per q block,
     #: through semaphores), so gradients are bitwise identical from run to run.
     deterministic: bool = False
+    #: Backward only: no line masks, so the runtime gives it only schedules without a partial
+    #: block (a full mask). The masked kernel's line state spills registers in its block loop.
+    unmasked: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -73,7 +76,7 @@ class KernelVariant:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise VariantError(f"{name} must be a positive int, got {value!r}")
-        for name in ("has_softcap", "has_sink", "has_max_logits", "pack_gqa", "deterministic"):
+        for name in ("has_softcap", "has_sink", "has_max_logits", "pack_gqa", "deterministic", "unmasked"):
             if not isinstance(getattr(self, name), bool):
                 raise VariantError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.num_heads_q % self.num_heads_kv:
@@ -92,6 +95,8 @@ class KernelVariant:
         else:
             if self.deterministic:
                 raise VariantError("deterministic is a backward option (the forward is deterministic already)")
+            if self.unmasked:
+                raise VariantError("unmasked is a backward option (the forward masks only its partial blocks already)")
             self._check_forward_tiles()
         if not 1 <= self.num_stages <= 8:
             raise VariantError(f"num_stages {self.num_stages} must be in [1, 8]")
@@ -188,7 +193,7 @@ class KernelVariant:
             letter
             for letter, on in (
                 ("c", self.has_softcap), ("s", self.has_sink), ("m", self.has_max_logits), ("p", self.pack_gqa),
-                ("d", self.deterministic),
+                ("d", self.deterministic), ("u", self.unmasked),
             )
             if on
         )

@@ -215,6 +215,13 @@ def _item_cost(s: Schedule) -> np.ndarray:
     return s.blocks_per_item() + ITEM_OVERHEAD_BLOCKS
 
 
+def backward_has_partial_blocks(mask: Mask, tile_m: int, tile_n: int) -> bool:
+    """Whether the backward schedule of `mask` (q blocks of tile_m, k tiles of tile_n) has a
+    partial block; the backward kernel without line masks serves only masks with none."""
+    s = build_schedule(mask.transpose(), tile_n, tile_m, heaviest_first=False, free_past_end=True)
+    return bool(s.ranges[:, 2].any())
+
+
 def build_backward_schedule(
     mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int, num_ctas: int, qheads_per_kvhead: int = 1
 ) -> BackwardSchedule:
