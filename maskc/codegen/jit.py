@@ -12,7 +12,7 @@ from maskc.ir.strategy import select_tiles
 
 def variant_for(request: dict[str, Any]) -> KernelVariant:
     """The variant serving `request`: its fields plus the tile shape chosen for them."""
-    tiles = select_tiles(request["arch"], request["head_dim"], request["direction"])
+    tiles = select_tiles(request["arch"], request["head_dim"], request["direction"], request.get("portable", False))
     return KernelVariant(**request, tile_m=tiles.tile_m, tile_n=tiles.tile_n, num_stages=tiles.num_stages)
 
 

@@ -34,12 +34,15 @@ def environment() -> jinja2.Environment:
 
 
 def template_name(variant: KernelVariant) -> str:
-    family = variant.arch.replace("_", "").rstrip("a")  # sm_90a -> sm90
+    """The top-level template: the arch's own (sm_90a -> sm90), or the portable one (sm80)."""
+    family = "sm80" if variant.portable else variant.arch.replace("_", "").rstrip("a")
     return f"attn_{variant.direction}_{family}.py.jinja"
 
 
 def context(variant: KernelVariant) -> dict:
     """Everything a template may read: the variant's fields plus derived static values."""
+    if variant.portable:
+        return {"v": variant, "key": variant.key(), "dtype_cutlass": _CUTLASS_DTYPES[variant.dtype], "num_threads": 128}
     num_wg = variant.num_mma_warpgroups
     # Registers per thread after setmaxnreg: producer down, consumers up (sum fits 64K regs).
     producer_regs, consumer_regs = {2: (24, 240), 3: (32, 160)}[num_wg]

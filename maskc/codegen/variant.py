@@ -15,15 +15,23 @@ from dataclasses import asdict, dataclass
 
 from maskc.errors import MaskcError
 
-SUPPORTED_ARCHS = ("sm_90a",)
+SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a")
+#: Archs with a kernel of their own (TMA + wgmma); every arch has the portable kernel.
+NATIVE_ARCHS = ("sm_90a",)
 SUPPORTED_DIRECTIONS = ("fwd", "bwd")
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = ("bf16", "fp16")
 
 #: Rows of the query tile owned by one consumer warpgroup (one wgmma M extent).
 WARPGROUP_ROWS = 64
-#: Shared memory one CTA may use on SM90 (227 KiB), and what the kernel keeps for barriers.
-SM90_SMEM_BYTES = 227 * 1024
+#: The portable kernel's q tile: four warps of 16 rows (one m16n8k16 M extent each).
+PORTABLE_TILE_M = 64
+#: Persistent CTAs of the portable kernel per SM: 128 threads of at most 255 registers and
+#: 80 KiB of shared memory at d=128, so two fit an SM80 or SM90 SM (each also runs alone).
+PORTABLE_CTAS_PER_SM = 2
+#: Shared memory one CTA may use per arch, and what the kernel keeps for barriers.
+SMEM_BYTES = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024,
+              "sm_120a": 99 * 1024}  # fmt: skip
 _SMEM_RESERVE = 1024
 
 
@@ -57,6 +65,9 @@ class KernelVariant:
     #: Backward only: no line masks, so the runtime gives it only schedules without a partial
     #: block (a full mask). The masked kernel's line state spills registers in its block loop.
     unmasked: bool = False
+    #: The portable kernel (warp MMA, cp.async, ldmatrix: every GPU since SM80) instead of the
+    #: arch's own; the only kernel of an arch outside NATIVE_ARCHS.
+    portable: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -76,7 +87,7 @@ class KernelVariant:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise VariantError(f"{name} must be a positive int, got {value!r}")
-        for name in ("has_softcap", "has_sink", "has_max_logits", "pack_gqa", "deterministic", "unmasked"):
+        for name in ("has_softcap", "has_sink", "has_max_logits", "pack_gqa", "deterministic", "unmasked", "portable"):
             if not isinstance(getattr(self, name), bool):
                 raise VariantError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.num_heads_q % self.num_heads_kv:
@@ -90,6 +101,10 @@ class KernelVariant:
                     f"pack_gqa needs num_heads_q / num_heads_kv to be a power of two in [2, {WARPGROUP_ROWS}], "
                     f"got {self.num_heads_q} / {self.num_heads_kv} = {g}"
                 )
+        if not self.portable and self.arch not in NATIVE_ARCHS:
+            raise VariantError(f"arch {self.arch} has only the portable kernel (portable=True)")
+        if self.portable:
+            self._check_portable()
         if self.direction == "bwd":
             self._check_backward_tiles()
         else:
@@ -97,14 +112,28 @@ class KernelVariant:
                 raise VariantError("deterministic is a backward option (the forward is deterministic already)")
             if self.unmasked:
                 raise VariantError("unmasked is a backward option (the forward masks only its partial blocks already)")
-            self._check_forward_tiles()
+            if not self.portable:
+                self._check_forward_tiles()
         if not 1 <= self.num_stages <= 8:
             raise VariantError(f"num_stages {self.num_stages} must be in [1, 8]")
-        if self.smem_bytes() > SM90_SMEM_BYTES - _SMEM_RESERVE:
+        if self.smem_bytes() > SMEM_BYTES[self.arch] - _SMEM_RESERVE:
             raise VariantError(
                 f"variant needs {self.smem_bytes()} bytes of shared memory, more than the "
-                f"{SM90_SMEM_BYTES - _SMEM_RESERVE} an SM90 CTA has; use fewer stages or a smaller tile"
+                f"{SMEM_BYTES[self.arch] - _SMEM_RESERVE} a CTA has on {self.arch}; use fewer stages or a smaller tile"
             )
+
+    def _check_portable(self) -> None:
+        """The portable kernel: four warps of 16 query rows each, K and V through cp.async stages."""
+        if self.direction != "fwd":
+            raise VariantError("the portable kernel has no backward yet")
+        if self.pack_gqa:
+            raise VariantError("the portable kernel has no pack_gqa variant")
+        if self.tile_m != PORTABLE_TILE_M:
+            raise VariantError(f"portable tile_m {self.tile_m} is not supported; supported: {PORTABLE_TILE_M} (4 warps)")
+        if self.tile_n not in (64, 128):
+            raise VariantError(f"portable tile_n {self.tile_n} is not supported; supported: 64, 128")
+        if self.num_stages != 2:
+            raise VariantError(f"portable num_stages {self.num_stages} is not supported; supported: 2")
 
     def _check_forward_tiles(self) -> None:
         """The forward kernel: q tiles of 64 rows per consumer warpgroup, O in registers."""
@@ -173,8 +202,11 @@ class KernelVariant:
     @property
     def q_stages(self) -> int:
         """Q buffers: two when they fit, so the next work item's Q loads while this one's
-        softmax tail and epilogue run (and its O tile leaves through the other buffer)."""
-        return 2 if self.smem_bytes(2) <= SM90_SMEM_BYTES - _SMEM_RESERVE else 1
+        softmax tail and epilogue run (and its O tile leaves through the other buffer). The
+        portable kernel has one."""
+        if self.portable:
+            return 1
+        return 2 if self.smem_bytes(2) <= SMEM_BYTES[self.arch] - _SMEM_RESERVE else 1
 
     # ---- naming ----------------------------------------------------------------------------
 
@@ -197,6 +229,8 @@ class KernelVariant:
             )
             if on
         )
+        if self.portable:
+            arch += "_portable"
         return (
             f"attn_{self.direction}_{arch}_d{self.head_dim}_{self.dtype}_h{self.num_heads_q}x{self.num_heads_kv}"
             f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}{('_' + flags) if flags else ''}_{self.digest()}"

@@ -32,13 +32,20 @@ _SM90 = {64: Tiles(192, 128, 2), 128: Tiles(128, 128, 2)}
 _SM90_BACKWARD = Tiles(64, 128, 2)
 
 
-def select_tiles(arch: str, head_dim: int, direction: str = "fwd") -> Tiles:
+# The portable kernel (four warps of 16 rows): 64-key blocks at d=128 (S and O in registers
+# side by side), 128 at d=64.
+_PORTABLE = {64: Tiles(64, 128, 2), 128: Tiles(64, 64, 2)}
+
+
+def select_tiles(arch: str, head_dim: int, direction: str = "fwd", portable: bool = False) -> Tiles:
     """Tile shape of the `direction` kernel for `arch` and `head_dim` (backward: tile_m is the
-    q block, tile_n the k tile)."""
-    if arch != "sm_90a":
-        raise MaskcError(f"no kernel for arch {arch!r}; supported: sm_90a")
+    q block, tile_n the k tile), the arch's own kernel or the portable one."""
     if head_dim not in _SM90:
         raise MaskcError(f"head_dim {head_dim} is not supported; supported head dims: {SUPPORTED_HEAD_DIMS}")
+    if portable:
+        return _PORTABLE[head_dim]
+    if arch != "sm_90a":
+        raise MaskcError(f"no kernel of its own for arch {arch!r} (sm_90a has one); use the portable kernel")
     return _SM90_BACKWARD if direction == "bwd" else _SM90[head_dim]
 
 

@@ -1,0 +1,123 @@
+"""The portable forward kernel (warp MMA, cp.async, ldmatrix): variant rules, rendering, and
+compiling for every supported arch on a machine with no GPU (skipped without the CUTLASS DSL)."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+
+from maskc.codegen.render import render, template_name
+from maskc.codegen.variant import NATIVE_ARCHS, SUPPORTED_ARCHS, KernelVariant, VariantError
+
+
+def variant(**overrides) -> KernelVariant:
+    fields = dict(arch="sm_80", direction="fwd", head_dim=128, dtype="bf16", num_heads_q=8, num_heads_kv=2, tile_m=64,
+                  tile_n=64, num_stages=2, portable=True)  # fmt: skip
+    fields.update(overrides)
+    return KernelVariant(**fields)
+
+
+# ---- variants --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"portable": False}, "arch sm_80 has only the portable kernel (portable=True)"),
+        ({"arch": "sm_120a", "portable": False}, "arch sm_120a has only the portable kernel"),
+        ({"direction": "bwd"}, "the portable kernel has no backward yet"),
+        ({"num_heads_q": 8, "num_heads_kv": 2, "pack_gqa": True}, "the portable kernel has no pack_gqa variant"),
+        ({"tile_m": 128}, "portable tile_m 128 is not supported; supported: 64"),
+        ({"tile_n": 96}, "portable tile_n 96 is not supported"),
+        ({"num_stages": 3}, "portable num_stages 3 is not supported"),
+        ({"deterministic": True}, "deterministic is a backward option"),
+        ({"portable": 1}, "portable must be a bool"),
+        ({"arch": "sm_86", "tile_n": 128, "head_dim": 128}, "more than the 100352 a CTA has on sm_86"),
+    ],
+)
+def test_bad_portable_variants_raise_clear_errors(overrides, message):
+    with pytest.raises(VariantError, match=re.escape(message)):
+        variant(**overrides)
+
+
+def test_every_arch_has_the_portable_kernel_and_sm90a_its_own_too():
+    assert set(NATIVE_ARCHS) < set(SUPPORTED_ARCHS)
+    for arch in SUPPORTED_ARCHS:
+        v = variant(arch=arch)
+        assert template_name(v) == "attn_fwd_sm80.py.jinja"
+        assert v.key().startswith(f"attn_fwd_{arch.replace('_', '').rstrip('a')}_portable_d128_bf16_h8x2_t64x64s2")
+    native = KernelVariant("sm_90a", "fwd", 128, "bf16", 8, 2, 128, 128, 2)
+    assert template_name(native) == "attn_fwd_sm90.py.jinja" and native.key() != variant(arch="sm_90a").key()
+
+
+# ---- rendering -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("features", [{}, {"has_softcap": True, "has_sink": True, "has_max_logits": True}])
+def test_rendered_source_is_readable_python_without_hopper_instructions(features):
+    source = render(variant(**features))
+    tree = ast.parse(source)
+    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    # The shared macros (schedule, line mask, softmax, row statistics) and the portable pieces.
+    assert {"decode_item", "load_line_bounds", "line_mask_bits", "online_softmax", "finalize_rows", "store_row_stats",
+            "walk_block", "attn_fwd_kernel", "attn_fwd"} <= names  # fmt: skip
+    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert {"MmaF16BF16Op", "LdMatrix8x8x16bOp", "CopyG2SOp"} <= used
+    assert not used & {"warpgroup", "setmaxregister_increase", "make_tiled_tma_atom", "PipelineTmaAsync", "StMatrix8x8x16bOp"}
+    assert "\n\n\n\n" not in source and "{{" not in source and "{%" not in source
+    assert max(len(line) for line in source.splitlines()) <= 130
+    assert ("apply_softcap" in names) == bool(features) and ("sink_logsumexp_log2" in names) == bool(features)
+
+
+def test_entry_signature_is_the_forward_abi():
+    from maskc.runtime.abi import FORWARD_ABI
+
+    tree = ast.parse(render(variant()))
+    entry = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "attn_fwd")
+    assert [a.arg for a in entry.args.args] == [
+        {"q": "mQ", "k": "mK", "v": "mV", "out": "mO", "lse": "mLSE", "row_max": "mRowMax", "sink": "mSink",
+         "work_tile": "mWorkTile", "work_ranges": "mWorkRanges", "ranges": "mRanges", "work_lines": "mWorkLines",
+         "lines": "mLines"}.get(a.name, a.name)  # fmt: skip
+        for a in FORWARD_ABI
+    ]
+
+
+# ---- compiling (CUTLASS DSL, no GPU) ------------------------------------------------------------
+
+COMPILED = {arch: variant(arch=arch) for arch in SUPPORTED_ARCHS}
+COMPILED["sm_80_d64_fp16_features"] = variant(
+    head_dim=64, dtype="fp16", num_heads_kv=8, tile_n=128, has_softcap=True, has_sink=True, has_max_logits=True
+)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    pytest.importorskip("cutlass.cute")
+    from maskc.codegen.compile import compile_variant
+
+    out = tmp_path_factory.mktemp("portable_objects")
+    return {name: compile_variant(v, out) for name, v in COMPILED.items()}
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_compiles_for_every_arch_with_warp_mma_cp_async_and_ldmatrix(compiled, name):
+    obj = compiled[name]
+    assert obj.object_path.read_bytes()[:4] == b"\x7fELF"
+    ptx = obj.ptx_text
+    arch = COMPILED[name].arch
+    assert f".target {arch}" in ptx
+    assert "mma.sync.aligned.m16n8k16.row.col.f32" in ptx
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx and "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
+    assert "cp.async.cg.shared.global" in ptx
+    for hopper in ("wgmma", "cp.async.bulk", "setmaxnreg", "mbarrier.try_wait"):
+        assert hopper not in ptx
+    assert ("tanh.approx" in ptx) == COMPILED[name].has_softcap
+
+
+def test_exported_header_matches_the_forward_abi(compiled):
+    from abi_check import assert_header_matches_abi
+    from maskc.runtime.abi import FORWARD_ABI
+
+    assert_header_matches_abi(compiled["sm_80"].header_path.read_text(), FORWARD_ABI)
