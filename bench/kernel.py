@@ -7,11 +7,11 @@ formula (4 * area * Hq * D / time). Varlen documents come from the real length h
 
 With --backward, also the backward TFLOP/s (2.5 x the forward FLOPs, `out.backward` timed alone)
 and the peak memory of one forward + backward of every implementation; --deterministic adds maskc
-with deterministic=True.
+with deterministic=True, --portable maskc's portable kernel (forward only).
 
-Run on the GPU machine: `python bench/kernel.py --artifacts DIR --out OUT [--seqlens 16384,65536]
-[--backward] [--deterministic]` (DIR: a `maskc compile` directory holding the d=128 bf16 64:8
-kernels). Writes OUT/kernel.jsonl, OUT/kernel_<seqlens>.png, and prints tables.
+Run on the GPU machine: `python bench/kernel.py --artifacts DIR... --out OUT [--seqlens 16384,65536]
+[--backward] [--deterministic] [--portable]` (DIR: `maskc compile` directories holding the d=128
+bf16 64:8 kernels). Writes OUT/kernel.jsonl, OUT/kernel_<seqlens>.png, and prints tables.
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ from common import pack_documents  # noqa: E402
 HQ, HKV, D = 64, 8, 128
 WINDOW = 1024
 BLOCK = 1024
-COLORS = {"maskc": "tab:blue", "maskc_det": "tab:cyan", "fa4": "tab:orange", "sdpa_cudnn": "tab:green", "sdpa_flash": "tab:red", "flex": "tab:purple"}
+COLORS = {"maskc": "tab:blue", "maskc_det": "tab:cyan", "maskc_portable": "tab:gray", "fa4": "tab:orange", "sdpa_cudnn": "tab:green", "sdpa_flash": "tab:red", "flex": "tab:purple"}
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window_causal", "varlen_block_causal")
+
+
+FORWARD_ONLY = {"maskc_portable"}  # implementations without a backward
 
 
 def build_masks(seqlen: int) -> tuple[dict[str, Mask], np.ndarray]:
@@ -168,7 +171,9 @@ def baselines(name: str, seqlen: int, lens: np.ndarray, q: torch.Tensor, k: torc
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--artifacts", required=True, type=Path, help="maskc compile directory with the 64:8 d=128 bf16 kernel")
+    parser.add_argument(
+        "--artifacts", required=True, type=Path, nargs="+", help="maskc compile directories with the 64:8 d=128 bf16 kernels"
+    )
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--seqlens", default="1024,2048,4096,8192,16384,32768,65536")
     parser.add_argument("--masks", default=",".join(MASKS))
@@ -177,9 +182,13 @@ def main() -> None:
     parser.add_argument(
         "--deterministic", action="store_true", help="also maskc with deterministic=True (needs those kernels)"
     )
+    parser.add_argument(
+        "--portable", action="store_true", help="also maskc's portable kernel (portable=True; forward only: no backward yet)"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    maskc.runtime.register_artifact(args.artifacts)
+    for directory in args.artifacts:
+        maskc.runtime.register_artifact(directory)
     log = (args.out / "kernel.jsonl").open("a")
     print(json.dumps({"host_overhead_us": host_overhead_us()}), file=log, flush=True)
     rows = []
@@ -196,13 +205,15 @@ def main() -> None:
             calls = {"maskc": lambda: maskc.attention(q, k, v, mask)[0]}
             if args.deterministic:
                 calls["maskc_det"] = lambda: maskc.attention(q, k, v, mask, deterministic=True)[0]
+            if args.portable:
+                calls["maskc_portable"] = lambda: maskc.attention(q, k, v, mask, portable=True)[0]
             if not args.no_baselines:
                 calls.update(baselines(name, seqlen, lens, q, k, v))
             for tag, call in calls.items():
                 try:
                     with torch.no_grad():
                         row[tag] = timed_tflops(call, area)
-                    if args.backward:
+                    if args.backward and tag not in FORWARD_ONLY:
                         row[f"{tag}_bwd"] = timed_backward_tflops(call, area, [q, k, v])
                         row[f"{tag}_mem"] = peak_memory_mib(call, [q, k, v])
                 except Exception as exc:  # a baseline that cannot run this case is reported, not fatal

@@ -147,22 +147,32 @@ def _heads(text: str) -> tuple[int, int]:
 
 
 def _kernel_requests(args: argparse.Namespace, masks: list[Mask]) -> list[dict[str, Any]]:
-    """The kernels a training job on `masks` needs, per (arch, head dim, heads, dtype): the
-    forward per GQA strategy (plain, and PackGQA when the heads allow it; the runtime picks per
-    mask) and the backward (softcap is its only feature: sinks and max logits need nothing in
-    it), also without line masks where a mask's backward has no partial block."""
+    """The kernels a training job on `masks` needs, per (arch, head dim, heads, dtype). On an
+    arch with kernels of its own: the forward per GQA strategy (plain, and PackGQA when the
+    heads allow it; the runtime picks per mask) and the backward (softcap is its only feature:
+    sinks and max logits need nothing in it), also without line masks where a mask's backward
+    has no partial block. Elsewhere, or with --portable, the portable forward."""
+    from maskc.codegen.variant import NATIVE_ARCHS
     from maskc.ir.schedule import backward_has_partial_blocks
     from maskc.ir.strategy import pack_gqa_supported, select_tiles
 
     requests = []
     for arch in args.arch:
+        native = arch in NATIVE_ARCHS
         for head_dim in args.head_dim:
-            tiles = select_tiles(arch, head_dim, "bwd")
-            all_full = [not backward_has_partial_blocks(m, tiles.tile_m, tiles.tile_n) for m in masks]
-            unmasked = (False, True) if any(all_full) else (False,)
+            unmasked = (False,)
+            if native:
+                tiles = select_tiles(arch, head_dim, "bwd")
+                if any(not backward_has_partial_blocks(m, tiles.tile_m, tiles.tile_n) for m in masks):
+                    unmasked = (False, True)
             for hq, hkv in args.heads:
                 for dtype in args.dtype:
                     base = {"arch": arch, "head_dim": head_dim, "dtype": dtype, "num_heads_q": hq, "num_heads_kv": hkv}
+                    if args.portable or not native:
+                        requests.append({**base, "direction": "fwd", "has_softcap": args.softcap, "has_sink": args.sink,
+                                         "has_max_logits": args.max_logits, "pack_gqa": False, "portable": True})  # fmt: skip
+                    if not native:
+                        continue
                     for pack in (False, True) if pack_gqa_supported(hq, hkv) else (False,):
                         requests.append({**base, "direction": "fwd", "has_softcap": args.softcap, "has_sink": args.sink,
                                          "has_max_logits": args.max_logits, "pack_gqa": pack})  # fmt: skip
@@ -239,7 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     common(comp)
     comp.add_argument("-o", "--output", required=True, metavar="DIR", help="artifact directory to write")
     kernel = comp.add_argument_group("kernels (compiled ahead of time; no GPU needed)")
-    kernel.add_argument("--arch", type=_csv(str, "archs"), default=["sm_90a"], help="target archs (default: sm_90a)")
+    kernel.add_argument(
+        "--arch", type=_csv(str, "archs"), default=["sm_90a"],
+        help="target archs: sm_90a (its own kernels), sm_80, sm_86, sm_89, sm_100a, sm_120a (the portable forward); "
+        "default: sm_90a",
+    )
     kernel.add_argument("--head-dim", type=_csv(int, "ints"), default=[128], help="head dims, e.g. 64,128 (default: 128)")
     kernel.add_argument("--heads", type=_csv(_heads, "HQ:HKV pairs"), default=[(64, 8)], help="query:kv heads, e.g. 64:8,8:8 (default: 64:8)")
     kernel.add_argument("--dtype", type=_csv(str, "dtypes"), default=["bf16"], help="bf16 and/or fp16 (default: bf16)")
@@ -248,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     kernel.add_argument("--max-logits", action="store_true", help="variants that also return max logits")
     kernel.add_argument(
         "--deterministic", action="store_true", help="also the deterministic backward (bitwise reproducible gradients)"
+    )
+    kernel.add_argument(
+        "--portable", action="store_true", help="also the portable forward where an arch has kernels of its own (sm_90a)"
     )
     kernel.add_argument("--bundle-runtime", action="store_true", help="ship libcute_dsl_runtime.so.xz in the artifact directory")
     kernel.add_argument("--ir-only", action="store_true", help="write the IR and manifest only, no kernels")

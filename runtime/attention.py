@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from maskc.codegen.variant import WARPGROUP_ROWS
+from maskc.codegen.variant import NATIVE_ARCHS, PORTABLE_CTAS_PER_SM, WARPGROUP_ROWS
 from maskc.errors import ArtifactError, MaskcError
 from maskc.ir import Mask
 from maskc.ir.schedule import (
@@ -44,12 +44,12 @@ from maskc.runtime.launch import Kernel, find_runtime_library, installed_dsl_ver
 from maskc.runtime.manifest import read_manifest
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-ARCHS = {(9, 0): "sm_90a"}
+ARCHS = {(8, 0): "sm_80", (8, 6): "sm_86", (8, 9): "sm_89", (9, 0): "sm_90a", (10, 0): "sm_100a", (12, 0): "sm_120a"}
 REQUEST_FIELDS = (
     "arch", "direction", "head_dim", "dtype", "num_heads_q", "num_heads_kv", "has_softcap", "has_sink", "has_max_logits",
-    "pack_gqa", "deterministic", "unmasked",
+    "pack_gqa", "deterministic", "unmasked", "portable",
 )
-_OPTIONAL_FIELDS = ("pack_gqa", "deterministic", "unmasked")  # False where a request or manifest leaves them out
+_OPTIONAL_FIELDS = ("pack_gqa", "deterministic", "unmasked", "portable")  # False where a request or manifest leaves them out
 SCHEDULE_ARGS = (
     *(a for a in SCHEDULE_AND_LAUNCH if isinstance(a, TensorArg)),
     *(next(a for a in BACKWARD_ABI if a.name == name) for name in ("items", "cta_items", "work_blocks", "block_rank")),
@@ -74,22 +74,39 @@ class _Entry:
     `_LOADED`: what the custom ops take to name it."""
 
     def __init__(
-        self, kernel: Kernel, tile_m: int, tile_n: int, items_per_tile: int, deterministic: bool = False, pieces: int = 1
+        self,
+        load: Callable[[], Kernel] | None,
+        tile_m: int,
+        tile_n: int,
+        items_per_tile: int,
+        deterministic: bool = False,
+        pieces: int = 1,
+        ctas_per_sm: int = 1,
     ):
-        self.kernel, self.tile_m, self.tile_n, self.items_per_tile = kernel, tile_m, tile_n, items_per_tile
-        self.deterministic, self.pieces = deterministic, pieces
+        self._load, self._kernel = load, None
+        self.tile_m, self.tile_n, self.items_per_tile = tile_m, tile_n, items_per_tile
+        self.deterministic, self.pieces, self.ctas_per_sm = deterministic, pieces, ctas_per_sm
         self.index = len(_LOADED)
         _LOADED.append(self)
 
+    @property
+    def kernel(self) -> Kernel:
+        """The kernel, its object loaded on first use: an artifact may hold kernels for GPUs
+        other than this one (other archs), which are never loaded here."""
+        if self._kernel is None:
+            self._kernel = self._load()
+        return self._kernel
 
-def _entry(kernel: Kernel, fields: dict[str, Any]) -> _Entry:
+
+def _entry(load: Callable[[], Kernel] | None, fields: dict[str, Any]) -> _Entry:
     hq, hkv = fields["num_heads_q"], fields["num_heads_kv"]
     if fields["direction"] == "bwd":  # items are (k tile, kv head); tile_m is the q block
         deterministic = fields.get("deterministic", False)  # its items are never split (no atomics)
-        return _Entry(kernel, fields["tile_m"], fields["tile_n"], hkv, deterministic, 1 if deterministic else hq // hkv)
+        return _Entry(load, fields["tile_m"], fields["tile_n"], hkv, deterministic, 1 if deterministic else hq // hkv)
     if fields.get("pack_gqa", False):
-        return _Entry(kernel, fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv)
-    return _Entry(kernel, fields["tile_m"], fields["tile_n"], hq)
+        return _Entry(load, fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv)
+    ctas_per_sm = PORTABLE_CTAS_PER_SM if fields.get("portable", False) else 1
+    return _Entry(load, fields["tile_m"], fields["tile_n"], hq, ctas_per_sm=ctas_per_sm)
 
 
 def _pack_gqa(mask: Mask, request: dict[str, Any], num_sms: int) -> bool:
@@ -146,8 +163,8 @@ def register_artifact(directory: str | Path) -> list[str]:
     _check_runtime_version(manifest, library, directory)
     runtime = runtime_at(library)
     for v in variants:
-        kernel = Kernel(runtime, (directory / v["object"]).read_bytes(), v["function"], ABIS[v["fields"]["direction"]])
-        _KERNELS[_request_key(v["fields"])] = _entry(kernel, v["fields"])
+        load = partial(Kernel, runtime, (directory / v["object"]).read_bytes(), v["function"], ABIS[v["fields"]["direction"]])
+        _KERNELS[_request_key(v["fields"])] = _entry(load, v["fields"])
     return [v["key"] for v in variants]
 
 
@@ -251,9 +268,10 @@ _NO_LAUNCH = _LaunchArgs(None, [])
 
 
 def _forward_launch(entry: _Entry, mask: Mask, num_sms: int, device: torch.device) -> _LaunchArgs:
-    """One CTA per work item, up to the SM count."""
+    """One CTA per work item, up to the CTAs the SMs hold at once."""
     schedule, rows, _ = _schedule_tensors(mask, build_schedule, device, entry.tile_m, entry.tile_n)
-    return _LaunchArgs(schedule, [entry.index, min(num_sms, max(1, rows[0] * entry.items_per_tile)), 0, *rows])
+    num_ctas = min(num_sms * entry.ctas_per_sm, max(1, rows[0] * entry.items_per_tile))
+    return _LaunchArgs(schedule, [entry.index, num_ctas, 0, *rows])
 
 
 def _backward_launch(entry: _Entry, mask: Mask, num_sms: int, device: torch.device) -> _LaunchArgs:
@@ -282,15 +300,17 @@ def _plan(
     needs_grad: bool,
     deterministic: bool,
     sm_margin: int = 0,
+    portable: bool | None = None,
 ) -> tuple[_LaunchArgs, _LaunchArgs]:
     """The forward and backward launches of a call, which its mask, device, shapes and flags
     decide: GQA strategy, kernels (registered or compiled), schedules, all cached. It takes
     no tensor, so torch.compile runs it once per compilation and keeps the result as constants
     instead of tracing the numpy schedule passes. Eager calls find it in `mask.memo` (the key
     counts the loaded kernels, so registering artifacts later plans anew). `sm_margin` SMs are
-    left free of the persistent grids (for communication kernels running alongside)."""
+    left free of the persistent grids (for communication kernels running alongside). `portable`
+    None takes the GPU's own kernels where maskc has them, else the portable ones."""
     key = ("plan", device, dtype, num_heads_q, num_heads_kv, head_dim, has_softcap, has_sink, return_max_logits, pack_gqa,
-           needs_grad, deterministic, sm_margin, len(_LOADED))  # fmt: skip
+           needs_grad, deterministic, sm_margin, portable, len(_LOADED))  # fmt: skip
     cached = mask.memo.get(key)
     if cached is not None:
         return cached
@@ -300,10 +320,22 @@ def _plan(
     num_sms -= sm_margin
     if capability not in ARCHS:
         raise MaskcError(f"no maskc kernel for compute capability {capability}; supported: {sorted(ARCHS)}")
-    base = {"arch": ARCHS[capability], "head_dim": head_dim, "dtype": DTYPES[dtype], "num_heads_q": num_heads_q,
+    arch = ARCHS[capability]
+    if portable is False and arch not in NATIVE_ARCHS:
+        raise MaskcError(f"{arch} has only the portable kernel; pass portable=None or True")
+    portable = portable or arch not in NATIVE_ARCHS
+    if portable and (pack_gqa or needs_grad):
+        raise MaskcError(
+            f"the portable kernel (the only one on {arch}) has no {'PackGQA' if pack_gqa else 'backward'} yet"
+            + ("; on sm_90a pass portable=None" if arch in NATIVE_ARCHS else "")
+        )
+    base = {"arch": arch, "head_dim": head_dim, "dtype": DTYPES[dtype], "num_heads_q": num_heads_q,
             "num_heads_kv": num_heads_kv, "has_softcap": has_softcap}  # fmt: skip
     request = {**base, "direction": "fwd", "has_sink": has_sink, "has_max_logits": return_max_logits}
-    if pack_gqa is None:
+    if portable:
+        request.update(portable=True, pack_gqa=False)
+        pack_gqa = False
+    elif pack_gqa is None:
         request["pack_gqa"] = _pack_gqa(mask, request, num_sms)
     else:
         if pack_gqa and not pack_gqa_supported(num_heads_q, num_heads_kv):
@@ -509,6 +541,7 @@ def attention(
     return_max_logits: bool = False,
     pack_gqa: bool | None = None,
     deterministic: bool = False,
+    portable: bool | None = None,
 ) -> tuple[torch.Tensor, AttentionMeta]:
     """Masked attention with maskc's kernels; the same contract as `maskc.reference_attention`,
     differentiable in q, k, v and sink (the gradient flows through lse too). Works inside
@@ -519,12 +552,15 @@ def attention(
     head into one M tile); True / False force it (True needs G a power of two in [2, 64]).
     deterministic: the backward adds each q block's dQ contributions in a fixed order, so the
     gradients are bitwise identical from run to run (a little slower).
+    portable: the kernel family. None (default) takes the GPU's own kernels where maskc has
+    them (Hopper), else the portable ones (warp MMA: every GPU since Ampere); True forces the
+    portable forward (it has no backward and no PackGQA yet).
     """
     scale = _check_inputs(q, k, v, mask, sink, softmax_scale, softcap)
     _, hq, d = q.shape
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sink))
     fwd, bwd = _plan(mask, q.device, q.dtype, hq, k.shape[1], d, softcap > 0, sink is not None, return_max_logits,
-                     pack_gqa, needs_grad, bool(deterministic))  # fmt: skip
+                     pack_gqa, needs_grad, bool(deterministic), 0, portable)  # fmt: skip
     inputs = (q, k, v, sink, fwd.schedule, fwd.launch, scale, float(softcap), return_max_logits, bwd.schedule, bwd.launch)
     if torch.compiler.is_compiling():
         out, lse, row_max = torch.ops.maskc.attn_fwd(*inputs)

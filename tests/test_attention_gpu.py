@@ -96,14 +96,16 @@ def _max_abs(x: torch.Tensor) -> float:
     return float(x.abs().max()) if x.numel() else 0.0
 
 
-def _check(mask: Mask, hq: int, hkv: int, d: int, dtype: str, *, softcap: float = 0.0, sink: bool = False, max_logits: bool = False, seed: int = 0, pack_gqa: bool | None = None) -> None:
+def _check(mask: Mask, hq: int, hkv: int, d: int, dtype: str, *, softcap: float = 0.0, sink: bool = False, max_logits: bool = False, seed: int = 0, pack_gqa: bool | None = None, portable: bool | None = None) -> None:
     g = torch.Generator(device="cuda").manual_seed(seed)
     tq, tk = mask.shape
     q = torch.randn(tq, hq, d, device="cuda", generator=g).to(DTYPES[dtype])
     k = torch.randn(tk, hkv, d, device="cuda", generator=g).to(DTYPES[dtype])
     v = torch.randn(tk, hkv, d, device="cuda", generator=g).to(DTYPES[dtype])
     sinks = torch.randn(3, hq, device="cuda", generator=g) * 2 if sink else None
-    out, meta = _poisoned_call(q, k, v, mask, softcap=softcap, sink=sinks, return_max_logits=max_logits, pack_gqa=pack_gqa)
+    out, meta = _poisoned_call(
+        q, k, v, mask, softcap=softcap, sink=sinks, return_max_logits=max_logits, pack_gqa=pack_gqa, portable=portable
+    )
     torch.cuda.synchronize()
     ref, ref_meta = maskc.reference_attention(
         q.float(), k.float(), v.float(), mask, softcap=softcap, sink=sinks, return_max_logits=max_logits
@@ -122,28 +124,43 @@ def _check(mask: Mask, hq: int, hkv: int, d: int, dtype: str, *, softcap: float 
         assert _max_abs(meta.max_logits[both] - ref_meta.max_logits[both]) < 2e-2
 
 
+# The forward tests run the Hopper kernels (portable=None on an H100 / H200) and the portable
+# kernel (warp MMA, built for sm_90a: the one every GPU since Ampere runs).
+KERNELS = pytest.mark.parametrize("portable", [None, True], ids=["native", "portable"])
+
+
+@KERNELS
 @pytest.mark.parametrize("name", list(MASKS))
-def test_every_mask_family_gqa_64_8_d128_bf16(name: str) -> None:
-    _check(MASKS[name](), 64, 8, 128, "bf16")
+def test_every_mask_family_gqa_64_8_d128_bf16(name: str, portable: bool | None) -> None:
+    _check(MASKS[name](), 64, 8, 128, "bf16", portable=portable)
 
 
+@KERNELS
 @pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 8), (8, 1)])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_head_layouts_dims_and_dtypes(hq: int, hkv: int, d: int, dtype: str) -> None:
+def test_head_layouts_dims_and_dtypes(hq: int, hkv: int, d: int, dtype: str, portable: bool | None) -> None:
     for name in ("varlen_causal", "random_overlapping", "rows_without_keys"):
-        _check(MASKS[name](), hq, hkv, d, dtype, seed=hash(name) % 1000)
+        _check(MASKS[name](), hq, hkv, d, dtype, seed=hash(name) % 1000, portable=portable)
 
 
+@KERNELS
 @pytest.mark.parametrize("d,dtype", [(128, "bf16"), (64, "fp16")])
-def test_softcap_sink_and_max_logits(d: int, dtype: str) -> None:
+def test_softcap_sink_and_max_logits(d: int, dtype: str, portable: bool | None) -> None:
     for name in ("causal", "varlen_block_causal", "rows_without_keys", "random_unequal"):
-        _check(MASKS[name](), 8, 8, d, dtype, softcap=5.0, sink=True, max_logits=True)
+        _check(MASKS[name](), 8, 8, d, dtype, softcap=5.0, sink=True, max_logits=True, portable=portable)
 
 
+@KERNELS
 @pytest.mark.parametrize("n", [1, 2, 63, 127, 128, 129, 1000, 4097, 16411, 65536])
-def test_sequence_lengths_from_1_to_64k(n: int) -> None:
-    _check(Mask.from_cu_seqlens([0, n], causal=True), 8, 8, 128, "bf16")
+def test_sequence_lengths_from_1_to_64k(n: int, portable: bool | None) -> None:
+    _check(Mask.from_cu_seqlens([0, n], causal=True), 8, 8, 128, "bf16", portable=portable)
+
+
+def test_the_portable_kernel_has_no_backward_yet() -> None:
+    q, k = (torch.randn(100, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 2))
+    with pytest.raises(maskc.MaskcError, match="portable kernel .* has no backward yet; on sm_90a pass portable=None"):
+        maskc.attention(q, k, k, Mask.from_cu_seqlens([0, 100]), portable=True)
 
 
 def test_varlen_64k_with_real_document_counts() -> None:

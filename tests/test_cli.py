@@ -156,3 +156,19 @@ def test_the_backward_without_line_masks_is_built_for_masks_that_need_it() -> No
     assert backward([causal, full]) == backward([Mask.from_cu_seqlens([0, 1024, 1100])]) == [
         (h, d, u) for h in (2, 8) for d in (False, True) for u in (False, True)
     ]
+
+
+def test_an_arch_without_kernels_of_its_own_gets_the_portable_forward() -> None:
+    """sm_80 gets the portable forward only (no PackGQA, no backward yet); sm_90a its own
+    kernels, plus the portable forward with --portable."""
+    from maskc.cli import _kernel_requests, build_parser
+
+    def requests(*flags):
+        args = build_parser().parse_args(["compile", "x.mask", "-o", "out", "--heads", "8:2", *flags])
+        return sorted((r["arch"], r["direction"], r.get("pack_gqa"), r.get("portable", False))
+                      for r in _kernel_requests(args, [Mask.from_cu_seqlens([0, 1000], causal=True)]))  # fmt: skip
+
+    assert requests("--arch", "sm_80,sm_120a") == [("sm_120a", "fwd", False, True), ("sm_80", "fwd", False, True)]
+    native = [("sm_90a", "bwd", False, False), ("sm_90a", "fwd", False, False), ("sm_90a", "fwd", True, False)]
+    assert requests() == native
+    assert requests("--portable") == sorted(native + [("sm_90a", "fwd", False, True)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import json
 import lzma
@@ -128,3 +129,35 @@ def test_the_unmasked_backward_serves_only_masks_without_partial_blocks(monkeypa
     del rt._KERNELS[rt._request_key(request)]
     with pytest.raises(ArtifactError, match="'unmasked': True"):
         rt._backward_kernel(full, request)  # neither registered: compile the unmasked one
+
+
+def test_the_portable_kernel_serves_gpus_without_kernels_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an sm_86 GPU the runtime asks for the portable forward (PackGQA off), runs two CTAs
+    per SM, and refuses the native kernels and a backward with clear errors."""
+    rt = importlib.import_module("maskc.runtime.attention")
+    monkeypatch.setattr(rt, "_KERNELS", {})
+    monkeypatch.setattr(rt, "_LOADED", [])
+    monkeypatch.setattr(rt, "_device_info", lambda device: ((8, 6), 84))
+    monkeypatch.setattr(rt, "_schedule_tensors", lambda mask, build, device, *params: (None, [1000, 0, 0, 0, 0], 0))
+    asked = []
+
+    def compile_refused(request):
+        asked.append(request)
+        raise ArtifactError("no compiler here")
+
+    monkeypatch.setattr(rt, "_jit", compile_refused)
+    mask = Mask.from_cu_seqlens([0, 1000], causal=True)
+    plan = functools.partial(rt._plan, mask, torch.device("cuda"), torch.bfloat16, 8, 2, 128, False, False, False)
+    with pytest.raises(ArtifactError):
+        plan(None, False, False)
+    assert asked[-1]["arch"] == "sm_86" and asked[-1]["portable"] and not asked[-1]["pack_gqa"]
+    fields = {**asked[-1], "tile_m": 64, "tile_n": 64}
+    entry = rt._KERNELS[rt._request_key(fields)] = rt._entry(None, fields)
+    forward, _ = plan(None, False, False)
+    assert forward.launch[:2] == [entry.index, 2 * 84]
+    with pytest.raises(maskc.MaskcError, match="sm_86 has only the portable kernel"):
+        plan(None, False, False, 0, False)
+    with pytest.raises(maskc.MaskcError, match=r"the portable kernel \(the only one on sm_86\) has no backward yet$"):
+        plan(None, True, False)
+    with pytest.raises(maskc.MaskcError, match="has no PackGQA yet"):
+        plan(True, False, False)
