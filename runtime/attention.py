@@ -67,11 +67,11 @@ def _request_key(fields: dict[str, Any]) -> tuple:
 
 
 class _Entry:
-    """A loaded kernel and the tile shape its schedule needs: tile_m is in query tokens (with
-    PackGQA, the kernel's TILE_M packed rows hold TILE_M / G tokens), and items_per_tile the
-    work items of each q tile (query heads, or K/V heads with PackGQA); a backward item may be
-    split into `pieces` (one per query head of its K/V head). `index` is its place in
-    `_LOADED`: what the custom ops take to name it."""
+    """A registered kernel and the tile shape its schedule needs: tile_m is in query tokens
+    (with PackGQA, the kernel's TILE_M packed rows hold TILE_M / G tokens), and items_per_tile
+    the work items of each q tile (query heads, or K/V heads with PackGQA); a backward item may
+    be split into `pieces` (one per query head of its K/V head); `ctas_per_sm` persistent CTAs
+    share an SM. `index` is its place in `_LOADED`: what the custom ops take to name it."""
 
     def __init__(
         self,
