@@ -7,7 +7,7 @@ formula (4 * area * Hq * D / time). Varlen documents come from the real length h
 
 With --backward, also the backward TFLOP/s (2.5 x the forward FLOPs, `out.backward` timed alone)
 and the peak memory of one forward + backward of every implementation; --deterministic adds maskc
-with deterministic=True, --portable maskc's portable kernel (forward only).
+with deterministic=True, --portable maskc's portable kernels.
 
 Run on the GPU machine: `python bench/kernel.py --artifacts DIR... --out OUT [--seqlens 16384,65536]
 [--backward] [--deterministic] [--portable]` (DIR: `maskc compile` directories holding the d=128
@@ -41,9 +41,6 @@ WINDOW = 1024
 BLOCK = 1024
 COLORS = {"maskc": "tab:blue", "maskc_det": "tab:cyan", "maskc_portable": "tab:gray", "fa4": "tab:orange", "sdpa_cudnn": "tab:green", "sdpa_flash": "tab:red", "flex": "tab:purple"}
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window_causal", "varlen_block_causal")
-
-
-FORWARD_ONLY = {"maskc_portable"}  # implementations without a backward
 
 
 def build_masks(seqlen: int) -> tuple[dict[str, Mask], np.ndarray]:
@@ -183,7 +180,7 @@ def main() -> None:
         "--deterministic", action="store_true", help="also maskc with deterministic=True (needs those kernels)"
     )
     parser.add_argument(
-        "--portable", action="store_true", help="also maskc's portable kernel (portable=True; forward only: no backward yet)"
+        "--portable", action="store_true", help="also maskc's portable kernels (portable=True: warp MMA, every GPU since Ampere)"
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -213,7 +210,7 @@ def main() -> None:
                 try:
                     with torch.no_grad():
                         row[tag] = timed_tflops(call, area)
-                    if args.backward and tag not in FORWARD_ONLY:
+                    if args.backward:
                         row[f"{tag}_bwd"] = timed_backward_tflops(call, area, [q, k, v])
                         row[f"{tag}_mem"] = peak_memory_mib(call, [q, k, v])
                 except Exception as exc:  # a baseline that cannot run this case is reported, not fatal

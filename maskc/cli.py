@@ -151,7 +151,8 @@ def _kernel_requests(args: argparse.Namespace, masks: list[Mask]) -> list[dict[s
     arch with kernels of its own: the forward per GQA strategy (plain, and PackGQA when the
     heads allow it; the runtime picks per mask) and the backward (softcap is its only feature:
     sinks and max logits need nothing in it), also without line masks where a mask's backward
-    has no partial block. Elsewhere, or with --portable, the portable forward."""
+    has no partial block. Elsewhere, or with --portable, the portable forward and backward (no
+    PackGQA or deterministic variants yet)."""
     from maskc.codegen.variant import NATIVE_ARCHS
     from maskc.ir.schedule import backward_has_partial_blocks
     from maskc.ir.strategy import pack_gqa_supported, select_tiles
@@ -171,6 +172,8 @@ def _kernel_requests(args: argparse.Namespace, masks: list[Mask]) -> list[dict[s
                     if args.portable or not native:
                         requests.append({**base, "direction": "fwd", "has_softcap": args.softcap, "has_sink": args.sink,
                                          "has_max_logits": args.max_logits, "pack_gqa": False, "portable": True})  # fmt: skip
+                        requests.append({**base, "direction": "bwd", "has_softcap": args.softcap, "has_sink": False,
+                                         "has_max_logits": False, "pack_gqa": False, "portable": True})  # fmt: skip
                     if not native:
                         continue
                     for pack in (False, True) if pack_gqa_supported(hq, hkv) else (False,):
@@ -251,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     kernel = comp.add_argument_group("kernels (compiled ahead of time; no GPU needed)")
     kernel.add_argument(
         "--arch", type=_csv(str, "archs"), default=["sm_90a"],
-        help="target archs: sm_90a (its own kernels), sm_80, sm_86, sm_89, sm_100a, sm_120a (the portable forward); "
+        help="target archs: sm_90a (its own kernels), sm_80, sm_86, sm_89, sm_100a, sm_120a (the portable kernels); "
         "default: sm_90a",
     )
     kernel.add_argument("--head-dim", type=_csv(int, "ints"), default=[128], help="head dims, e.g. 64,128 (default: 128)")
@@ -264,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--deterministic", action="store_true", help="also the deterministic backward (bitwise reproducible gradients)"
     )
     kernel.add_argument(
-        "--portable", action="store_true", help="also the portable forward where an arch has kernels of its own (sm_90a)"
+        "--portable", action="store_true", help="also the portable kernels where an arch has kernels of its own (sm_90a)"
     )
     kernel.add_argument("--bundle-runtime", action="store_true", help="ship libcute_dsl_runtime.so.xz in the artifact directory")
     kernel.add_argument("--ir-only", action="store_true", help="write the IR and manifest only, no kernels")

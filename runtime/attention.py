@@ -100,12 +100,14 @@ class _Entry:
 
 def _entry(load: Callable[[], Kernel] | None, fields: dict[str, Any]) -> _Entry:
     hq, hkv = fields["num_heads_q"], fields["num_heads_kv"]
+    portable = fields.get("portable", False)
+    ctas_per_sm = PORTABLE_CTAS_PER_SM if portable else 1
     if fields["direction"] == "bwd":  # items are (k tile, kv head); tile_m is the q block
-        deterministic = fields.get("deterministic", False)  # its items are never split (no atomics)
-        return _Entry(load, fields["tile_m"], fields["tile_n"], hkv, deterministic, 1 if deterministic else hq // hkv)
+        deterministic = fields.get("deterministic", False)
+        pieces = 1 if deterministic or portable else hq // hkv  # those kernels never split an item
+        return _Entry(load, fields["tile_m"], fields["tile_n"], hkv, deterministic, pieces, ctas_per_sm)
     if fields.get("pack_gqa", False):
         return _Entry(load, fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv)
-    ctas_per_sm = PORTABLE_CTAS_PER_SM if fields.get("portable", False) else 1
     return _Entry(load, fields["tile_m"], fields["tile_n"], hq, ctas_per_sm=ctas_per_sm)
 
 
@@ -135,7 +137,10 @@ def _find_kernel(request: dict[str, Any], alternative: dict[str, Any] | None = N
 def _backward_kernel(mask: Mask, request: dict[str, Any]) -> _Entry:
     """The backward kernel without line masks where the mask's backward schedule has no partial
     block (a full mask at any length): the masked kernel spills registers in its block loop. The
-    masked kernel serves the other masks, and this one where only it is registered."""
+    masked kernel serves the other masks, and this one where only it is registered. (The
+    portable backward has no unmasked variant.)"""
+    if request.get("portable", False):
+        return _find_kernel(request)
     tiles = select_tiles(request["arch"], request["head_dim"], "bwd")
     if backward_has_partial_blocks(mask, tiles.tile_m, tiles.tile_n):
         return _find_kernel(request)
@@ -276,7 +281,7 @@ def _forward_launch(entry: _Entry, mask: Mask, num_sms: int, device: torch.devic
 
 def _backward_launch(entry: _Entry, mask: Mask, num_sms: int, device: torch.device) -> _LaunchArgs:
     """The backward schedule deals its (k tile, K/V head) items, or their pieces, to the CTAs itself."""
-    num_ctas = min(num_sms, max(1, -(-mask.shape[1] // entry.tile_n) * entry.items_per_tile * entry.pieces))
+    num_ctas = min(num_sms * entry.ctas_per_sm, max(1, -(-mask.shape[1] // entry.tile_n) * entry.items_per_tile * entry.pieces))
     params = (entry.tile_m, entry.tile_n, entry.items_per_tile, num_ctas)
     if entry.deterministic:
         schedule, rows, slots = _schedule_tensors(mask, build_deterministic_backward_schedule, device, *params)
@@ -324,9 +329,9 @@ def _plan(
     if portable is False and arch not in NATIVE_ARCHS:
         raise MaskcError(f"{arch} has only the portable kernel; pass portable=None or True")
     portable = portable or arch not in NATIVE_ARCHS
-    if portable and (pack_gqa or needs_grad):
+    if portable and (pack_gqa or (needs_grad and deterministic)):
         raise MaskcError(
-            f"the portable kernel (the only one on {arch}) has no {'PackGQA' if pack_gqa else 'backward'} yet"
+            f"the portable kernel (the only one on {arch}) has no {'PackGQA' if pack_gqa else 'deterministic backward'} yet"
             + ("; on sm_90a pass portable=None" if arch in NATIVE_ARCHS else "")
         )
     base = {"arch": arch, "head_dim": head_dim, "dtype": DTYPES[dtype], "num_heads_q": num_heads_q,
@@ -346,7 +351,7 @@ def _plan(
     backward_launch = _NO_LAUNCH
     if needs_grad:
         backward = _backward_kernel(mask, {**base, "direction": "bwd", "has_sink": False, "has_max_logits": False,
-                                           "pack_gqa": False, "deterministic": deterministic})  # fmt: skip
+                                           "pack_gqa": False, "deterministic": deterministic, "portable": portable})  # fmt: skip
         backward_launch = _backward_launch(backward, mask, num_sms, device)
     cached = mask.memo[key] = (_forward_launch(forward, mask, num_sms, device), backward_launch)
     return cached
@@ -554,7 +559,7 @@ def attention(
     gradients are bitwise identical from run to run (a little slower).
     portable: the kernel family. None (default) takes the GPU's own kernels where maskc has
     them (Hopper), else the portable ones (warp MMA: every GPU since Ampere); True forces the
-    portable forward (it has no backward and no PackGQA yet).
+    portable ones (no PackGQA and no deterministic backward yet).
     """
     scale = _check_inputs(q, k, v, mask, sink, softmax_scale, softcap)
     _, hq, d = q.shape

@@ -157,10 +157,10 @@ def test_sequence_lengths_from_1_to_64k(n: int, portable: bool | None) -> None:
     _check(Mask.from_cu_seqlens([0, n], causal=True), 8, 8, 128, "bf16", portable=portable)
 
 
-def test_the_portable_kernel_has_no_backward_yet() -> None:
+def test_the_portable_kernel_has_no_deterministic_backward_yet() -> None:
     q, k = (torch.randn(100, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 2))
-    with pytest.raises(maskc.MaskcError, match="portable kernel .* has no backward yet; on sm_90a pass portable=None"):
-        maskc.attention(q, k, k, Mask.from_cu_seqlens([0, 100]), portable=True)
+    with pytest.raises(maskc.MaskcError, match="has no deterministic backward yet; on sm_90a pass portable=None"):
+        maskc.attention(q, k, k, Mask.from_cu_seqlens([0, 100]), portable=True, deterministic=True)
 
 
 def test_varlen_64k_with_real_document_counts() -> None:
@@ -247,7 +247,7 @@ def _grads(fn, q, k, v, sink, mask, dout, dlse, **kwargs):
 
 def _check_grads(
     mask: Mask, hq: int, hkv: int, d: int, dtype: str, *, softcap: float = 0.0, sink: bool = False, seed: int = 0,
-    deterministic: bool = False, lse_grad: bool = True,
+    deterministic: bool = False, lse_grad: bool = True, portable: bool | None = None,
 ) -> None:
     """The issue's rule: maskc's gradient error against a float64 reference is at most twice
     that of the reference run in the low precision, plus a small floor; no NaN anywhere. The
@@ -267,7 +267,9 @@ def _check_grads(
         dlse.double() if lse_grad else None, softcap=softcap,
     )
     low = _grads(maskc.reference_attention, q, k, v, sinks, mask, dout, dlse, softcap=softcap)
-    ours = _grads(maskc.attention, q, k, v, sinks, mask, dout, dlse, softcap=softcap, deterministic=deterministic)
+    ours = _grads(
+        maskc.attention, q, k, v, sinks, mask, dout, dlse, softcap=softcap, deterministic=deterministic, portable=portable
+    )
     for name, o, lo, ex in zip(("dq", "dk", "dv", "dsink"), ours, low, exact):
         assert not torch.isnan(o).any(), f"{name} has NaN"
         err = float((o.double() - ex).abs().max())
@@ -282,30 +284,34 @@ GRAD_MASKS = ("causal", "varlen_causal", "varlen_block_causal", "sliding_window"
               "rows_without_keys", "random_overlapping", "random_unequal", "tiny_documents")  # fmt: skip
 
 
+@KERNELS
 @pytest.mark.parametrize("name", GRAD_MASKS)
-def test_gradients_every_mask_family_gqa_8_2_d128_bf16(name: str) -> None:
-    _check_grads(MASKS[name](), 8, 2, 128, "bf16", seed=hash(name) % 1000)
+def test_gradients_every_mask_family_gqa_8_2_d128_bf16(name: str, portable: bool | None) -> None:
+    _check_grads(MASKS[name](), 8, 2, 128, "bf16", seed=hash(name) % 1000, portable=portable)
 
 
+@KERNELS
 @pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 8), (8, 1)])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_gradients_head_layouts_dims_and_dtypes(hq: int, hkv: int, d: int, dtype: str) -> None:
-    _check_grads(MASKS["varlen_causal"](), hq, hkv, d, dtype)
+def test_gradients_head_layouts_dims_and_dtypes(hq: int, hkv: int, d: int, dtype: str, portable: bool | None) -> None:
+    _check_grads(MASKS["varlen_causal"](), hq, hkv, d, dtype, portable=portable)
 
 
+@KERNELS
 @pytest.mark.parametrize("d,dtype", [(128, "bf16"), (64, "fp16")])
-def test_gradients_with_softcap_and_sink(d: int, dtype: str) -> None:
+def test_gradients_with_softcap_and_sink(d: int, dtype: str, portable: bool | None) -> None:
     for name in ("causal", "rows_without_keys", "random_unequal"):
-        _check_grads(MASKS[name](), 8, 2, d, dtype, softcap=5.0, sink=True)
+        _check_grads(MASKS[name](), 8, 2, d, dtype, softcap=5.0, sink=True, portable=portable)
 
 
+@KERNELS
 @pytest.mark.parametrize("d,dtype", [(128, "bf16"), (64, "fp16")])
-def test_gradients_without_lse_gradient(d: int, dtype: str) -> None:
+def test_gradients_without_lse_gradient(d: int, dtype: str, portable: bool | None) -> None:
     """The usual training case: only `out` feeds the loss, so the preprocess gets no dlse."""
     for name in ("causal", "rows_without_keys", "random_unequal"):
-        _check_grads(MASKS[name](), 8, 2, d, dtype, softcap=5.0, sink=True, lse_grad=False)
-        _check_grads(MASKS[name](), 8, 8, d, dtype, lse_grad=False)
+        _check_grads(MASKS[name](), 8, 2, d, dtype, softcap=5.0, sink=True, lse_grad=False, portable=portable)
+        _check_grads(MASKS[name](), 8, 8, d, dtype, lse_grad=False, portable=portable)
 
 
 @pytest.mark.parametrize("name,hq,hkv,d,dtype,extras", [

@@ -1,5 +1,6 @@
-"""The portable forward kernel (warp MMA, cp.async, ldmatrix): variant rules, rendering, and
-compiling for every supported arch on a machine with no GPU (skipped without the CUTLASS DSL)."""
+"""The portable kernels (warp MMA, cp.async, ldmatrix): variant rules, rendering, and compiling
+the forward and backward for every supported arch on a machine with no GPU (skipped without the
+CUTLASS DSL)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ def variant(**overrides) -> KernelVariant:
     return KernelVariant(**fields)
 
 
+def backward(**overrides) -> KernelVariant:
+    return variant(direction="bwd", num_stages=1, **overrides)
+
+
 # ---- variants --------------------------------------------------------------------------------
 
 
@@ -27,7 +32,9 @@ def variant(**overrides) -> KernelVariant:
     [
         ({"portable": False}, "arch sm_80 has only the portable kernel (portable=True)"),
         ({"arch": "sm_120a", "portable": False}, "arch sm_120a has only the portable kernel"),
-        ({"direction": "bwd"}, "the portable kernel has no backward yet"),
+        ({"direction": "bwd"}, "portable backward tiles 64 x 64 with 2 stage(s) are not supported"),
+        ({"direction": "bwd", "num_stages": 1, "deterministic": True}, "no deterministic or unmasked variant yet"),
+        ({"direction": "bwd", "num_stages": 1, "has_sink": True}, "no sink / max_logits variants"),
         ({"num_heads_q": 8, "num_heads_kv": 2, "pack_gqa": True}, "the portable kernel has no pack_gqa variant"),
         ({"tile_m": 128}, "portable tile_m 128 is not supported; supported: 64"),
         ({"tile_n": 96}, "portable tile_n 96 is not supported"),
@@ -55,33 +62,44 @@ def test_every_arch_has_the_portable_kernel_and_sm90a_its_own_too():
 # ---- rendering -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("features", [{}, {"has_softcap": True, "has_sink": True, "has_max_logits": True}])
-def test_rendered_source_is_readable_python_without_hopper_instructions(features):
-    source = render(variant(**features))
+@pytest.mark.parametrize(
+    "kernel, features",
+    [
+        ("fwd", {}),
+        ("fwd", {"has_softcap": True, "has_sink": True, "has_max_logits": True}),
+        ("bwd", {}),
+        ("bwd", {"has_softcap": True}),
+    ],
+)
+def test_rendered_source_is_readable_python_without_hopper_instructions(kernel, features):
+    source = render(variant(**features) if kernel == "fwd" else backward(**features))
     tree = ast.parse(source)
     names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    # The shared macros (schedule, line mask, softmax, row statistics) and the portable pieces.
-    assert {"decode_item", "load_line_bounds", "line_mask_bits", "online_softmax", "finalize_rows", "store_row_stats",
-            "walk_block", "attn_fwd_kernel", "attn_fwd"} <= names  # fmt: skip
+    # The shared macros (schedule, line mask, softmax, row statistics, preprocess) and the portable pieces.
+    shared = {"load_line_bounds", "line_mask_bits", "gemm_rs", "gemm_ss", "load_rows", "make_row_copy", "transposed_view"}
+    own = {"decode_item", "online_softmax", "finalize_rows", "store_row_stats", "walk_block", "attn_fwd_kernel", "attn_fwd"}
+    if kernel == "bwd":
+        own = {"attn_bwd_prep_kernel", "red_add_f32", "bwd_step", "store_rows", "attn_bwd_kernel", "attn_bwd"}
+    assert shared | own <= names
     used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     assert {"MmaF16BF16Op", "LdMatrix8x8x16bOp", "CopyG2SOp"} <= used
     assert not used & {"warpgroup", "setmaxregister_increase", "make_tiled_tma_atom", "PipelineTmaAsync", "StMatrix8x8x16bOp"}
     assert "\n\n\n\n" not in source and "{{" not in source and "{%" not in source
     assert max(len(line) for line in source.splitlines()) <= 130
-    assert ("apply_softcap" in names) == bool(features) and ("sink_logsumexp_log2" in names) == bool(features)
+    assert ("tanh" in source) == bool(features)
 
 
-def test_entry_signature_is_the_forward_abi():
-    from maskc.runtime.abi import FORWARD_ABI
-
-    tree = ast.parse(render(variant()))
-    entry = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "attn_fwd")
-    assert [a.arg for a in entry.args.args] == [
-        {"q": "mQ", "k": "mK", "v": "mV", "out": "mO", "lse": "mLSE", "row_max": "mRowMax", "sink": "mSink",
-         "work_tile": "mWorkTile", "work_ranges": "mWorkRanges", "ranges": "mRanges", "work_lines": "mWorkLines",
-         "lines": "mLines"}.get(a.name, a.name)  # fmt: skip
-        for a in FORWARD_ABI
-    ]
+def test_entry_signatures_are_the_abis():
+    """The portable entries take the same arguments, in the same order, as the SM90 ones."""
+    for make in (variant, backward):
+        v = make()
+        native = KernelVariant(**{**v.to_dict(), "arch": "sm_90a", "portable": False, "tile_n": 128,
+                                  "tile_m": 64 if v.direction == "bwd" else 128, "num_stages": 2})  # fmt: skip
+        args = [
+            [a.arg for a in next(n for n in ast.parse(render(x)).body if getattr(n, "name", "") == f"attn_{x.direction}").args.args]
+            for x in (v, native)
+        ]
+        assert args[0] == args[1] and len(args[0]) >= 16
 
 
 # ---- compiling (CUTLASS DSL, no GPU) ------------------------------------------------------------
@@ -90,6 +108,8 @@ COMPILED = {arch: variant(arch=arch) for arch in SUPPORTED_ARCHS}
 COMPILED["sm_80_d64_fp16_features"] = variant(
     head_dim=64, dtype="fp16", num_heads_kv=8, tile_n=128, has_softcap=True, has_sink=True, has_max_logits=True
 )
+COMPILED.update({f"{arch}_bwd": backward(arch=arch) for arch in ("sm_80", "sm_90a", "sm_120a")})
+COMPILED["sm_86_bwd_d64_fp16_softcap"] = backward(arch="sm_86", head_dim=64, dtype="fp16", num_heads_kv=8, has_softcap=True)
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +134,15 @@ def test_compiles_for_every_arch_with_warp_mma_cp_async_and_ldmatrix(compiled, n
     for hopper in ("wgmma", "cp.async.bulk", "setmaxnreg", "mbarrier.try_wait"):
         assert hopper not in ptx
     assert ("tanh.approx" in ptx) == COMPILED[name].has_softcap
+    # The backward: its preprocess kernel first, dQ by L2 reductions (no other atomics).
+    backward_kernel = COMPILED[name].direction == "bwd"
+    assert (".entry kernel_cutlass_attn_bwd_prep_kernel" in ptx) == backward_kernel
+    assert ("red.global.add.f32" in ptx) == backward_kernel and "atom.global" not in ptx
 
 
-def test_exported_header_matches_the_forward_abi(compiled):
+def test_exported_headers_match_the_abis(compiled):
     from abi_check import assert_header_matches_abi
-    from maskc.runtime.abi import FORWARD_ABI
+    from maskc.runtime.abi import BACKWARD_ABI, FORWARD_ABI
 
     assert_header_matches_abi(compiled["sm_80"].header_path.read_text(), FORWARD_ABI)
+    assert_header_matches_abi(compiled["sm_80_bwd"].header_path.read_text(), BACKWARD_ABI)

@@ -29,6 +29,8 @@ PORTABLE_TILE_M = 64
 #: Persistent CTAs of the portable kernel per SM: 128 threads of at most 255 registers and
 #: 80 KiB of shared memory at d=128, so two fit an SM80 or SM90 SM (each also runs alone).
 PORTABLE_CTAS_PER_SM = 2
+#: The portable backward's (q block, k tile, stages): four warps of 16 keys; one Q / dO stage.
+PORTABLE_BACKWARD_TILES = (64, 64, 1)
 #: Shared memory one CTA may use per arch, and what the kernel keeps for barriers.
 SMEM_BYTES = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024,
               "sm_120a": 99 * 1024}  # fmt: skip
@@ -103,17 +105,17 @@ class KernelVariant:
                 )
         if not self.portable and self.arch not in NATIVE_ARCHS:
             raise VariantError(f"arch {self.arch} has only the portable kernel (portable=True)")
-        if self.portable:
-            self._check_portable()
-        if self.direction == "bwd":
-            self._check_backward_tiles()
-        else:
+        if self.direction == "fwd":
             if self.deterministic:
                 raise VariantError("deterministic is a backward option (the forward is deterministic already)")
             if self.unmasked:
                 raise VariantError("unmasked is a backward option (the forward masks only its partial blocks already)")
-            if not self.portable:
-                self._check_forward_tiles()
+        if self.portable:
+            self._check_portable()
+        elif self.direction == "bwd":
+            self._check_backward_tiles()
+        else:
+            self._check_forward_tiles()
         if not 1 <= self.num_stages <= 8:
             raise VariantError(f"num_stages {self.num_stages} must be in [1, 8]")
         if self.smem_bytes() > SMEM_BYTES[self.arch] - _SMEM_RESERVE:
@@ -123,11 +125,20 @@ class KernelVariant:
             )
 
     def _check_portable(self) -> None:
-        """The portable kernel: four warps of 16 query rows each, K and V through cp.async stages."""
-        if self.direction != "fwd":
-            raise VariantError("the portable kernel has no backward yet")
+        """The portable kernels: four warps of 16 rows each (query rows forward, keys backward)."""
         if self.pack_gqa:
             raise VariantError("the portable kernel has no pack_gqa variant")
+        if self.direction == "bwd":
+            if self.has_sink or self.has_max_logits:
+                raise VariantError("the backward kernel has no sink / max_logits variants (the caller computes dsink)")
+            if self.deterministic or self.unmasked:
+                raise VariantError("the portable backward has no deterministic or unmasked variant yet")
+            if (self.tile_m, self.tile_n, self.num_stages) != PORTABLE_BACKWARD_TILES:
+                raise VariantError(
+                    f"portable backward tiles {self.tile_m} x {self.tile_n} with {self.num_stages} stage(s) are not "
+                    f"supported; supported: {PORTABLE_BACKWARD_TILES[0]} x {PORTABLE_BACKWARD_TILES[1]}, 1 stage"
+                )
+            return
         if self.tile_m != PORTABLE_TILE_M:
             raise VariantError(f"portable tile_m {self.tile_m} is not supported; supported: {PORTABLE_TILE_M} (4 warps)")
         if self.tile_n not in (64, 128):
@@ -189,6 +200,8 @@ class KernelVariant:
 
         Backward: the K and V tile, `num_stages` (Q, dO) blocks with their fp32 lse / delta
         rows, two dS^T blocks of the k tile and the fp32 dQ staging tile."""
+        if self.direction == "bwd" and self.portable:
+            return (2 * self.tile_n * self.head_dim + 2 * self.tile_m * self.head_dim + self.tile_n * self.tile_m) * 2
         if self.direction == "bwd":
             kv = 2 * self.tile_n * self.head_dim
             qdo = 2 * self.num_stages * self.tile_m * self.head_dim
