@@ -76,10 +76,11 @@ def test_rendered_source_is_readable_python_without_hopper_instructions(kernel, 
     tree = ast.parse(source)
     names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     # The shared macros (schedule, line mask, softmax, row statistics, preprocess) and the portable pieces.
-    shared = {"load_line_bounds", "line_mask_bits", "gemm_rs", "gemm_ss", "load_rows", "make_row_copy", "transposed_view"}
+    shared = {"load_line_bounds", "line_mask_bits", "gemm_rs", "gemm_ss", "load_rows", "store_tile", "make_row_copy",
+              "transposed_view"}  # fmt: skip
     own = {"decode_item", "online_softmax", "finalize_rows", "store_row_stats", "walk_block", "attn_fwd_kernel", "attn_fwd"}
     if kernel == "bwd":
-        own = {"attn_bwd_prep_kernel", "red_add_f32", "bwd_step", "store_rows", "attn_bwd_kernel", "attn_bwd"}
+        own = {"attn_bwd_prep_kernel", "red_add_f32", "bwd_step", "attn_bwd_kernel", "attn_bwd"}
     assert shared | own <= names
     used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     assert {"MmaF16BF16Op", "LdMatrix8x8x16bOp", "CopyG2SOp"} <= used
