@@ -33,10 +33,27 @@ def test_second_compile_is_a_no_op(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr("maskc.codegen.compile.compile_variant", no_compiling)
     assert cache.cached_kernel(variant_for(REQUEST)) == first
-    # Another variant or another template set is another address.
+    # Another variant, or edited templates or code generator, is another address.
     assert cache.entry_address(variant_for({**REQUEST, "num_heads_kv": 2})) != first.name
-    monkeypatch.setattr(cache, "_templates_digest", lambda: "edited templates")
+    monkeypatch.setattr(cache, "_sources_digest", lambda: "edited sources")
     assert cache.entry_address(variant_for(REQUEST)) != first.name
+
+
+def test_the_address_follows_the_code_generator_not_only_the_templates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Editing a module that shapes the generated code (render.py, variant.py, the ABI), not
+    only a template, gives every variant another address."""
+    names = {name for _, name in cache.source_files()}
+    assert {"codegen/render.py", "codegen/variant.py", "codegen/compile.py", "runtime/abi.py", "sm90/host.jinja"} <= names
+    edited = tmp_path / "render.py"
+    edited.write_bytes(dict((name, path) for path, name in cache.source_files())["codegen/render.py"].read_bytes())
+    files = [(edited if name == "codegen/render.py" else path, name) for path, name in cache.source_files()]
+    monkeypatch.setattr(cache, "source_files", lambda: files)
+    cache._sources_digest.cache_clear()
+    before = cache.entry_address(variant_for(REQUEST))
+    edited.write_text(edited.read_text() + "\n# edited\n")
+    cache._sources_digest.cache_clear()
+    assert cache.entry_address(variant_for(REQUEST)) != before
+    cache._sources_digest.cache_clear()
 
 
 def test_concurrent_compiles_share_one_entry(tmp_path: Path) -> None:

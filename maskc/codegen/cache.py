@@ -1,7 +1,8 @@
 """Content-addressed kernel cache: compiling the same variant twice is a no-op.
 
-An entry's address hashes the variant, the maskc and DSL versions and the template
-sources, so editing a template or upgrading the DSL never serves a stale object. Each
+An entry's address hashes the variant, the maskc and DSL versions and the sources that
+shape the generated code (the templates, the code generator's modules, the ABI), so editing
+any of them or upgrading the DSL never serves a stale object. Each
 entry is a one-kernel artifact directory (manifest + object + header + PTX) that the
 runtime registers as it is. Compiles go to a private temporary directory and are renamed
 into place under a per-entry file lock: concurrent compiles of one variant do the work
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import json
 import lzma
@@ -22,6 +24,7 @@ from importlib import resources
 from pathlib import Path
 
 import maskc
+import maskc.runtime.abi as abi_module
 from maskc.codegen.variant import KernelVariant
 from maskc.runtime.abi import ABIS, abi_to_json
 from maskc.runtime.launch import installed_dsl_version
@@ -40,17 +43,26 @@ def toolchain() -> dict[str, str | None]:
     return {"maskc": maskc.__version__, "nvidia-cutlass-dsl": installed_dsl_version()}
 
 
-def _templates_digest() -> str:
+def source_files() -> list[tuple[Path, str]]:
+    """What a kernel's source and exported interface come from besides its variant, by name:
+    the templates, maskc/codegen's modules and the ABI module."""
+    templates = Path(str(resources.files("maskc.templates")))
+    files = [(p, p.relative_to(templates).as_posix()) for p in sorted(templates.rglob("*.jinja"))]
+    files += [(p, f"codegen/{p.name}") for p in sorted(Path(__file__).parent.glob("*.py"))]
+    return files + [(Path(abi_module.__file__), "runtime/abi.py")]
+
+
+@functools.lru_cache(maxsize=1)
+def _sources_digest() -> str:
     digest = hashlib.sha256()
-    root = resources.files("maskc.templates")
-    for path in sorted(Path(str(root)).rglob("*.jinja")):
-        digest.update(path.relative_to(Path(str(root))).as_posix().encode())
+    for path, name in source_files():
+        digest.update(name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
 def entry_address(variant: KernelVariant) -> str:
-    body = {"variant": dataclasses.asdict(variant), "toolchain": toolchain(), "templates": _templates_digest()}
+    body = {"variant": dataclasses.asdict(variant), "toolchain": toolchain(), "sources": _sources_digest()}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:24]
 
 
