@@ -199,9 +199,11 @@ class KernelVariant:
         """Shared memory for the Q buffers (each also stages O) and the K and V stages.
 
         Backward: the K and V tile, `num_stages` (Q, dO) blocks with their fp32 lse / delta
-        rows, two dS^T blocks of the k tile and the fp32 dQ staging tile."""
+        rows, two dS^T blocks of the k tile and the fp32 dQ staging tile; the portable one: K, V,
+        one Q and dO block, one dS^T block."""
         if self.direction == "bwd" and self.portable:
-            return (2 * self.tile_n * self.head_dim + 2 * self.tile_m * self.head_dim + self.tile_n * self.tile_m) * 2
+            kv, qdo, ds = 2 * self.tile_n * self.head_dim, 2 * self.tile_m * self.head_dim, self.tile_n * self.tile_m
+            return (kv + qdo + ds) * self.element_bytes
         if self.direction == "bwd":
             kv = 2 * self.tile_n * self.head_dim
             qdo = 2 * self.num_stages * self.tile_m * self.head_dim
