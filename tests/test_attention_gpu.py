@@ -124,8 +124,8 @@ def _check(mask: Mask, hq: int, hkv: int, d: int, dtype: str, *, softcap: float 
         assert _max_abs(meta.max_logits[both] - ref_meta.max_logits[both]) < 2e-2
 
 
-# The forward tests run the Hopper kernels (portable=None on an H100 / H200) and the portable
-# kernel (warp MMA, built for sm_90a: the one every GPU since Ampere runs).
+# The forward and gradient tests run the Hopper kernels (portable=None on an H100 / H200) and
+# the portable ones (warp MMA, built for sm_90a: what every GPU since Ampere runs).
 KERNELS = pytest.mark.parametrize("portable", [None, True], ids=["native", "portable"])
 
 
