@@ -1,8 +1,8 @@
 """maskc.attention on the GPU against the reference in float32, for every mask family.
 
 Kernels come from the artifact directories named in $MASKC_GPU_ARTIFACTS (colon-separated
-`maskc compile` outputs; how the GPU machine gets them) or are compiled on first use when
-the CUTLASS DSL is installed. Outputs are poisoned with NaN before each call (through the
+`maskc compile` outputs, with `--portable` for the portable cases; how the GPU machine gets
+them) or are compiled on first use when the CUTLASS DSL is installed. Outputs are poisoned with NaN before each call (through the
 caching allocator, checked) so an element the kernel never writes fails the test.
 """
 
