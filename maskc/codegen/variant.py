@@ -14,6 +14,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from maskc.errors import MaskcError
+from maskc.ir.strategy import PORTABLE_BACKWARD, PORTABLE_TILE_M
 
 SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a")
 #: Archs with a kernel of their own (TMA + wgmma); every arch has the portable kernel.
@@ -24,13 +25,9 @@ SUPPORTED_DTYPES = ("bf16", "fp16")
 
 #: Rows of the query tile owned by one consumer warpgroup (one wgmma M extent).
 WARPGROUP_ROWS = 64
-#: The portable kernel's q tile: four warps of 16 rows (one m16n8k16 M extent each).
-PORTABLE_TILE_M = 64
 #: Persistent CTAs of the portable kernel per SM: 128 threads of at most 255 registers and
 #: 80 KiB of shared memory at d=128, so two fit an SM80 or SM90 SM (each also runs alone).
 PORTABLE_CTAS_PER_SM = 2
-#: The portable backward's (q block, k tile, stages): four warps of 16 keys; one Q / dO stage.
-PORTABLE_BACKWARD_TILES = (64, 64, 1)
 #: Shared memory one CTA may use per arch, and what the kernel keeps for barriers.
 SMEM_BYTES = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024,
               "sm_120a": 99 * 1024}  # fmt: skip
@@ -133,10 +130,11 @@ class KernelVariant:
                 raise VariantError("the backward kernel has no sink / max_logits variants (the caller computes dsink)")
             if self.deterministic or self.unmasked:
                 raise VariantError("the portable backward has no deterministic or unmasked variant yet")
-            if (self.tile_m, self.tile_n, self.num_stages) != PORTABLE_BACKWARD_TILES:
+            tiles = PORTABLE_BACKWARD
+            if (self.tile_m, self.tile_n, self.num_stages) != (tiles.tile_m, tiles.tile_n, tiles.num_stages):
                 raise VariantError(
                     f"portable backward tiles {self.tile_m} x {self.tile_n} with {self.num_stages} stage(s) are not "
-                    f"supported; supported: {PORTABLE_BACKWARD_TILES[0]} x {PORTABLE_BACKWARD_TILES[1]}, 1 stage"
+                    f"supported; supported: {tiles.tile_m} x {tiles.tile_n}, {tiles.num_stages} stage"
                 )
             return
         if self.tile_m != PORTABLE_TILE_M:

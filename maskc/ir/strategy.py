@@ -34,10 +34,11 @@ _SM90_BACKWARD = Tiles(64, 128, 2)
 
 # The portable kernel (four warps of 16 rows): 64-key blocks at d=128 (S and O in registers
 # side by side), 128 at d=64.
-_PORTABLE = {64: Tiles(64, 128, 2), 128: Tiles(64, 64, 2)}
+PORTABLE_TILE_M = 64
+_PORTABLE = {64: Tiles(PORTABLE_TILE_M, 128, 2), 128: Tiles(PORTABLE_TILE_M, 64, 2)}
 # Its backward: k tiles of 64 keys (four warps of 16, dK and dV in registers) against q blocks of
 # 64 queries, one (Q, dO) stage.
-_PORTABLE_BACKWARD = Tiles(64, 64, 1)
+PORTABLE_BACKWARD = Tiles(64, 64, 1)
 
 
 def select_tiles(arch: str, head_dim: int, direction: str = "fwd", portable: bool = False) -> Tiles:
@@ -46,7 +47,7 @@ def select_tiles(arch: str, head_dim: int, direction: str = "fwd", portable: boo
     if head_dim not in _SM90:
         raise MaskcError(f"head_dim {head_dim} is not supported; supported head dims: {SUPPORTED_HEAD_DIMS}")
     if portable:
-        return _PORTABLE_BACKWARD if direction == "bwd" else _PORTABLE[head_dim]
+        return PORTABLE_BACKWARD if direction == "bwd" else _PORTABLE[head_dim]
     if arch != "sm_90a":
         raise MaskcError(f"no kernel of its own for arch {arch!r} (sm_90a has one); use the portable kernel")
     return _SM90_BACKWARD if direction == "bwd" else _SM90[head_dim]
