@@ -152,7 +152,7 @@ def _kernel_requests(args: argparse.Namespace, masks: list[Mask]) -> list[dict[s
     heads allow it; the runtime picks per mask) and the backward (softcap is its only feature:
     sinks and max logits need nothing in it), also without line masks where a mask's backward
     has no partial block. Elsewhere, or with --portable, the portable forward and backward (no
-    PackGQA or deterministic variants yet)."""
+    PackGQA or unmasked variants yet)."""
     from maskc.codegen.variant import NATIVE_ARCHS
     from maskc.ir.schedule import backward_has_partial_blocks
     from maskc.ir.strategy import pack_gqa_supported, select_tiles
@@ -172,8 +172,10 @@ def _kernel_requests(args: argparse.Namespace, masks: list[Mask]) -> list[dict[s
                     if args.portable or not native:
                         requests.append({**base, "direction": "fwd", "has_softcap": args.softcap, "has_sink": args.sink,
                                          "has_max_logits": args.max_logits, "pack_gqa": False, "portable": True})  # fmt: skip
-                        requests.append({**base, "direction": "bwd", "has_softcap": args.softcap, "has_sink": False,
-                                         "has_max_logits": False, "pack_gqa": False, "portable": True})  # fmt: skip
+                        for deterministic in (False, True) if args.deterministic else (False,):
+                            requests.append({**base, "direction": "bwd", "has_softcap": args.softcap, "has_sink": False,
+                                             "has_max_logits": False, "pack_gqa": False, "deterministic": deterministic,
+                                             "portable": True})  # fmt: skip
                     if not native:
                         continue
                     for pack in (False, True) if pack_gqa_supported(hq, hkv) else (False,):

@@ -105,7 +105,8 @@ def _entry(load: Callable[[], Kernel] | None, fields: dict[str, Any]) -> _Entry:
     if fields["direction"] == "bwd":  # items are (k tile, kv head); tile_m is the q block
         deterministic = fields.get("deterministic", False)
         pieces = 1 if deterministic or portable else hq // hkv  # those kernels never split an item
-        return _Entry(load, fields["tile_m"], fields["tile_n"], hkv, deterministic, pieces, ctas_per_sm)
+        # A deterministic CTA waits for lower items' CTAs: one per SM keeps them all resident.
+        return _Entry(load, fields["tile_m"], fields["tile_n"], hkv, deterministic, pieces, 1 if deterministic else ctas_per_sm)
     if fields.get("pack_gqa", False):
         return _Entry(load, fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv)
     return _Entry(load, fields["tile_m"], fields["tile_n"], hq, ctas_per_sm=ctas_per_sm)
@@ -329,9 +330,9 @@ def _plan(
     if portable is False and arch not in NATIVE_ARCHS:
         raise MaskcError(f"{arch} has only the portable kernel; pass portable=None or True")
     portable = portable or arch not in NATIVE_ARCHS
-    if portable and (pack_gqa or (needs_grad and deterministic)):
+    if portable and pack_gqa:
         raise MaskcError(
-            f"the portable kernel (the only one on {arch}) has no {'PackGQA' if pack_gqa else 'deterministic backward'} yet"
+            f"the portable kernel (the only one on {arch}) has no PackGQA yet"
             + ("; on sm_90a pass portable=None" if arch in NATIVE_ARCHS else "")
         )
     base = {"arch": arch, "head_dim": head_dim, "dtype": DTYPES[dtype], "num_heads_q": num_heads_q,
@@ -559,7 +560,7 @@ def attention(
     gradients are bitwise identical from run to run (a little slower).
     portable: the kernel family. None (default) takes the GPU's own kernels where maskc has
     them (Hopper), else the portable ones (warp MMA: every GPU since Ampere); True forces the
-    portable ones (no PackGQA and no deterministic backward yet).
+    portable ones (no PackGQA yet).
     """
     scale = _check_inputs(q, k, v, mask, sink, softmax_scale, softcap)
     _, hq, d = q.shape

@@ -157,10 +157,10 @@ def test_sequence_lengths_from_1_to_64k(n: int, portable: bool | None) -> None:
     _check(Mask.from_cu_seqlens([0, n], causal=True), 8, 8, 128, "bf16", portable=portable)
 
 
-def test_the_portable_kernel_has_no_deterministic_backward_yet() -> None:
-    q, k = (torch.randn(100, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 2))
-    with pytest.raises(maskc.MaskcError, match="has no deterministic backward yet; on sm_90a pass portable=None"):
-        maskc.attention(q, k, k, Mask.from_cu_seqlens([0, 100]), portable=True, deterministic=True)
+def test_the_portable_kernel_has_no_pack_gqa_yet() -> None:
+    q, k = (torch.randn(100, h, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 2))
+    with pytest.raises(maskc.MaskcError, match="has no PackGQA yet; on sm_90a pass portable=None"):
+        maskc.attention(q, k, k, Mask.from_cu_seqlens([0, 100]), portable=True, pack_gqa=True)
 
 
 def test_varlen_64k_with_real_document_counts() -> None:
@@ -347,15 +347,18 @@ def test_gradients_of_masks_without_partial_blocks(cu_seqlens: list[int]) -> Non
 @pytest.mark.parametrize("name,hq,hkv,d,dtype", [
     ("causal", 8, 2, 128, "bf16"), ("varlen_block_causal", 64, 8, 128, "bf16"), ("random_overlapping", 8, 8, 64, "fp16"),
 ])  # fmt: skip
-def test_deterministic_gradients_are_bitwise_reproducible(name: str, hq: int, hkv: int, d: int, dtype: str) -> None:
+@KERNELS
+def test_deterministic_gradients_are_bitwise_reproducible(
+    name: str, hq: int, hkv: int, d: int, dtype: str, portable: bool | None
+) -> None:
     mask = MASKS[name]()
-    _check_grads(mask, hq, hkv, d, dtype, deterministic=True)
+    _check_grads(mask, hq, hkv, d, dtype, deterministic=True, portable=portable)
     g = torch.Generator(device="cuda").manual_seed(1)
     tq, tk = mask.shape
     q, k, v = (torch.randn(t, h, d, device="cuda", generator=g).to(DTYPES[dtype]) for t, h in ((tq, hq), (tk, hkv), (tk, hkv)))
     dout = torch.randn(tq, hq, d, device="cuda", generator=g)
     dlse = torch.randn(tq, hq, device="cuda", generator=g)
-    runs = [_grads(maskc.attention, q, k, v, None, mask, dout, dlse, deterministic=True) for _ in range(3)]
+    runs = [_grads(maskc.attention, q, k, v, None, mask, dout, dlse, deterministic=True, portable=portable) for _ in range(3)]
     for other in runs[1:]:
         for name_, a, b in zip(("dq", "dk", "dv"), runs[0], other):
             assert torch.equal(a, b), f"{name_} differs between deterministic runs"

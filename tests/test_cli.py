@@ -159,8 +159,8 @@ def test_the_backward_without_line_masks_is_built_for_masks_that_need_it() -> No
 
 
 def test_an_arch_without_kernels_of_its_own_gets_the_portable_kernels() -> None:
-    """sm_80 gets the portable forward and backward only (no PackGQA, no deterministic or
-    unmasked backward); sm_90a its own kernels, plus the portable ones with --portable."""
+    """sm_80 gets the portable forward and backward only (no PackGQA, no unmasked backward);
+    sm_90a its own kernels, plus the portable ones with --portable."""
     from maskc.cli import _kernel_requests, build_parser
 
     def requests(*flags):
@@ -168,7 +168,7 @@ def test_an_arch_without_kernels_of_its_own_gets_the_portable_kernels() -> None:
         return sorted((r["arch"], r["direction"], r.get("pack_gqa"), r.get("deterministic", False), r.get("portable", False))
                       for r in _kernel_requests(args, [Mask.from_cu_seqlens([0, 1000], causal=True)]))  # fmt: skip
 
-    portable = [(arch, d, False, False, True) for arch in ("sm_120a", "sm_80") for d in ("bwd", "fwd")]
+    portable = [(arch, d, False, det, True) for arch in ("sm_120a", "sm_80") for d, det in (("bwd", False), ("bwd", True), ("fwd", False))]
     assert requests("--arch", "sm_80,sm_120a", "--deterministic") == portable
     native = [("sm_90a", "bwd", False, False, False), ("sm_90a", "fwd", False, False, False), ("sm_90a", "fwd", True, False, False)]
     assert requests() == native

@@ -33,7 +33,7 @@ def backward(**overrides) -> KernelVariant:
         ({"portable": False}, "arch sm_80 has only the portable kernel (portable=True)"),
         ({"arch": "sm_120a", "portable": False}, "arch sm_120a has only the portable kernel"),
         ({"direction": "bwd"}, "portable backward tiles 64 x 64 with 2 stage(s) are not supported"),
-        ({"direction": "bwd", "num_stages": 1, "deterministic": True}, "no deterministic or unmasked variant yet"),
+        ({"direction": "bwd", "num_stages": 1, "unmasked": True}, "the portable backward has no unmasked variant yet"),
         ({"direction": "bwd", "num_stages": 1, "has_sink": True}, "no sink / max_logits variants"),
         ({"num_heads_q": 8, "num_heads_kv": 2, "pack_gqa": True}, "the portable kernel has no pack_gqa variant"),
         ({"tile_m": 128}, "portable tile_m 128 is not supported; supported: 64"),
@@ -110,6 +110,7 @@ COMPILED["sm_80_d64_fp16_features"] = variant(
     head_dim=64, dtype="fp16", num_heads_kv=8, tile_n=128, has_softcap=True, has_sink=True, has_max_logits=True
 )
 COMPILED.update({f"{arch}_bwd": backward(arch=arch) for arch in ("sm_80", "sm_90a", "sm_120a")})
+COMPILED["sm_90a_bwd_deterministic"] = backward(arch="sm_90a", deterministic=True)
 COMPILED["sm_86_bwd_d64_fp16_softcap"] = backward(arch="sm_86", head_dim=64, dtype="fp16", num_heads_kv=8, has_softcap=True)
 
 
@@ -139,6 +140,9 @@ def test_compiles_for_every_arch_with_warp_mma_cp_async_and_ldmatrix(compiled, n
     backward_kernel = COMPILED[name].direction == "bwd"
     assert (".entry kernel_cutlass_attn_bwd_prep_kernel" in ptx) == backward_kernel
     assert ("red.global.add.f32" in ptx) == backward_kernel and "atom.global" not in ptx
+    # Deterministic: each q block's semaphore, waited on with acquire and counted with release.
+    deterministic = COMPILED[name].deterministic
+    assert ("ld.global.acquire.gpu" in ptx and "red.release.gpu.global.add.s32" in ptx) == deterministic
 
 
 def test_exported_headers_match_the_abis(compiled):

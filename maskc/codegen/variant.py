@@ -128,8 +128,8 @@ class KernelVariant:
         if self.direction == "bwd":
             if self.has_sink or self.has_max_logits:
                 raise VariantError("the backward kernel has no sink / max_logits variants (the caller computes dsink)")
-            if self.deterministic or self.unmasked:
-                raise VariantError("the portable backward has no deterministic or unmasked variant yet")
+            if self.unmasked:
+                raise VariantError("the portable backward has no unmasked variant yet")
             tiles = PORTABLE_BACKWARD
             if (self.tile_m, self.tile_n, self.num_stages) != (tiles.tile_m, tiles.tile_n, tiles.num_stages):
                 raise VariantError(
