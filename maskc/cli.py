@@ -152,24 +152,25 @@ def _kernel_requests(args: argparse.Namespace, masks: list[Mask]) -> list[dict[s
     heads allow it; the runtime picks per mask) and the backward (softcap is its only feature:
     sinks and max logits need nothing in it), also without line masks where a mask's backward
     has no partial block. Elsewhere, or with --portable, the portable forward and backward (no
-    PackGQA or unmasked variants yet)."""
-    from maskc.codegen.variant import NATIVE_ARCHS
+    PackGQA or unmasked variants yet). An experimental arch (sm_100a) gets the portable kernels
+    and its own forward, marked experimental in the manifest."""
+    from maskc.codegen.variant import EXPERIMENTAL_ARCHS, NATIVE_ARCHS
     from maskc.ir.schedule import backward_has_partial_blocks
     from maskc.ir.strategy import pack_gqa_supported, select_tiles
 
     requests = []
     for arch in args.arch:
-        native = arch in NATIVE_ARCHS
+        native, experimental = arch in NATIVE_ARCHS, arch in EXPERIMENTAL_ARCHS
         for head_dim in args.head_dim:
             unmasked = (False,)
-            if native:
+            if native and not experimental:
                 tiles = select_tiles(arch, head_dim, "bwd")
                 if any(not backward_has_partial_blocks(m, tiles.tile_m, tiles.tile_n) for m in masks):
                     unmasked = (False, True)
             for hq, hkv in args.heads:
                 for dtype in args.dtype:
                     base = {"arch": arch, "head_dim": head_dim, "dtype": dtype, "num_heads_q": hq, "num_heads_kv": hkv}
-                    if args.portable or not native:
+                    if args.portable or not native or experimental:
                         requests.append({**base, "direction": "fwd", "has_softcap": args.softcap, "has_sink": args.sink,
                                          "has_max_logits": args.max_logits, "pack_gqa": False, "portable": True})  # fmt: skip
                         for deterministic in (False, True) if args.deterministic else (False,):
@@ -178,9 +179,12 @@ def _kernel_requests(args: argparse.Namespace, masks: list[Mask]) -> list[dict[s
                                              "portable": True})  # fmt: skip
                     if not native:
                         continue
-                    for pack in (False, True) if pack_gqa_supported(hq, hkv) else (False,):
+                    packs = (False, True) if pack_gqa_supported(hq, hkv) and not experimental else (False,)
+                    for pack in packs:
                         requests.append({**base, "direction": "fwd", "has_softcap": args.softcap, "has_sink": args.sink,
                                          "has_max_logits": args.max_logits, "pack_gqa": pack})  # fmt: skip
+                    if experimental:
+                        continue  # no backward of its own yet: the portable one serves
                     for deterministic, no_masks in product((False, True) if args.deterministic else (False,), unmasked):
                         requests.append({**base, "direction": "bwd", "has_softcap": args.softcap, "has_sink": False,
                                          "has_max_logits": False, "pack_gqa": False, "deterministic": deterministic,

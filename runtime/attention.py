@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from maskc.codegen.variant import NATIVE_ARCHS, PORTABLE_CTAS_PER_SM, WARPGROUP_ROWS
+from maskc.codegen.variant import EXPERIMENTAL_ARCHS, NATIVE_ARCHS, PORTABLE_CTAS_PER_SM, WARPGROUP_ROWS
 from maskc.errors import ArtifactError, MaskcError
 from maskc.ir import Mask
 from maskc.ir.schedule import (
@@ -329,10 +329,13 @@ def _plan(
     arch = ARCHS[capability]
     if portable is False and arch not in NATIVE_ARCHS:
         raise MaskcError(f"{arch} has only the portable kernel; pass portable=None or True")
-    portable = portable or arch not in NATIVE_ARCHS
+    # An experimental arch's own forward (compiled, never run here) only when asked for
+    # (portable=False); it has no backward of its own, so its backward is the portable one.
+    experimental = arch in EXPERIMENTAL_ARCHS
+    portable = portable or arch not in NATIVE_ARCHS or (experimental and portable is None)
     if portable and pack_gqa:
         raise MaskcError(
-            f"the portable kernel (the only one on {arch}) has no PackGQA yet"
+            f"the portable kernel (the one used on {arch}) has no PackGQA yet"
             + ("; on sm_90a pass portable=None" if arch in NATIVE_ARCHS else "")
         )
     base = {"arch": arch, "head_dim": head_dim, "dtype": DTYPES[dtype], "num_heads_q": num_heads_q,
@@ -342,17 +345,18 @@ def _plan(
         request.update(portable=True, pack_gqa=False)
         pack_gqa = False
     elif pack_gqa is None:
-        request["pack_gqa"] = _pack_gqa(mask, request, num_sms)
+        request["pack_gqa"] = not experimental and _pack_gqa(mask, request, num_sms)
     else:
         if pack_gqa and not pack_gqa_supported(num_heads_q, num_heads_kv):
             raise MaskcError(f"pack_gqa needs Hq / Hkv a power of two in [2, 64]; got {num_heads_q} / {num_heads_kv}")
         request["pack_gqa"] = bool(pack_gqa)
-    other_strategy = None if pack_gqa is not None else {**request, "pack_gqa": not request["pack_gqa"]}
+    other_strategy = None if pack_gqa is not None or experimental else {**request, "pack_gqa": not request["pack_gqa"]}
     forward = _find_kernel(request, other_strategy)
     backward_launch = _NO_LAUNCH
     if needs_grad:
         backward = _backward_kernel(mask, {**base, "direction": "bwd", "has_sink": False, "has_max_logits": False,
-                                           "pack_gqa": False, "deterministic": deterministic, "portable": portable})  # fmt: skip
+                                           "pack_gqa": False, "deterministic": deterministic,
+                                           "portable": portable or experimental})  # fmt: skip
         backward_launch = _backward_launch(backward, mask, num_sms, device)
     cached = mask.memo[key] = (_forward_launch(forward, mask, num_sms, device), backward_launch)
     return cached
@@ -559,8 +563,9 @@ def attention(
     deterministic: the backward adds each q block's dQ contributions in a fixed order, so the
     gradients are bitwise identical from run to run (a little slower).
     portable: the kernel family. None (default) takes the GPU's own kernels where maskc has
-    them (Hopper), else the portable ones (warp MMA: every GPU since Ampere); True forces the
-    portable ones (no PackGQA yet).
+    verified ones (Hopper), else the portable ones (warp MMA: every GPU since Ampere); True
+    forces the portable ones (no PackGQA yet); False asks for the GPU's own kernels, also the
+    experimental Blackwell forward (never run by maskc; its backward is the portable one).
     """
     scale = _check_inputs(q, k, v, mask, sink, softmax_scale, softcap)
     _, hq, d = q.shape

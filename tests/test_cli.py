@@ -160,7 +160,7 @@ def test_the_backward_without_line_masks_is_built_for_masks_that_need_it() -> No
 
 def test_an_arch_without_kernels_of_its_own_gets_the_portable_kernels() -> None:
     """sm_80 gets the portable forward and backward only (no PackGQA, no unmasked backward);
-    sm_90a its own kernels, plus the portable ones with --portable."""
+    sm_90a its own kernels, plus the portable ones with --portable; sm_100a both."""
     from maskc.cli import _kernel_requests, build_parser
 
     def requests(*flags):
@@ -173,3 +173,6 @@ def test_an_arch_without_kernels_of_its_own_gets_the_portable_kernels() -> None:
     native = [("sm_90a", "bwd", False, False, False), ("sm_90a", "fwd", False, False, False), ("sm_90a", "fwd", True, False, False)]
     assert requests() == native
     assert requests("--portable") == sorted(native + [("sm_90a", d, False, False, True) for d in ("bwd", "fwd")])
+    # sm_100a: the portable kernels, and its own (experimental) forward without PackGQA.
+    assert requests("--arch", "sm_100a") == [("sm_100a", "bwd", False, False, True), ("sm_100a", "fwd", False, False, False),
+                                             ("sm_100a", "fwd", False, False, True)]  # fmt: skip

@@ -164,3 +164,34 @@ def test_the_portable_kernel_serves_gpus_without_kernels_of_their_own(monkeypatc
         assert asked[-1]["direction"] == "bwd" and asked[-1]["portable"] and asked[-1]["deterministic"] == deterministic
     with pytest.raises(maskc.MaskcError, match="has no PackGQA yet"):
         plan(True, False, False)
+
+
+def test_blackwell_runs_the_portable_kernels_unless_its_own_forward_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On sm_100 the default is the portable family (verified on real hardware); portable=False
+    asks for the experimental SM100 forward (no PackGQA), with the portable backward."""
+    rt = importlib.import_module("maskc.runtime.attention")
+    monkeypatch.setattr(rt, "_KERNELS", {})
+    monkeypatch.setattr(rt, "_LOADED", [])
+    monkeypatch.setattr(rt, "_device_info", lambda device: ((10, 0), 148))
+    monkeypatch.setattr(rt, "_schedule_tensors", lambda mask, build, device, *params: (None, [1000, 0, 0, 0, 0], 0))
+    asked = []
+
+    def compile_refused(request):
+        asked.append(request)
+        raise ArtifactError("no compiler here")
+
+    monkeypatch.setattr(rt, "_jit", compile_refused)
+    mask = Mask.from_cu_seqlens([0, 1000], causal=True)
+    plan = functools.partial(rt._plan, mask, torch.device("cuda"), torch.bfloat16, 8, 2, 128, False, False, False)
+    for portable, native_forward in ((None, False), (True, False), (False, True)):
+        with pytest.raises(ArtifactError):
+            plan(None, False, False, 0, portable)
+        assert asked[-1]["arch"] == "sm_100a" and asked[-1].get("portable", False) != native_forward
+        assert not asked[-1]["pack_gqa"]
+    fields = {**asked[-1], "tile_m": 128, "tile_n": 128, "num_stages": 3}
+    rt._KERNELS[rt._request_key(fields)] = rt._entry(None, fields)
+    with pytest.raises(ArtifactError):
+        plan(None, True, False, 0, False)  # the forward is registered; the backward is compiled
+    assert asked[-1]["direction"] == "bwd" and asked[-1]["portable"]
+    with pytest.raises(maskc.MaskcError, match="has no PackGQA yet"):
+        plan(True, False, False)

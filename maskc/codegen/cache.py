@@ -74,7 +74,7 @@ def variant_record(variant: KernelVariant, object_name: str, function: str) -> d
         "object": object_name,
         "function": function,
         "abi": abi_to_json(ABIS[variant.direction]),
-        "experimental": False,
+        "experimental": variant.experimental,
     }
 
 

@@ -43,6 +43,9 @@ def context(variant: KernelVariant) -> dict:
     """Everything a template may read: the variant's fields plus derived static values."""
     if variant.portable:
         return {"v": variant, "key": variant.key(), "dtype_cutlass": _CUTLASS_DTYPES[variant.dtype], "num_threads": 128}
+    if variant.arch == "sm_100a":
+        # Four TMEM-owning warps (softmax / dS), one MMA warp, one TMA warp.
+        return {"v": variant, "key": variant.key(), "dtype_cutlass": _CUTLASS_DTYPES[variant.dtype], "num_threads": 192}
     num_wg = variant.num_mma_warpgroups
     # Registers per thread after setmaxnreg: producer down, consumers up (sum fits 64K regs).
     producer_regs, consumer_regs = {2: (24, 240), 3: (32, 160)}[num_wg]

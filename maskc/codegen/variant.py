@@ -14,11 +14,15 @@ import json
 from dataclasses import asdict, dataclass
 
 from maskc.errors import MaskcError
-from maskc.ir.strategy import PORTABLE_BACKWARD, PORTABLE_TILE_M
+from maskc.ir.strategy import PORTABLE_BACKWARD, PORTABLE_TILE_M, select_tiles
 
 SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a")
-#: Archs with a kernel of their own (TMA + wgmma); every arch has the portable kernel.
-NATIVE_ARCHS = ("sm_90a",)
+#: Archs with a kernel of their own (sm_90a: TMA + wgmma; sm_100a: TMA + tcgen05 with tensor
+#: memory); every arch has the portable kernel.
+NATIVE_ARCHS = ("sm_90a", "sm_100a")
+#: Native kernels compiled (and checked at the PTX level) but never run: no such GPU was
+#: available. The manifest marks them experimental and the runtime uses them only when asked.
+EXPERIMENTAL_ARCHS = ("sm_100a",)
 SUPPORTED_DIRECTIONS = ("fwd", "bwd")
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = ("bf16", "fp16")
@@ -109,6 +113,8 @@ class KernelVariant:
                 raise VariantError("unmasked is a backward option (the forward masks only its partial blocks already)")
         if self.portable:
             self._check_portable()
+        elif self.arch == "sm_100a":
+            self._check_sm100()
         elif self.direction == "bwd":
             self._check_backward_tiles()
         else:
@@ -143,6 +149,19 @@ class KernelVariant:
             raise VariantError(f"portable tile_n {self.tile_n} is not supported; supported: 64, 128")
         if self.num_stages != 2:
             raise VariantError(f"portable num_stages {self.num_stages} is not supported; supported: 2")
+
+    def _check_sm100(self) -> None:
+        """The SM100 forward: one TMEM lane per query row, 128 of them (no backward of its own yet)."""
+        if self.direction == "bwd":
+            raise VariantError("sm_100a has no backward kernel of its own yet; its backward is the portable one (portable=True)")
+        if self.pack_gqa:
+            raise VariantError("the sm_100a forward has no pack_gqa variant yet")
+        tiles = select_tiles(self.arch, self.head_dim)
+        if (self.tile_m, self.tile_n, self.num_stages) != (tiles.tile_m, tiles.tile_n, tiles.num_stages):
+            raise VariantError(
+                f"sm_100a {self.direction} tiles {self.tile_m} x {self.tile_n} with {self.num_stages} stage(s) are not "
+                f"supported; supported: {tiles.tile_m} x {tiles.tile_n}, {tiles.num_stages} stages"
+            )
 
     def _check_forward_tiles(self) -> None:
         """The forward kernel: q tiles of 64 rows per consumer warpgroup, O in registers."""
@@ -181,6 +200,11 @@ class KernelVariant:
         return (self.tile_n if self.direction == "bwd" else self.tile_m) // WARPGROUP_ROWS
 
     @property
+    def experimental(self) -> bool:
+        """Compiled but never run on its GPU (see EXPERIMENTAL_ARCHS)."""
+        return not self.portable and self.arch in EXPERIMENTAL_ARCHS
+
+    @property
     def qheads_per_kvhead(self) -> int:
         return self.num_heads_q // self.num_heads_kv
 
@@ -199,6 +223,8 @@ class KernelVariant:
         Backward: the K and V tile, `num_stages` (Q, dO) blocks with their fp32 lse / delta
         rows, two dS^T blocks of the k tile and the fp32 dQ staging tile; the portable one: K, V,
         one Q and dO block, one dS^T block."""
+        if self.arch == "sm_100a" and not self.portable:
+            return self._sm100_smem_bytes()
         if self.direction == "bwd" and self.portable:
             kv, qdo, ds = 2 * self.tile_n * self.head_dim, 2 * self.tile_m * self.head_dim, self.tile_n * self.tile_m
             return (kv + qdo + ds) * self.element_bytes
@@ -211,6 +237,10 @@ class KernelVariant:
         q = q_stages * self.tile_m * self.head_dim
         kv = 2 * self.num_stages * self.tile_n * self.head_dim
         return (q + kv) * self.element_bytes
+
+    def _sm100_smem_bytes(self) -> int:
+        """The SM100 forward: the Q tile and the K/V stages (P stays in tensor memory)."""
+        return (self.tile_m + self.num_stages * self.tile_n) * self.head_dim * self.element_bytes
 
     @property
     def q_stages(self) -> int:
