@@ -336,7 +336,7 @@ def _plan(
     if portable and pack_gqa:
         raise MaskcError(
             f"the portable kernel (the one used on {arch}) has no PackGQA yet"
-            + ("; on sm_90a pass portable=None" if arch in NATIVE_ARCHS else "")
+            + ("; on sm_90a pass portable=None" if arch in NATIVE_ARCHS and not experimental else "")
         )
     base = {"arch": arch, "head_dim": head_dim, "dtype": DTYPES[dtype], "num_heads_q": num_heads_q,
             "num_heads_kv": num_heads_kv, "has_softcap": has_softcap}  # fmt: skip

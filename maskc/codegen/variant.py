@@ -153,7 +153,9 @@ class KernelVariant:
     def _check_sm100(self) -> None:
         """The SM100 forward: one TMEM lane per query row, 128 of them (no backward of its own yet)."""
         if self.direction == "bwd":
-            raise VariantError("sm_100a has no backward kernel of its own yet; its backward is the portable one (portable=True)")
+            raise VariantError(
+                "sm_100a has no backward kernel of its own yet; its backward is the portable one (portable=True)"
+            )
         if self.pack_gqa:
             raise VariantError("the sm_100a forward has no pack_gqa variant yet")
         tiles = select_tiles(self.arch, self.head_dim)

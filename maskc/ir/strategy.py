@@ -58,7 +58,10 @@ def select_tiles(arch: str, head_dim: int, direction: str = "fwd", portable: boo
         return _SM90_BACKWARD if direction == "bwd" else _SM90[head_dim]
     if arch == "sm_100a" and direction == "fwd":
         return _SM100[head_dim]
-    raise MaskcError(f"no kernel of its own for arch {arch!r} and direction {direction} (sm_90a has both, sm_100a a forward); use the portable kernel")
+    raise MaskcError(
+        f"no kernel of its own for arch {arch!r} and direction {direction} (sm_90a has both, sm_100a a forward); "
+        "use the portable kernel"
+    )
 
 
 # ---- GQA strategy selection (PackGQA) ---------------------------------------------------------
