@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from conftest import compile_variants
 from maskc.codegen.render import render, template_name
 from maskc.codegen.variant import NATIVE_ARCHS, SUPPORTED_ARCHS, KernelVariant, VariantError
 
@@ -116,11 +117,7 @@ COMPILED["sm_86_bwd_d64_fp16_softcap"] = backward(arch="sm_86", head_dim=64, dty
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    pytest.importorskip("cutlass.cute")
-    from maskc.codegen.compile import compile_variant
-
-    out = tmp_path_factory.mktemp("portable_objects")
-    return {name: compile_variant(v, out) for name, v in COMPILED.items()}
+    return compile_variants(tmp_path_factory, "portable_objects", COMPILED)
 
 
 @pytest.mark.parametrize("name", sorted(COMPILED))

@@ -11,6 +11,7 @@ import re
 
 import pytest
 
+from conftest import compile_variants
 from maskc.codegen.cache import variant_record
 from maskc.codegen.render import render, template_name
 from maskc.codegen.variant import EXPERIMENTAL_ARCHS, NATIVE_ARCHS, KernelVariant, VariantError
@@ -93,11 +94,7 @@ COMPILED = {
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    pytest.importorskip("cutlass.cute")
-    from maskc.codegen.compile import compile_variant
-
-    out = tmp_path_factory.mktemp("sm100_objects")
-    return {name: compile_variant(v, out) for name, v in COMPILED.items()}
+    return compile_variants(tmp_path_factory, "sm100_objects", COMPILED)
 
 
 @pytest.mark.parametrize("name", sorted(COMPILED))

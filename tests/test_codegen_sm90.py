@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from conftest import compile_variants
 from maskc.codegen.render import render
 from maskc.codegen.jit import variant_for
 from maskc.codegen.variant import KernelVariant, VariantError
@@ -180,11 +181,7 @@ def test_mask_code_only_on_partial_blocks():
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    pytest.importorskip("cutlass.cute")
-    from maskc.codegen.compile import compile_variant
-
-    out = tmp_path_factory.mktemp("sm90_objects")
-    return {name: compile_variant(v, out) for name, v in COMPILED.items()}
+    return compile_variants(tmp_path_factory, "sm90_objects", COMPILED)
 
 
 @pytest.mark.parametrize("name", sorted(COMPILED))

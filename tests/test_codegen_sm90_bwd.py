@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from conftest import compile_variants
 from maskc.codegen.render import render
 from maskc.codegen.variant import KernelVariant, VariantError
 
@@ -140,11 +141,7 @@ def test_unmasked_is_a_backward_option():
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    pytest.importorskip("cutlass.cute")
-    from maskc.codegen.compile import compile_variant
-
-    out = tmp_path_factory.mktemp("sm90_bwd_objects")
-    return {name: compile_variant(v, out) for name, v in COMPILED.items()}
+    return compile_variants(tmp_path_factory, "sm90_bwd_objects", COMPILED)
 
 
 @pytest.mark.parametrize("name", sorted(COMPILED))

@@ -131,14 +131,13 @@ def test_the_unmasked_backward_serves_only_masks_without_partial_blocks(monkeypa
         rt._backward_kernel(full, request)  # neither registered: compile the unmasked one
 
 
-def test_the_portable_kernel_serves_gpus_without_kernels_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On an sm_86 GPU the runtime asks for the portable kernels (PackGQA off; the backward
-    deterministic or not), runs two CTAs per SM, and refuses the native kernels and PackGQA
-    with clear errors."""
+def fake_gpu_without_compiler(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], num_sms: int):
+    """The runtime on a fake GPU with no kernel registered and a compiler that refuses (recording
+    each request in `asked`); `plan` plans a causal 1000-token call, 8:2 heads, d=128, bf16."""
     rt = importlib.import_module("maskc.runtime.attention")
     monkeypatch.setattr(rt, "_KERNELS", {})
     monkeypatch.setattr(rt, "_LOADED", [])
-    monkeypatch.setattr(rt, "_device_info", lambda device: ((8, 6), 84))
+    monkeypatch.setattr(rt, "_device_info", lambda device: (capability, num_sms))
     monkeypatch.setattr(rt, "_schedule_tensors", lambda mask, build, device, *params: (None, [1000, 0, 0, 0, 0], 0))
     asked = []
 
@@ -149,6 +148,14 @@ def test_the_portable_kernel_serves_gpus_without_kernels_of_their_own(monkeypatc
     monkeypatch.setattr(rt, "_jit", compile_refused)
     mask = Mask.from_cu_seqlens([0, 1000], causal=True)
     plan = functools.partial(rt._plan, mask, torch.device("cuda"), torch.bfloat16, 8, 2, 128, False, False, False)
+    return rt, asked, plan
+
+
+def test_the_portable_kernel_serves_gpus_without_kernels_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an sm_86 GPU the runtime asks for the portable kernels (PackGQA off; the backward
+    deterministic or not), runs two CTAs per SM, and refuses the native kernels and PackGQA
+    with clear errors."""
+    rt, asked, plan = fake_gpu_without_compiler(monkeypatch, (8, 6), 84)
     with pytest.raises(ArtifactError):
         plan(None, False, False)
     assert asked[-1]["arch"] == "sm_86" and asked[-1]["portable"] and not asked[-1]["pack_gqa"]
@@ -169,20 +176,7 @@ def test_the_portable_kernel_serves_gpus_without_kernels_of_their_own(monkeypatc
 def test_blackwell_runs_the_portable_kernels_unless_its_own_forward_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
     """On sm_100 the default is the portable family (verified on real hardware); portable=False
     asks for the experimental SM100 forward (no PackGQA), with the portable backward."""
-    rt = importlib.import_module("maskc.runtime.attention")
-    monkeypatch.setattr(rt, "_KERNELS", {})
-    monkeypatch.setattr(rt, "_LOADED", [])
-    monkeypatch.setattr(rt, "_device_info", lambda device: ((10, 0), 148))
-    monkeypatch.setattr(rt, "_schedule_tensors", lambda mask, build, device, *params: (None, [1000, 0, 0, 0, 0], 0))
-    asked = []
-
-    def compile_refused(request):
-        asked.append(request)
-        raise ArtifactError("no compiler here")
-
-    monkeypatch.setattr(rt, "_jit", compile_refused)
-    mask = Mask.from_cu_seqlens([0, 1000], causal=True)
-    plan = functools.partial(rt._plan, mask, torch.device("cuda"), torch.bfloat16, 8, 2, 128, False, False, False)
+    rt, asked, plan = fake_gpu_without_compiler(monkeypatch, (10, 0), 148)
     for portable, native_forward in ((None, False), (True, False), (False, True)):
         with pytest.raises(ArtifactError):
             plan(None, False, False, 0, portable)
