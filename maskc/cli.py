@@ -153,7 +153,7 @@ def _kernel_requests(args: argparse.Namespace, masks: list[Mask]) -> list[dict[s
     sinks and max logits need nothing in it), also without line masks where a mask's backward
     has no partial block. Elsewhere, or with --portable, the portable forward and backward (no
     PackGQA or unmasked variants yet). An experimental arch (sm_100a) gets the portable kernels
-    and its own forward, marked experimental in the manifest."""
+    and its own (no PackGQA or unmasked variants yet), marked experimental in the manifest."""
     from maskc.codegen.variant import EXPERIMENTAL_ARCHS, NATIVE_ARCHS
     from maskc.ir.schedule import backward_has_partial_blocks
     from maskc.ir.strategy import pack_gqa_supported, select_tiles
@@ -183,8 +183,6 @@ def _kernel_requests(args: argparse.Namespace, masks: list[Mask]) -> list[dict[s
                     for pack in packs:
                         requests.append({**base, "direction": "fwd", "has_softcap": args.softcap, "has_sink": args.sink,
                                          "has_max_logits": args.max_logits, "pack_gqa": pack})  # fmt: skip
-                    if experimental:
-                        continue  # no backward of its own yet: the portable one serves
                     for deterministic, no_masks in product((False, True) if args.deterministic else (False,), unmasked):
                         requests.append({**base, "direction": "bwd", "has_softcap": args.softcap, "has_sink": False,
                                          "has_max_logits": False, "pack_gqa": False, "deterministic": deterministic,

@@ -104,7 +104,8 @@ def _entry(load: Callable[[], Kernel] | None, fields: dict[str, Any]) -> _Entry:
     ctas_per_sm = PORTABLE_CTAS_PER_SM if portable else 1
     if fields["direction"] == "bwd":  # items are (k tile, kv head); tile_m is the q block
         deterministic = fields.get("deterministic", False)
-        pieces = 1 if deterministic or portable else hq // hkv  # those kernels never split an item
+        # Only SM90's own backward splits an item into pieces (one per query head).
+        pieces = hq // hkv if fields["arch"] == "sm_90a" and not (deterministic or portable) else 1
         # A deterministic CTA waits for lower items' CTAs: one per SM keeps them all resident.
         return _Entry(load, fields["tile_m"], fields["tile_n"], hkv, deterministic, pieces, 1 if deterministic else ctas_per_sm)
     if fields.get("pack_gqa", False):
@@ -138,9 +139,9 @@ def _find_kernel(request: dict[str, Any], alternative: dict[str, Any] | None = N
 def _backward_kernel(mask: Mask, request: dict[str, Any]) -> _Entry:
     """The backward kernel without line masks where the mask's backward schedule has no partial
     block (a full mask at any length): the masked kernel spills registers in its block loop. The
-    masked kernel serves the other masks, and this one where only it is registered. (The
-    portable backward has no unmasked variant.)"""
-    if request.get("portable", False):
+    masked kernel serves the other masks, and this one where only it is registered. (Only
+    SM90's own backward has an unmasked variant.)"""
+    if request.get("portable", False) or request["arch"] != "sm_90a":
         return _find_kernel(request)
     tiles = select_tiles(request["arch"], request["head_dim"], "bwd")
     if backward_has_partial_blocks(mask, tiles.tile_m, tiles.tile_n):
@@ -329,8 +330,8 @@ def _plan(
     arch = ARCHS[capability]
     if portable is False and arch not in NATIVE_ARCHS:
         raise MaskcError(f"{arch} has only the portable kernel; pass portable=None or True")
-    # An experimental arch's own forward (compiled, never run here) only when asked for
-    # (portable=False); it has no backward of its own, so its backward is the portable one.
+    # An experimental arch's own kernels (compiled, never run here) only when asked for
+    # (portable=False).
     experimental = arch in EXPERIMENTAL_ARCHS
     portable = portable or arch not in NATIVE_ARCHS or (experimental and portable is None)
     if portable and pack_gqa:
@@ -356,7 +357,7 @@ def _plan(
     if needs_grad:
         backward = _backward_kernel(mask, {**base, "direction": "bwd", "has_sink": False, "has_max_logits": False,
                                            "pack_gqa": False, "deterministic": deterministic,
-                                           "portable": portable or experimental})  # fmt: skip
+                                           "portable": portable})  # fmt: skip
         backward_launch = _backward_launch(backward, mask, num_sms, device)
     cached = mask.memo[key] = (_forward_launch(forward, mask, num_sms, device), backward_launch)
     return cached
@@ -565,7 +566,7 @@ def attention(
     portable: the kernel family. None (default) takes the GPU's own kernels where maskc has
     verified ones (Hopper), else the portable ones (warp MMA: every GPU since Ampere); True
     forces the portable ones (no PackGQA yet); False asks for the GPU's own kernels, also the
-    experimental Blackwell forward (never run by maskc; its backward is the portable one).
+    experimental Blackwell forward and backward (never run by maskc).
     """
     scale = _check_inputs(q, k, v, mask, sink, softmax_scale, softcap)
     _, hq, d = q.shape

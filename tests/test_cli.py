@@ -173,6 +173,7 @@ def test_an_arch_without_kernels_of_its_own_gets_the_portable_kernels() -> None:
     native = [("sm_90a", "bwd", False, False, False), ("sm_90a", "fwd", False, False, False), ("sm_90a", "fwd", True, False, False)]
     assert requests() == native
     assert requests("--portable") == sorted(native + [("sm_90a", d, False, False, True) for d in ("bwd", "fwd")])
-    # sm_100a: the portable kernels, and its own (experimental) forward without PackGQA.
-    assert requests("--arch", "sm_100a") == [("sm_100a", "bwd", False, False, True), ("sm_100a", "fwd", False, False, False),
-                                             ("sm_100a", "fwd", False, False, True)]  # fmt: skip
+    # sm_100a: the portable kernels, and its own (experimental) ones without PackGQA.
+    blackwell = [("sm_100a", d, False, det, own) for d, det in (("bwd", False), ("bwd", True), ("fwd", False)) for own in (False, True)]
+    assert requests("--arch", "sm_100a", "--deterministic") == blackwell
+    assert requests("--arch", "sm_100a") == [r for r in blackwell if not r[3]]

@@ -173,9 +173,9 @@ def test_the_portable_kernel_serves_gpus_without_kernels_of_their_own(monkeypatc
         plan(True, False, False)
 
 
-def test_blackwell_runs_the_portable_kernels_unless_its_own_forward_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_blackwell_runs_the_portable_kernels_unless_its_own_are_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
     """On sm_100 the default is the portable family (verified on real hardware); portable=False
-    asks for the experimental SM100 forward (no PackGQA), with the portable backward."""
+    asks for the experimental SM100 forward (no PackGQA) and backward (never split)."""
     rt, asked, plan = fake_gpu_without_compiler(monkeypatch, (10, 0), 148)
     for portable, native_forward in ((None, False), (True, False), (False, True)):
         with pytest.raises(ArtifactError):
@@ -184,8 +184,12 @@ def test_blackwell_runs_the_portable_kernels_unless_its_own_forward_is_asked_for
         assert not asked[-1]["pack_gqa"]
     fields = {**asked[-1], "tile_m": 128, "tile_n": 128, "num_stages": 3}
     rt._KERNELS[rt._request_key(fields)] = rt._entry(None, fields)
-    with pytest.raises(ArtifactError):
-        plan(None, True, False, 0, False)  # the forward is registered; the backward is compiled
-    assert asked[-1]["direction"] == "bwd" and asked[-1]["portable"]
+    for deterministic in (True, False):
+        with pytest.raises(ArtifactError):
+            plan(None, True, deterministic, 0, False)  # the forward is registered; the backward is compiled
+        assert asked[-1]["direction"] == "bwd" and not asked[-1]["portable"] and not asked[-1].get("unmasked", False)
+        assert asked[-1]["arch"] == "sm_100a" and asked[-1]["deterministic"] == deterministic
+    backward = {**asked[-1], "tile_m": 128, "tile_n": 128, "num_stages": 2}
+    assert rt._entry(None, backward).pieces == 1 and rt._entry(None, {**backward, "arch": "sm_90a"}).pieces == 4
     with pytest.raises(maskc.MaskcError, match="has no PackGQA yet"):
         plan(True, False, False)

@@ -44,8 +44,10 @@ def context(variant: KernelVariant) -> dict:
     if variant.portable:
         return {"v": variant, "key": variant.key(), "dtype_cutlass": _CUTLASS_DTYPES[variant.dtype], "num_threads": 128}
     if variant.arch == "sm_100a":
-        # Four TMEM-owning warps (softmax / dS), one MMA warp, one TMA warp.
-        return {"v": variant, "key": variant.key(), "dtype_cutlass": _CUTLASS_DTYPES[variant.dtype], "num_threads": 192}
+        # TMEM-owning warps (forward: 4 softmax; backward: 8 computing P and dS, 4 reducing dQ),
+        # one MMA warp, one TMA warp.
+        threads = 448 if variant.direction == "bwd" else 192
+        return {"v": variant, "key": variant.key(), "dtype_cutlass": _CUTLASS_DTYPES[variant.dtype], "num_threads": threads}
     num_wg = variant.num_mma_warpgroups
     # Registers per thread after setmaxnreg: producer down, consumers up (sum fits 64K regs).
     producer_regs, consumer_regs = {2: (24, 240), 3: (32, 160)}[num_wg]

@@ -151,14 +151,15 @@ class KernelVariant:
             raise VariantError(f"portable num_stages {self.num_stages} is not supported; supported: 2")
 
     def _check_sm100(self) -> None:
-        """The SM100 forward: one TMEM lane per query row, 128 of them (no backward of its own yet)."""
-        if self.direction == "bwd":
-            raise VariantError(
-                "sm_100a has no backward kernel of its own yet; its backward is the portable one (portable=True)"
-            )
+        """The SM100 kernels: 128 TMEM lanes of query rows (forward) or keys (backward)."""
         if self.pack_gqa:
-            raise VariantError("the sm_100a forward has no pack_gqa variant yet")
-        tiles = select_tiles(self.arch, self.head_dim)
+            raise VariantError(f"the sm_100a {self.direction} has no pack_gqa variant yet")
+        if self.direction == "bwd" and (self.has_sink or self.has_max_logits or self.unmasked):
+            raise VariantError(
+                "the sm_100a backward has no sink / max_logits / unmasked variants (the sinks' gradient is "
+                "computed by the caller; lse already includes them; partial blocks only are masked already)"
+            )
+        tiles = select_tiles(self.arch, self.head_dim, self.direction)
         if (self.tile_m, self.tile_n, self.num_stages) != (tiles.tile_m, tiles.tile_n, tiles.num_stages):
             raise VariantError(
                 f"sm_100a {self.direction} tiles {self.tile_m} x {self.tile_n} with {self.num_stages} stage(s) are not "
@@ -241,7 +242,11 @@ class KernelVariant:
         return (q + kv) * self.element_bytes
 
     def _sm100_smem_bytes(self) -> int:
-        """The SM100 forward: the Q tile and the K/V stages (P stays in tensor memory)."""
+        """The SM100 forward: the Q tile and the K/V stages (P stays in tensor memory). Its
+        backward: K, V, the (Q, dO) stages and one dS^T block (P^T stays in tensor memory)."""
+        if self.direction == "bwd":
+            kv, qdo = 2 * self.tile_n * self.head_dim, 2 * self.num_stages * self.tile_m * self.head_dim
+            return (kv + qdo + self.tile_n * self.tile_m) * self.element_bytes
         return (self.tile_m + self.num_stages * self.tile_n) * self.head_dim * self.element_bytes
 
     @property

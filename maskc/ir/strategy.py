@@ -32,10 +32,12 @@ _SM90 = {64: Tiles(192, 128, 2), 128: Tiles(128, 128, 2)}
 _SM90_BACKWARD = Tiles(64, 128, 2)
 
 
-# The SM100 forward (experimental, never run: no Blackwell GPU here): 128 query rows (one TMEM
-# lane each) against 128-key blocks; K and V share the stages (P lives in tensor memory). SM100
-# has no backward of its own yet: its backward is the portable one.
+# The SM100 kernels (experimental, never run: no Blackwell GPU here). Forward: 128 query rows
+# (one TMEM lane each) against 128-key blocks; K and V share the stages (P lives in tensor
+# memory). Backward: k tiles of 128 keys (TMEM lanes) against q blocks of 128 queries, two
+# (Q, dO) stages; dK, dV, S^T, dP^T / dQ fill the 512 TMEM columns at d=128.
 _SM100 = {64: Tiles(128, 128, 4), 128: Tiles(128, 128, 3)}
+_SM100_BACKWARD = Tiles(128, 128, 2)
 
 
 # The portable kernel (four warps of 16 rows): 64-key blocks at d=128 (S and O in registers
@@ -56,12 +58,9 @@ def select_tiles(arch: str, head_dim: int, direction: str = "fwd", portable: boo
         return PORTABLE_BACKWARD if direction == "bwd" else _PORTABLE[head_dim]
     if arch == "sm_90a":
         return _SM90_BACKWARD if direction == "bwd" else _SM90[head_dim]
-    if arch == "sm_100a" and direction == "fwd":
-        return _SM100[head_dim]
-    raise MaskcError(
-        f"no kernel of its own for arch {arch!r} and direction {direction} (sm_90a has both, sm_100a a forward); "
-        "use the portable kernel"
-    )
+    if arch == "sm_100a":
+        return _SM100_BACKWARD if direction == "bwd" else _SM100[head_dim]
+    raise MaskcError(f"no kernel of its own for arch {arch!r} (sm_90a and sm_100a have them); use the portable kernel")
 
 
 # ---- GQA strategy selection (PackGQA) ---------------------------------------------------------
