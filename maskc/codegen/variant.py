@@ -156,8 +156,8 @@ class KernelVariant:
             raise VariantError(f"the sm_100a {self.direction} has no pack_gqa variant yet")
         if self.direction == "bwd" and (self.has_sink or self.has_max_logits or self.unmasked):
             raise VariantError(
-                "the sm_100a backward has no sink / max_logits / unmasked variants (the sinks' gradient is "
-                "computed by the caller; lse already includes them; partial blocks only are masked already)"
+                "the sm_100a backward has no sink / max_logits / unmasked variants (the caller computes the sinks' "
+                "gradient, lse already includes them, and only partial blocks are masked anyway)"
             )
         tiles = select_tiles(self.arch, self.head_dim, self.direction)
         if (self.tile_m, self.tile_n, self.num_stages) != (tiles.tile_m, tiles.tile_n, tiles.num_stages):
