@@ -154,7 +154,7 @@ def _kernel_requests(args: argparse.Namespace, masks: list[Mask]) -> list[dict[s
     has no partial block. Elsewhere, or with --portable, the portable forward and backward (no
     PackGQA or unmasked variants yet). An experimental arch (sm_100a) gets the portable kernels
     and its own (no PackGQA or unmasked variants yet), marked experimental in the manifest."""
-    from maskc.codegen.variant import EXPERIMENTAL_ARCHS, NATIVE_ARCHS
+    from maskc.codegen.variant import BACKWARD_EXTRAS_ARCHS, EXPERIMENTAL_ARCHS, NATIVE_ARCHS
     from maskc.ir.schedule import backward_has_partial_blocks
     from maskc.ir.strategy import pack_gqa_supported, select_tiles
 
@@ -163,7 +163,7 @@ def _kernel_requests(args: argparse.Namespace, masks: list[Mask]) -> list[dict[s
         native, experimental = arch in NATIVE_ARCHS, arch in EXPERIMENTAL_ARCHS
         for head_dim in args.head_dim:
             unmasked = (False,)
-            if native and not experimental:
+            if arch in BACKWARD_EXTRAS_ARCHS:
                 tiles = select_tiles(arch, head_dim, "bwd")
                 if any(not backward_has_partial_blocks(m, tiles.tile_m, tiles.tile_n) for m in masks):
                     unmasked = (False, True)

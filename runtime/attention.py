@@ -28,7 +28,13 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from maskc.codegen.variant import EXPERIMENTAL_ARCHS, NATIVE_ARCHS, PORTABLE_CTAS_PER_SM, WARPGROUP_ROWS
+from maskc.codegen.variant import (
+    BACKWARD_EXTRAS_ARCHS,
+    EXPERIMENTAL_ARCHS,
+    NATIVE_ARCHS,
+    PORTABLE_CTAS_PER_SM,
+    WARPGROUP_ROWS,
+)
 from maskc.errors import ArtifactError, MaskcError
 from maskc.ir import Mask
 from maskc.ir.schedule import (
@@ -104,8 +110,8 @@ def _entry(load: Callable[[], Kernel] | None, fields: dict[str, Any]) -> _Entry:
     ctas_per_sm = PORTABLE_CTAS_PER_SM if portable else 1
     if fields["direction"] == "bwd":  # items are (k tile, kv head); tile_m is the q block
         deterministic = fields.get("deterministic", False)
-        # Only SM90's own backward splits an item into pieces (one per query head).
-        pieces = hq // hkv if fields["arch"] == "sm_90a" and not (deterministic or portable) else 1
+        splits = fields["arch"] in BACKWARD_EXTRAS_ARCHS and not (deterministic or portable)
+        pieces = hq // hkv if splits else 1
         # A deterministic CTA waits for lower items' CTAs: one per SM keeps them all resident.
         return _Entry(load, fields["tile_m"], fields["tile_n"], hkv, deterministic, pieces, 1 if deterministic else ctas_per_sm)
     if fields.get("pack_gqa", False):
@@ -139,9 +145,9 @@ def _find_kernel(request: dict[str, Any], alternative: dict[str, Any] | None = N
 def _backward_kernel(mask: Mask, request: dict[str, Any]) -> _Entry:
     """The backward kernel without line masks where the mask's backward schedule has no partial
     block (a full mask at any length): the masked kernel spills registers in its block loop. The
-    masked kernel serves the other masks, and this one where only it is registered. (Only
-    SM90's own backward has an unmasked variant.)"""
-    if request.get("portable", False) or request["arch"] != "sm_90a":
+    masked kernel serves the other masks, and this one where only it is registered (where the
+    arch's own backward has one: BACKWARD_EXTRAS_ARCHS)."""
+    if request.get("portable", False) or request["arch"] not in BACKWARD_EXTRAS_ARCHS:
         return _find_kernel(request)
     tiles = select_tiles(request["arch"], request["head_dim"], "bwd")
     if backward_has_partial_blocks(mask, tiles.tile_m, tiles.tile_n):

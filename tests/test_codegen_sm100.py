@@ -130,49 +130,47 @@ def compiled(tmp_path_factory):
     return compile_variants(tmp_path_factory, "sm100_objects", COMPILED)
 
 
-@pytest.mark.parametrize("name", [name for name in sorted(COMPILED) if not name.startswith("bwd")])
-def test_compiles_for_sm100a_with_tcgen05_mma_tensor_memory_and_tma(compiled, name):
-    obj = compiled[name]
-    v = COMPILED[name]
+def sm100_ptx(obj, v: KernelVariant) -> str:
+    """The PTX of a compiled SM100 kernel, after the checks both directions share: an ELF object
+    for sm_100a, one tensor-memory allocation and free, 32x32b TMEM loads and stores with their
+    waits, commits, 3-D TMA loads, no older MMA or copy, tanh exactly with softcap."""
     assert obj.object_path.read_bytes()[:4] == b"\x7fELF"
     ptx = obj.ptx_text
     assert ".target sm_100a" in ptx
-    # S = Q K^T (HEAD_DIM / 16 k steps) and O += P V (TILE_N / 16), each issued at two places.
-    assert ptx.count("tcgen05.mma.cta_group::1.kind::f16") == 2 * (v.head_dim // 16 + v.tile_n // 16)
-    assert re.search(r"tcgen05\.mma\.cta_group::1\.kind::f16\S* \[%r\d+\], \[%r\d+\]", ptx)  # P read from TMEM
     assert ptx.count("tcgen05.alloc.cta_group::1") == 1 and ptx.count("tcgen05.dealloc.cta_group::1") == 1
     assert "tcgen05.relinquish_alloc_permit" in ptx
     assert "tcgen05.ld.sync.aligned.32x32b" in ptx and "tcgen05.st.sync.aligned.32x32b" in ptx
     assert "tcgen05.commit" in ptx and "tcgen05.wait::ld" in ptx and "tcgen05.wait::st" in ptx
-    assert "cp.async.bulk.tensor.3d" in ptx  # Q, K and V by TMA
+    assert "cp.async.bulk.tensor.3d" in ptx
     for older in ("wgmma", "mma.sync", "ldmatrix", "cp.async.cg"):
         assert older not in ptx
     assert ("tanh.approx" in ptx) == v.has_softcap
+    return ptx
+
+
+MMA_FROM_TMEM = r"tcgen05\.mma\.cta_group::1\.kind::f16\S* \[%r\d+\], \[%r\d+\]"  # A read from TMEM
+
+
+@pytest.mark.parametrize("name", [name for name in sorted(COMPILED) if not name.startswith("bwd")])
+def test_compiles_for_sm100a_with_tcgen05_mma_tensor_memory_and_tma(compiled, name):
+    v = COMPILED[name]
+    ptx = sm100_ptx(compiled[name], v)
+    # S = Q K^T (HEAD_DIM / 16 k steps) and O += P V (TILE_N / 16), each issued at two places.
+    assert ptx.count("tcgen05.mma.cta_group::1.kind::f16") == 2 * (v.head_dim // 16 + v.tile_n // 16)
+    assert re.search(MMA_FROM_TMEM, ptx)  # P read from TMEM
 
 
 @pytest.mark.parametrize("name", [name for name in sorted(COMPILED) if name.startswith("bwd")])
 def test_backward_compiles_for_sm100a_with_tcgen05_mma_tensor_memory_and_tma(compiled, name):
-    obj = compiled[name]
     v = COMPILED[name]
-    assert obj.object_path.read_bytes()[:4] == b"\x7fELF"
-    ptx = obj.ptx_text
-    assert ".target sm_100a" in ptx
+    ptx = sm100_ptx(compiled[name], v)
     # S^T and dP^T (HEAD_DIM / 16 k steps each), dV (TILE_Q / 16, P^T read from TMEM), then dQ
     # (TILE_K / 16) and dK (TILE_Q / 16) at two places: inside the block walk and after it.
     steps = 2 * v.head_dim // 16 + v.tile_m // 16 + 2 * (v.tile_n // 16 + v.tile_m // 16)
     assert ptx.count("tcgen05.mma.cta_group::1.kind::f16") == steps
-    from_tmem = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16\S* \[%r\d+\], \[%r\d+\]", ptx)
-    assert len(from_tmem) == v.tile_m // 16
-    assert ptx.count("tcgen05.alloc.cta_group::1") == 1 and ptx.count("tcgen05.dealloc.cta_group::1") == 1
-    assert "tcgen05.relinquish_alloc_permit" in ptx
-    assert "tcgen05.ld.sync.aligned.32x32b" in ptx and "tcgen05.st.sync.aligned.32x32b" in ptx
-    assert "tcgen05.commit" in ptx and "tcgen05.wait::ld" in ptx and "tcgen05.wait::st" in ptx
-    assert "cp.async.bulk.tensor.3d" in ptx  # K, V, Q and dO by TMA
+    assert len(re.findall(MMA_FROM_TMEM, ptx)) == v.tile_m // 16  # dV's P^T
     assert ptx.count("red.global.add.v4.f32") == v.head_dim // 4  # a dQ row by 16-byte L2 reductions
     assert ("ld.global.acquire.gpu" in ptx) == v.deterministic  # the dQ semaphore
-    for older in ("wgmma", "mma.sync", "ldmatrix", "cp.async.cg"):
-        assert older not in ptx
-    assert ("tanh.approx" in ptx) == v.has_softcap
 
 
 def test_an_artifact_marks_the_sm100_kernels_experimental(tmp_path, monkeypatch):

@@ -41,20 +41,18 @@ def template_name(variant: KernelVariant) -> str:
 
 def context(variant: KernelVariant) -> dict:
     """Everything a template may read: the variant's fields plus derived static values."""
+    base = {"v": variant, "key": variant.key(), "dtype_cutlass": _CUTLASS_DTYPES[variant.dtype]}
     if variant.portable:
-        return {"v": variant, "key": variant.key(), "dtype_cutlass": _CUTLASS_DTYPES[variant.dtype], "num_threads": 128}
+        return {**base, "num_threads": 128}
     if variant.arch == "sm_100a":
         # TMEM-owning warps (forward: 4 softmax; backward: 8 computing P and dS, 4 reducing dQ),
         # one MMA warp, one TMA warp.
-        threads = 448 if variant.direction == "bwd" else 192
-        return {"v": variant, "key": variant.key(), "dtype_cutlass": _CUTLASS_DTYPES[variant.dtype], "num_threads": threads}
+        return {**base, "num_threads": 448 if variant.direction == "bwd" else 192}
     num_wg = variant.num_mma_warpgroups
     # Registers per thread after setmaxnreg: producer down, consumers up (sum fits 64K regs).
     producer_regs, consumer_regs = {2: (24, 240), 3: (32, 160)}[num_wg]
     return {
-        "v": variant,
-        "key": variant.key(),
-        "dtype_cutlass": _CUTLASS_DTYPES[variant.dtype],
+        **base,
         "dtype_torch": _TORCH_DTYPES[variant.dtype],
         "wg_rows": WARPGROUP_ROWS,
         "num_mma_wg": num_wg,

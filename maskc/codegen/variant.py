@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from maskc.errors import MaskcError
-from maskc.ir.strategy import PORTABLE_BACKWARD, PORTABLE_TILE_M, select_tiles
+from maskc.ir.strategy import PORTABLE_TILE_M, select_tiles
 
 SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a")
 #: Archs with a kernel of their own (sm_90a: TMA + wgmma; sm_100a: TMA + tcgen05 with tensor
@@ -23,6 +23,9 @@ NATIVE_ARCHS = ("sm_90a", "sm_100a")
 #: Native kernels compiled (and checked at the PTX level) but never run: no such GPU was
 #: available. The manifest marks them experimental and the runtime uses them only when asked.
 EXPERIMENTAL_ARCHS = ("sm_100a",)
+#: Archs whose own backward also has the unmasked variant and splits items into pieces (one
+#: per query head); the portable and SM100 backwards have neither.
+BACKWARD_EXTRAS_ARCHS = ("sm_90a",)
 SUPPORTED_DIRECTIONS = ("fwd", "bwd")
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = ("bf16", "fp16")
@@ -136,12 +139,7 @@ class KernelVariant:
                 raise VariantError("the backward kernel has no sink / max_logits variants (the caller computes dsink)")
             if self.unmasked:
                 raise VariantError("the portable backward has no unmasked variant yet")
-            tiles = PORTABLE_BACKWARD
-            if (self.tile_m, self.tile_n, self.num_stages) != (tiles.tile_m, tiles.tile_n, tiles.num_stages):
-                raise VariantError(
-                    f"portable backward tiles {self.tile_m} x {self.tile_n} with {self.num_stages} stage(s) are not "
-                    f"supported; supported: {tiles.tile_m} x {tiles.tile_n}, {tiles.num_stages} stage"
-                )
+            self._check_fixed_tiles("portable backward")
             return
         if self.tile_m != PORTABLE_TILE_M:
             raise VariantError(f"portable tile_m {self.tile_m} is not supported; supported: {PORTABLE_TILE_M} (4 warps)")
@@ -159,11 +157,15 @@ class KernelVariant:
                 "the sm_100a backward has no sink / max_logits / unmasked variants (the caller computes the sinks' "
                 "gradient, lse already includes them, and only partial blocks are masked anyway)"
             )
-        tiles = select_tiles(self.arch, self.head_dim, self.direction)
+        self._check_fixed_tiles(f"sm_100a {self.direction}")
+
+    def _check_fixed_tiles(self, kernel: str) -> None:
+        """Kernels built for one tile shape: the one select_tiles gives."""
+        tiles = select_tiles(self.arch, self.head_dim, self.direction, self.portable)
         if (self.tile_m, self.tile_n, self.num_stages) != (tiles.tile_m, tiles.tile_n, tiles.num_stages):
             raise VariantError(
-                f"sm_100a {self.direction} tiles {self.tile_m} x {self.tile_n} with {self.num_stages} stage(s) are not "
-                f"supported; supported: {tiles.tile_m} x {tiles.tile_n}, {tiles.num_stages} stages"
+                f"{kernel} tiles {self.tile_m} x {self.tile_n} with {self.num_stages} stage(s) are not supported; "
+                f"supported: {tiles.tile_m} x {tiles.tile_n}, {tiles.num_stages} stage{'s' if tiles.num_stages > 1 else ''}"
             )
 
     def _check_forward_tiles(self) -> None:
@@ -223,31 +225,22 @@ class KernelVariant:
     def smem_bytes(self, q_stages: int = 1) -> int:
         """Shared memory for the Q buffers (each also stages O) and the K and V stages.
 
-        Backward: the K and V tile, `num_stages` (Q, dO) blocks with their fp32 lse / delta
-        rows, two dS^T blocks of the k tile and the fp32 dQ staging tile; the portable one: K, V,
-        one Q and dO block, one dS^T block."""
-        if self.arch == "sm_100a" and not self.portable:
-            return self._sm100_smem_bytes()
-        if self.direction == "bwd" and self.portable:
-            kv, qdo, ds = 2 * self.tile_n * self.head_dim, 2 * self.tile_m * self.head_dim, self.tile_n * self.tile_m
-            return (kv + qdo + ds) * self.element_bytes
+        Backward: the K and V tile and `num_stages` (Q, dO) blocks; then SM90's two dS^T blocks
+        of the k tile, fp32 lse / delta rows and the fp32 dQ staging tile, or one dS^T block for
+        the portable and SM100 backwards. SM100's forward: the Q tile and the K/V stages (P
+        stays in tensor memory)."""
         if self.direction == "bwd":
             kv = 2 * self.tile_n * self.head_dim
             qdo = 2 * self.num_stages * self.tile_m * self.head_dim
-            ds = 2 * self.tile_n * self.tile_m
+            if self.portable or self.arch != "sm_90a":
+                return (kv + qdo + self.tile_n * self.tile_m) * self.element_bytes
             fp32 = self.tile_m * self.head_dim + 2 * self.num_stages * self.tile_m
-            return (kv + qdo + ds) * self.element_bytes + 4 * fp32
+            return (kv + qdo + 2 * self.tile_n * self.tile_m) * self.element_bytes + 4 * fp32
+        if self.arch == "sm_100a" and not self.portable:
+            return (self.tile_m + self.num_stages * self.tile_n) * self.head_dim * self.element_bytes
         q = q_stages * self.tile_m * self.head_dim
         kv = 2 * self.num_stages * self.tile_n * self.head_dim
         return (q + kv) * self.element_bytes
-
-    def _sm100_smem_bytes(self) -> int:
-        """The SM100 forward: the Q tile and the K/V stages (P stays in tensor memory). Its
-        backward: K, V, the (Q, dO) stages and one dS^T block (P^T stays in tensor memory)."""
-        if self.direction == "bwd":
-            kv, qdo = 2 * self.tile_n * self.head_dim, 2 * self.num_stages * self.tile_m * self.head_dim
-            return (kv + qdo + self.tile_n * self.tile_m) * self.element_bytes
-        return (self.tile_m + self.num_stages * self.tile_n) * self.head_dim * self.element_bytes
 
     @property
     def q_stages(self) -> int:
