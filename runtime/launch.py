@@ -11,7 +11,6 @@ import hashlib
 import importlib.util
 import lzma
 import os
-import tempfile
 import threading
 from functools import lru_cache
 from importlib import metadata
@@ -21,6 +20,7 @@ from typing import Mapping
 import torch
 
 from maskc.errors import ArtifactError
+from maskc.files import write_atomic
 from maskc.runtime.abi import Arg, ScalarArg, StreamArg, TensorArg
 
 LIBRARY = "libcute_dsl_runtime.so"
@@ -60,10 +60,7 @@ def _unpacked(xz: Path) -> Path:
             raw = lzma.decompress(data)
         except lzma.LZMAError as exc:
             raise ArtifactError(f"{xz} is not a valid xz archive: {exc}") from None
-        fd, tmp = tempfile.mkstemp(dir=cache)
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-        os.replace(tmp, target)
+        write_atomic(target, raw)
     return target
 
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from maskc.errors import ArtifactError
+from maskc.files import write_atomic
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -32,13 +31,7 @@ def write_manifest(directory: Path, body: dict[str, Any]) -> Path:
     """Hash every file named in `body["files"]` and write the manifest atomically."""
     body = {**body, "format_version": FORMAT_VERSION}
     body["files"] = {name: sha256_of(directory / name) for name in sorted(body["files"])}
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".manifest.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(body, f, indent=2, sort_keys=True)
-        f.write("\n")
-    target = directory / MANIFEST_NAME
-    os.replace(tmp, target)
-    return target
+    return write_atomic(directory / MANIFEST_NAME, json.dumps(body, indent=2, sort_keys=True) + "\n")
 
 
 def _inside(directory: Path, name: str) -> Path:

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from maskc.codegen import LoweredMask, write_artifact
 from maskc.errors import ArtifactError
+from maskc.files import write_atomic
 from maskc.ir import Mask
 from maskc.runtime import FORMAT_VERSION, load_artifact, read_manifest
+from maskc.runtime.manifest import write_manifest
 
 
 @pytest.fixture
@@ -85,3 +90,60 @@ def test_runtime_imports_without_the_compiler_stack() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _fake_cache_entry(directory: Path) -> Path:
+    """A cache entry as an older maskc left it (owner-only modes), with a file its manifest does not list."""
+    directory.mkdir(mode=0o700)
+    (directory / "dump").mkdir(mode=0o700)
+    for name in ("k.o", "dump/k.ptx", "stray.so"):
+        (directory / name).write_bytes(name.encode())
+        (directory / name).chmod(0o600)
+    variant = {"key": "k", "object": "k.o", "function": "attn_fwd", "fields": {"arch": "sm_90a"}}
+    write_manifest(directory, {"variants": [variant], "files": ["k.o", "dump/k.ptx"]})
+    return directory
+
+
+@pytest.mark.parametrize(("umask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o002, 0o664, 0o775), (0o077, 0o600, 0o700)])
+def test_artifact_directories_are_written_with_the_umask_modes(tmp_path: Path, umask: int, file_mode: int, dir_mode: int) -> None:
+    """Readable by a team under the usual umask (every file, the manifest included), whatever
+    modes the cache entries had; only the files a manifest hashes are copied."""
+    entry = _fake_cache_entry(tmp_path / "entry")
+    source = tmp_path / "m.mask"
+    source.write_text("# source\n")
+    source.chmod(0o600)
+    old = os.umask(umask)
+    try:
+        write_artifact(tmp_path / "out", [LoweredMask("m", {}, Mask.from_cu_seqlens([0, 8]))], source=source,
+                       kernels=[entry], plans={"m": "{}"})  # fmt: skip
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    modes = {p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in [out, *out.rglob("*")]}
+    expected = {".": dir_mode, "kernels": dir_mode, "kernels/entry": dir_mode, "kernels/entry/dump": dir_mode}
+    expected |= {name: file_mode for name in ("manifest.json", "m.ir.json", "m.plan.json", "source.mask",
+                                               "kernels/entry/k.o", "kernels/entry/dump/k.ptx")}  # fmt: skip
+    assert modes == expected
+    assert set(read_manifest(out)["files"]) == set(expected) - {".", "kernels", "kernels/entry", "kernels/entry/dump", "manifest.json"}
+
+
+def test_concurrent_atomic_writes_leave_one_whole_file(tmp_path: Path) -> None:
+    """Eight writers of one path: the result is one writer's bytes, whole, and no temporary file stays."""
+    target = tmp_path / "manifest.json"
+    payloads = [bytes([i]) * (1 << 20) for i in range(8)]
+    threads = [threading.Thread(target=write_atomic, args=(target, p)) for p in payloads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert target.read_bytes() in payloads
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+    with pytest.raises(FileNotFoundError):
+        write_atomic(tmp_path / "missing" / "x", b"data")
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+
+
+def test_an_output_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "out").write_text("")
+    with pytest.raises(ArtifactError, match="a file of that name exists"):
+        write_artifact(tmp_path / "out", [LoweredMask("m", {}, Mask.from_cu_seqlens([0, 8]))])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -63,7 +64,8 @@ def test_concurrent_compiles_share_one_entry(tmp_path: Path) -> None:
     )
     env = {**os.environ, cache.ENV_CACHE: str(tmp_path)}
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, json.dumps(REQUEST)], env=env, stdout=subprocess.PIPE, text=True)
+        subprocess.Popen([sys.executable, "-c", code, json.dumps(REQUEST)], env=env, stdout=subprocess.PIPE, text=True,
+                         umask=0o022)  # fmt: skip
         for _ in range(3)
     ]
     paths = {p.communicate(timeout=300)[0].strip() for p in procs}
@@ -72,3 +74,7 @@ def test_concurrent_compiles_share_one_entry(tmp_path: Path) -> None:
     entries = [p for p in tmp_path.iterdir() if p.is_dir()]
     assert [e.name for e in entries] == [Path(paths.pop()).name], "one entry, no leftover build directories"
     read_manifest(entries[0])
+    # Written for sharing: what the umask gives a new file, not a temporary file's 0600 / 0700.
+    modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in entries[0].rglob("*")}
+    assert stat.S_IMODE(entries[0].stat().st_mode) == 0o755
+    assert modes and all(mode == (0o755 if (tmp_path / name).is_dir() else 0o644) for name, mode in modes.items()), modes

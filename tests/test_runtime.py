@@ -7,6 +7,9 @@ import functools
 import importlib
 import json
 import lzma
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -193,3 +196,54 @@ def test_blackwell_runs_the_portable_kernels_unless_its_own_are_asked_for(monkey
     assert rt._entry(None, backward).pieces == 1 and rt._entry(None, {**backward, "arch": "sm_90a"}).pieces == 4
     with pytest.raises(maskc.MaskcError, match="has no PackGQA yet"):
         plan(True, False, False)
+
+
+# Audits every write a process attempts under a directory (argv[1]), then registers that
+# directory as an artifact and loads it: a read-only artifact directory must need no write.
+_REGISTER_WITHOUT_WRITING = """
+import os, sys
+root = os.path.realpath(sys.argv[1])
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+MUTATIONS = {"os.mkdir", "os.rename", "os.remove", "os.rmdir", "os.chmod", "os.chown", "os.truncate", "os.utime",
+             "os.symlink", "os.link", "shutil.rmtree", "shutil.copyfile", "shutil.move"}
+writes = []
+
+def inside(path):
+    return isinstance(path, (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(path)).startswith(root)
+
+def audit(event, args):
+    if event == "open":
+        path, mode, flags = args
+        if (mode is not None and any(c in mode for c in "wax+")) or (flags or 0) & WRITE_FLAGS:
+            writes.extend((event, path) for p in [path] if inside(p))
+    elif event in MUTATIONS:
+        writes.extend((event, p) for p in args if inside(p))
+
+sys.addaudithook(audit)
+import maskc.runtime
+print(maskc.runtime.register_artifact(root), sorted(maskc.runtime.load_artifact(root).masks))
+assert not writes, writes
+"""
+
+
+def test_a_read_only_artifact_directory_registers_without_a_write(tmp_path: Path) -> None:
+    """What a training job does with a model repo's artifact directory it may not write to."""
+    pytest.importorskip("nvidia_cutlass_dsl", reason="registering needs the runtime library of the DSL wheel")
+    art = tmp_path / "art"
+    write_artifact(art, [LoweredMask("docs", {}, Mask.from_cu_seqlens([0, 8, 20], causal=True))])
+    (art / "k.o").write_bytes(b"object bytes, loaded on first use")
+    fields = {"arch": "sm_90a", "direction": "fwd", "head_dim": 128, "dtype": "bf16", "num_heads_q": 8, "num_heads_kv": 8,
+              "has_softcap": False, "has_sink": False, "has_max_logits": False, "tile_m": 128, "tile_n": 128}  # fmt: skip
+    body = json.loads((art / "manifest.json").read_text())
+    body["variants"] = [{"key": "k", "object": "k.o", "function": "attn_fwd", "abi": abi_to_json(FORWARD_ABI), "fields": fields}]
+    body["toolchain"]["nvidia-cutlass-dsl"] = launch.installed_dsl_version()
+    write_manifest(art, {**body, "files": [*body["files"], "k.o"]})
+    for path in [art, *art.iterdir()]:
+        path.chmod(stat.S_IMODE(path.stat().st_mode) & ~0o222)
+    try:
+        result = subprocess.run([sys.executable, "-c", _REGISTER_WITHOUT_WRITING, str(art)], capture_output=True,
+                                text=True, timeout=120)  # fmt: skip
+    finally:
+        art.chmod(0o755)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['k'] ['docs']"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import platform
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -13,6 +12,8 @@ import torch
 
 import maskc
 from maskc.codegen.cache import toolchain
+from maskc.errors import ArtifactError
+from maskc.files import copy_atomic, write_atomic
 from maskc.ir import Mask
 from maskc.runtime.manifest import read_manifest, write_manifest
 
@@ -39,13 +40,16 @@ def _jsonable(value: Any) -> Any:
 
 
 def _gather_kernels(out: Path, kernels: Sequence[Path]) -> tuple[list[dict], list[str]]:
-    """Copy verified cache entries under `out/kernels/<entry>/`; their variant records and files."""
+    """Copy the hashed files of verified cache entries under `out/kernels/<entry>/`; their
+    variant records and files."""
     variants, files = [], []
     for entry in kernels:
         manifest = read_manifest(entry)
-        target = out / "kernels" / entry.name
-        shutil.copytree(entry, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("manifest.json"))
         prefix = f"kernels/{entry.name}/"
+        for name in manifest["files"]:
+            target = out / prefix / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            copy_atomic(entry / name, target)
         files += [prefix + name for name in manifest["files"]]
         variants += [{**v, "object": prefix + v["object"]} for v in manifest["variants"]]
     return variants, files
@@ -64,18 +68,20 @@ def write_artifact(
     `plans`, its context-parallel plan (`Plan.to_json()`) as `<name>.plan.json`; return the
     manifest path."""
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ArtifactError(f"cannot write an artifact directory at {out}: a file of that name exists")
     out.mkdir(parents=True, exist_ok=True)
     variants, files = _gather_kernels(out, kernels)
     if runtime_library is not None:
-        shutil.copyfile(runtime_library, out / runtime_library.name)
+        copy_atomic(runtime_library, out / runtime_library.name)
         files.append(runtime_library.name)
     if source is not None:
-        shutil.copyfile(source, out / f"source{source.suffix}")
+        copy_atomic(source, out / f"source{source.suffix}")
         files.append(f"source{source.suffix}")
     masks = {}
     for item in lowered:
         ir_name = f"{item.name}.ir.json"
-        (out / ir_name).write_text(item.mask.to_json())
+        write_atomic(out / ir_name, item.mask.to_json())
         files.append(ir_name)
         masks[item.name] = {
             "ir": ir_name,
@@ -87,7 +93,7 @@ def write_artifact(
         }
         if plans and item.name in plans:
             plan_name = f"{item.name}.plan.json"
-            (out / plan_name).write_text(plans[item.name])
+            write_atomic(out / plan_name, plans[item.name])
             files.append(plan_name)
             masks[item.name]["plan"] = plan_name
     body = {

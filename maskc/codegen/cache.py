@@ -4,9 +4,10 @@ An entry's address hashes the variant, the maskc and DSL versions and the source
 shape the generated code (the templates, the code generator's modules, the ABI), so editing
 any of them or upgrading the DSL never serves a stale object. Each
 entry is a one-kernel artifact directory (manifest + object + header + PTX) that the
-runtime registers as it is. Compiles go to a private temporary directory and are renamed
-into place under a per-entry file lock: concurrent compiles of one variant do the work
-once, and a reader never sees a half-written entry.
+runtime registers as it is. Compiles go to a temporary directory and are renamed into place
+under a per-entry file lock: concurrent compiles of one variant do the work once, and a
+reader never sees a half-written entry. Entries are written with the umask's modes
+(`maskc.files`), so a cache on a shared file system serves a whole team.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ import json
 import lzma
 import os
 import shutil
-import tempfile
 from importlib import resources
 from pathlib import Path
 
 import maskc
 import maskc.runtime.abi as abi_module
 from maskc.codegen.variant import KernelVariant
+from maskc.files import make_temporary_dir, write_atomic
 from maskc.runtime.abi import ABIS, abi_to_json
 from maskc.runtime.launch import installed_dsl_version
 from maskc.runtime.manifest import MANIFEST_NAME, write_manifest
@@ -91,7 +92,7 @@ def cached_kernel(variant: KernelVariant) -> Path:
             return final
         from maskc.codegen.compile import compile_variant
 
-        staging = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
+        staging = make_temporary_dir(root, ".build-")
         try:
             built = compile_variant(variant, staging)
             files = [p.relative_to(staging).as_posix() for p in sorted(staging.rglob("*")) if p.is_file()]
@@ -115,13 +116,9 @@ def compressed_runtime_library() -> Path:
     """libcute_dsl_runtime.so of the installed DSL, xz-compressed once (43 MB -> about 13 MB) for shipping."""
     from maskc.runtime.launch import LIBRARY, find_runtime_library
 
-    library = find_runtime_library()
-    digest = hashlib.sha256(library.read_bytes()).hexdigest()[:16]
-    target = cache_root() / "runtime" / digest / f"{LIBRARY}.xz"
+    data = find_runtime_library().read_bytes()
+    target = cache_root() / "runtime" / hashlib.sha256(data).hexdigest()[:16] / f"{LIBRARY}.xz"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(lzma.compress(library.read_bytes(), preset=9))
-        os.replace(tmp, target)
+        write_atomic(target, lzma.compress(data, preset=9))
     return target

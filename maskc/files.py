@@ -1,0 +1,51 @@
+"""Files maskc writes for other people to read: artifact directories and the kernel cache.
+
+Every file appears atomically (written under a temporary name in its directory, then
+renamed over the target), so a reader never sees half of one and concurrent writers of the
+same content cannot corrupt it. Temporary files and directories are created with the modes
+the umask gives any new file (0644 and 0755 under the usual 022), not the owner-only 0600 /
+0700 of `tempfile`, so a directory compiled by one user can be read by a team, a shared
+file system or a model repository.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+
+def _temporary_name(directory: Path, name: str) -> Path:
+    return directory / f".{name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+
+
+def write_atomic(path: str | Path, data: bytes | str) -> Path:
+    """Write `data` to `path` by renaming a fully written temporary file over it."""
+    path = Path(path)
+    raw = data.encode() if isinstance(data, str) else data
+    tmp = _temporary_name(path.parent, path.name)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def copy_atomic(source: str | Path, target: str | Path) -> Path:
+    """Copy the bytes of `source` to `target` atomically; modes follow the umask, not `source`."""
+    return write_atomic(target, Path(source).read_bytes())
+
+
+def make_temporary_dir(parent: Path, prefix: str) -> Path:
+    """A new, uniquely named directory in `parent` with the umask's mode, to fill and then rename into place."""
+    while True:
+        path = parent / f"{prefix}{secrets.token_hex(8)}"
+        try:
+            path.mkdir(0o777)  # the umask applies
+            return path
+        except FileExistsError:
+            continue
