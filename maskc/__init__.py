@@ -1,13 +1,42 @@
 """maskc: a declarative attention-mask compiler for long-context training."""
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from maskc.errors import ArtifactError, MaskcError, MaskError, MaskParamError, MaskSemanticError, MaskSyntaxError
-from maskc.frontend.params import CuSeqLens, SeqLens
-from maskc.frontend.python_front import Builder, mask
-from maskc.ir import AttnSlice, Mask
-from maskc.reference import AttentionMeta, reference_attention
-from maskc.runtime import attention
+from maskc.lazy import lazy_attributes
+
+__version__ = "0.1.0"
+
+# The public names that need torch (or the grammar) are imported on first use, so `import
+# maskc` (and with it the `maskc` command's --help and --version) stays fast.
+_LAZY = {
+    "AttentionMeta": "maskc.reference",
+    "AttnSlice": "maskc.ir",
+    "Builder": "maskc.frontend.python_front",
+    "CuSeqLens": "maskc.frontend.params",
+    "Mask": "maskc.ir",
+    "SeqLens": "maskc.frontend.params",
+    "attention": "maskc.runtime",
+    "mask": "maskc.frontend.python_front",
+    "reference_attention": "maskc.reference",
+}
+
+if TYPE_CHECKING:
+    from maskc.frontend.params import CuSeqLens, SeqLens
+    from maskc.frontend.python_front import Builder, mask
+    from maskc.ir import AttnSlice, Mask
+    from maskc.reference import AttentionMeta, reference_attention
+    from maskc.runtime import attention
+
+
+__getattr__ = lazy_attributes(__name__, globals(), _LAZY)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "ArtifactError",

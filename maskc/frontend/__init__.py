@@ -7,9 +7,10 @@ Importing this package stays light: the parser (and with it lark) loads on first
 
 from __future__ import annotations
 
-import importlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from maskc.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from maskc.frontend.family import MaskFamily
@@ -35,7 +36,4 @@ def load(source: str | os.PathLike[str]) -> dict[str, MaskFamily]:
     return load_dsl(source)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'maskc.frontend' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, globals(), _LAZY)
