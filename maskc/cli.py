@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from itertools import product
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 import maskc
 from maskc.errors import MaskcError, MaskParamError
@@ -105,21 +106,35 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from maskc.dist.plan import make_plan
+    """Plan every family context parallelism can take; say in one line why each other one is
+    skipped. --json and --png take one plan: exactly one family must be plannable."""
+    from maskc.dist.plan import make_plan, unplannable
     from maskc.dist.report import format_report, save_plan_picture
 
-    chosen = _select(args.file, args.mask, args.param)
-    if args.json and len(chosen) > 1:
-        raise MaskcError(f"--json prints one plan; {args.file} defines {len(chosen)} masks: pick one with --mask")
-    for family, given in chosen:
-        plan = make_plan(family.lower(**given), args.cp, args.chunk_size, algorithm=args.algorithm, num_stages=args.stages,
+    masks, skipped = [], []
+    for family, given in _select(args.file, args.mask, args.param):
+        mask = family.lower(**given)
+        reason = unplannable(mask)
+        if reason is None:
+            masks.append((family.name, mask))
+        else:
+            skipped.append(f"mask {family.name}: {reason}")
+    if not masks and len(skipped) == 1:
+        raise MaskcError(f"cannot plan {skipped[0]}")
+    for line in skipped:
+        print(f"maskc: skipping {line}", file=sys.stderr)
+    if not masks:
+        raise MaskcError(f"no mask of {args.file} can be planned")
+    for option in ("json", "png"):
+        if getattr(args, option) and len(masks) > 1:
+            raise MaskcError(f"--{option} takes one plan; {args.file} has {len(masks)} plannable masks: pick one with --mask")
+    for name, mask in masks:
+        plan = make_plan(mask, args.cp, args.chunk_size, algorithm=args.algorithm, num_stages=args.stages,
                          fuse_local=args.fuse_local)  # fmt: skip
-        print(plan.to_json() if args.json else format_report(plan, family.name))
+        print(plan.to_json() if args.json else format_report(plan, name))
         if args.png:
-            png = Path(args.png) if len(chosen) == 1 else Path(args.png).with_name(f"{family.name}_{Path(args.png).name}")
-            written = save_plan_picture(plan, png, family.name)
-            if not args.json:
-                print(f"  picture         {written}")
+            written = save_plan_picture(plan, args.png, name)
+            print(f"  picture         {written}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -129,6 +144,8 @@ def _csv(kind: type, what: str):
     def parse(text: str) -> list:
         try:
             return [kind(x) for x in text.split(",") if x.strip()]
+        except argparse.ArgumentTypeError:
+            raise
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {text!r}") from None
 
@@ -140,9 +157,9 @@ def _heads(text: str) -> tuple[int, int]:
     try:
         pair = (int(q), int(kv if sep else q))
     except ValueError:
-        raise ValueError(f"heads must look like HQ:HKV (e.g. 64:8), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"heads must look like HQ:HKV (e.g. 64:8), got {text!r}") from None
     if pair[0] <= 0 or pair[1] <= 0 or pair[0] % pair[1]:
-        raise ValueError(f"heads {text!r}: query heads must be a positive multiple of kv heads")
+        raise argparse.ArgumentTypeError(f"heads {text!r}: query heads must be a positive multiple of kv heads")
     return pair
 
 
@@ -225,8 +242,15 @@ def _compile(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a usage error as one line (not the usage block), like every other user error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="maskc", description=maskc.__doc__)
+    parser = _Parser(prog="maskc", description=maskc.__doc__)
     parser.add_argument("--version", action="version", version=f"maskc {maskc.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -247,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = sub.add_parser("show", help="lower masks and report slices, area, density and a PNG picture")
     common(show)
-    show.add_argument("--png-dir", default=".", metavar="DIR", help="where to write NAME.png (default: .)")
+    show.add_argument("--png-dir", default="build", metavar="DIR", help="where to write NAME.png (default: build)")
     show.add_argument("--no-png", action="store_true", help="print the report only")
     show.add_argument("--size", type=_positive, default=512, metavar="N", help="picture cells per side (default: 512)")
     show.set_defaults(func=_show)
@@ -287,18 +311,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the first stage's keys in the local call, or not (default: the cost model's choice)",
     )
     plan.add_argument("--json", action="store_true", help="print Plan.to_json() (one mask: pick it with --mask)")
-    plan.add_argument("--png", metavar="PATH", help="also draw which chunks went where and the per-rank areas")
+    plan.add_argument(
+        "--png", metavar="PATH", help="also draw which chunks went where and the per-rank areas, as a PNG at PATH"
+    )
     plan.set_defaults(func=_plan)
     return parser
 
 
+def _describe(exc: OSError) -> str:
+    """An OS error as one line naming the file: 'out/x.png: Permission denied'."""
+    if exc.filename is None:
+        return exc.strerror or str(exc)
+    return f"{exc.filename}: {exc.strerror or exc}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. A user error (bad input, a file that cannot be read or written) prints
+    one line and returns 2; anything else is a bug and raises with its traceback."""
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
-    except (MaskcError, OSError) as exc:
-        print(f"maskc: error: {exc}", file=sys.stderr)
-        return 2
+        status = args.func(args)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        # The reader (`| head`) went away: end quietly, and keep the interpreter's final flush
+        # of stdout from failing again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a process that a broken pipe stopped reports
+    except KeyboardInterrupt:
+        return 130
+    except MaskcError as exc:
+        message = str(exc)
+    except OSError as exc:
+        message = _describe(exc)
+    print(f"maskc: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -7,10 +7,13 @@ draws in well under a second without materialising anything dense.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from maskc.files import write_atomic
 from maskc.ir import Mask
 from maskc.ir.slices import RowLines
 
@@ -49,23 +52,36 @@ def coverage(mask: Mask, size: int = 512) -> np.ndarray:
     return image / (picks[:, None] * np.diff(col_edges)[None, :])
 
 
-def save_picture(mask: Mask, path: str | Path, *, title: str = "", size: int = 512) -> Path:
-    """Write a PNG of the mask (queries down, keys across) and return its path."""
+def subplots(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """`matplotlib.pyplot.subplots` on the Agg backend (no display needed), imported on first use."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
+    return plt.subplots(*args, **kwargs)
+
+
+def write_png(fig: Any, path: str | Path, dpi: int) -> Path:
+    """Write `fig` as a PNG to exactly `path` (whatever its suffix), atomically, and close it."""
+    from matplotlib import pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    plt.close(fig)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    return write_atomic(path, buffer.getvalue())
+
+
+def save_picture(mask: Mask, path: str | Path, *, title: str = "", size: int = 512) -> Path:
+    """Write a PNG of the mask (queries down, keys across) and return its path."""
     sq, sk = mask.shape
     aspect = min(max(sq / max(sk, 1), 0.25), 4.0)
-    fig, ax = plt.subplots(figsize=(6, 6 * aspect), dpi=150)
+    fig, ax = subplots(figsize=(6, 6 * aspect))
     ax.imshow(coverage(mask, size), cmap="Blues", vmin=0, vmax=1, extent=(0, sk, sq, 0), interpolation="nearest")
     ax.set_xlabel("key")
     ax.set_ylabel("query")
     ax.set_title(f"{title}\n{len(mask)} slices, {sq} x {sk}, density {mask.density():.4f}".strip(), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return write_png(fig, path, dpi=150)

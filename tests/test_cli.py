@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -20,9 +21,13 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.mask"))
 
 
 def maskc(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "maskc.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
-    )
+    return subprocess.run([sys.executable, "-m", "maskc", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def assert_user_error(result: subprocess.CompletedProcess, message: str) -> None:
+    """Exit status 2 and one line on stderr matching `message`, no traceback."""
+    assert result.returncode == 2, result
+    assert len(result.stderr.splitlines()) == 1 and re.search(message, result.stderr), result.stderr
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
@@ -71,21 +76,48 @@ def test_compile_writes_a_loadable_artifact(tmp_path: Path) -> None:
         (["show", "examples/varlen_causal.mask", "--param", "docs=@/nonexistent"], "cannot read"),
         (["show", "examples/causal.mask", "--mask", "nope"], "no mask 'nope'"),
         (["compile", "examples/causal.mask"], "-o/--output"),
+        (["compile", "examples/causal.mask", "-o", "README.md", "--ir-only"], "README.md: a file of that name exists"),
+        (["compile", "examples/causal.mask", "-o", "x", "--heads", "3:2"], "multiple of kv heads"),
+        (["compile", "examples/causal.mask", "-o", "x", "--head-dim", "64,x"], "list of ints"),
+        (["show", "examples", "--no-png"], "examples is a directory, not a mask file"),
+        (["show", "README.md", "--no-png"], r"README.md:1:1: unexpected"),
+        (["plan", "examples/causal.mask", "--cp", "0"], "positive integer"),
+        (["plan", "examples/causal.mask", "--cp", "2", "--algorithm", "best"], "unknown dispatch algorithm 'best'"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        ([], "required: COMMAND"),
     ],
 )
-def test_bad_input_is_a_clear_error_with_exit_code_2(args: list[str], message: str) -> None:
-    result = maskc(*args)
-    assert result.returncode == 2
-    assert re.search(message, result.stderr), result.stderr
-    assert "Traceback" not in result.stderr
+def test_bad_input_is_one_clear_line_with_exit_code_2(args: list[str], message: str) -> None:
+    assert_user_error(maskc(*args), message)
+
+
+def test_a_file_that_is_not_text_is_a_clear_error(tmp_path: Path) -> None:
+    binary = tmp_path / "model.mask"
+    binary.write_bytes(b"mask m(n: int = 4):\n\x00\xff\xfe\x80")
+    assert_user_error(maskc("show", str(binary)), rf"{re.escape(str(binary))}:2:2: .*not UTF-8")
+
+
+def test_an_unwritable_output_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    assert_user_error(maskc("show", "examples/causal.mask", "--png-dir", str(tmp_path / "file" / "sub")), "file/sub")
+
+
+def test_a_bug_shows_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only user errors become one line: anything else propagates, traceback and all."""
+    from maskc import cli
+
+    def broken(args: object) -> int:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "_show", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["show", "examples/causal.mask"])
 
 
 def test_syntax_error_names_file_line_and_column(tmp_path: Path) -> None:
     bad = tmp_path / "bad.mask"
     bad.write_text("mask m(n: int = 4):\n    seqlen(n)\n    full(q=0:n k=0:n)\n")
-    result = maskc("show", str(bad), "--no-png")
-    assert result.returncode == 2
-    assert re.search(rf"{re.escape(str(bad))}:3:\d+", result.stderr), result.stderr
+    assert_user_error(maskc("show", str(bad), "--no-png"), rf"{re.escape(str(bad))}:3:\d+")
 
 
 def test_help_documents_every_option() -> None:
@@ -177,3 +209,91 @@ def test_an_arch_without_kernels_of_its_own_gets_the_portable_kernels() -> None:
     blackwell = [("sm_100a", d, False, det, own) for d, det in (("bwd", False), ("bwd", True), ("fwd", False)) for own in (False, True)]
     assert requests("--arch", "sm_100a", "--deterministic") == blackwell
     assert requests("--arch", "sm_100a") == [r for r in blackwell if not r[3]]
+
+
+def test_python_dash_m_maskc_is_the_maskc_command(tmp_path: Path) -> None:
+    """`python -m maskc` and the installed `maskc` script run the same command line."""
+    script = Path(sys.executable).with_name("maskc")
+    if not script.is_file():
+        pytest.skip("the maskc script is not installed next to this Python")
+    args = ["show", str(ROOT / "examples" / "varlen_causal.mask"), "--no-png"]
+    direct = subprocess.run([str(script), *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    module = maskc(*args, cwd=tmp_path)
+    assert direct.returncode == module.returncode == 0, (direct.stderr, module.stderr)
+    assert direct.stdout == module.stdout and "mask varlen_causal" in module.stdout
+    assert maskc("--version").stdout.strip() == f"maskc {__import__('maskc').__version__}"
+
+
+@pytest.mark.parametrize("args", [["--help"], ["show", "--help"], ["compile", "--help"], ["plan", "--help"], ["--version"]])
+def test_help_and_version_import_neither_torch_nor_the_compiler(args: list[str]) -> None:
+    code = (
+        "import sys\n"
+        "from maskc.cli import main\n"
+        "try:\n"
+        f"    main({args!r})\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "heavy = {'torch', 'numpy', 'lark', 'jinja2', 'cutlass', 'matplotlib'} & {m.split('.')[0] for m in sys.modules}\n"
+        "print('heavy:', sorted(heavy), file=sys.stderr)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "heavy: []" in result.stderr
+    assert "usage: maskc" in result.stdout or result.stdout.startswith("maskc ")
+
+
+def test_plan_skips_what_context_parallelism_cannot_take_and_plans_the_rest(tmp_path: Path) -> None:
+    """examples/primitives.mask holds a non-square family and a square one."""
+    result = maskc("plan", "examples/primitives.mask", "--cp", "2")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "maskc: skipping mask primitives: context parallelism deals queries and keys together: "
+        "the mask must be square, got 2048 x 1024"
+    ]
+    assert re.search(r"^plan varlen_inv_causal: 6656 tokens", result.stdout, flags=re.M)
+    assert "plan primitives" not in result.stdout
+    only = maskc("plan", "examples/primitives.mask", "--cp", "2", "--mask", "primitives")
+    assert_user_error(only, "cannot plan mask primitives: .*must be square")
+
+
+def test_plan_png_writes_exactly_the_path_given(tmp_path: Path) -> None:
+    target = tmp_path / "pictures" / "my plan.image"
+    result = maskc("plan", str(ROOT / "examples" / "primitives.mask"), "--cp", "2", "--png", str(target), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert target.read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["pictures", "pictures/my plan.image"]
+    assert f"picture         {target}" in result.stdout
+    both = tmp_path / "both.mask"
+    both.write_text((ROOT / "examples" / "causal.mask").read_text() + (ROOT / "examples" / "full.mask").read_text())
+    assert_user_error(maskc("plan", str(both), "--cp", "2", "--png", "p.png"), "--png takes one plan; .* pick one with --mask")
+    assert maskc("plan", str(both), "--cp", "2", "--png", "p.png", "--mask", "full", cwd=tmp_path).returncode == 0
+    assert (tmp_path / "p.png").is_file() and not list(tmp_path.glob("*_p.png"))
+
+
+def test_show_writes_pictures_only_where_asked_and_says_where(tmp_path: Path) -> None:
+    example = str(ROOT / "examples" / "causal.mask")
+    default = maskc("show", example, cwd=tmp_path)
+    assert default.returncode == 0, default.stderr
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")] == ["build", "build/causal.png"]
+    assert re.search(r"picture\s+build/causal.png$", default.stdout, flags=re.M)
+    chosen = maskc("show", example, "--png-dir", str(tmp_path / "pics"), cwd=tmp_path)
+    assert chosen.returncode == 0, chosen.stderr
+    assert (tmp_path / "pics" / "causal.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"picture    {tmp_path / 'pics' / 'causal.png'}" in chosen.stdout
+    assert maskc("show", example, "--no-png", cwd=tmp_path / "pics").returncode == 0
+    assert sorted(p.name for p in (tmp_path / "pics").iterdir()) == ["causal.png"]
+
+
+def test_output_into_a_closed_pipe_ends_quietly() -> None:
+    """`maskc ... | head`: the reader is gone before maskc writes; no traceback, no message."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "maskc", "show", "examples/varlen_causal.mask", "--no-png"],
+            cwd=ROOT, stdout=write, stderr=subprocess.PIPE, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert result.returncode == 141
+    assert result.stderr == ""

@@ -80,7 +80,7 @@ class Plan:
 
     def for_mask(self, mask: Mask) -> Plan:
         """The same chunk assignment (no token moves) with tables and stages for `mask`."""
-        _check_square(mask)
+        _check_plannable(mask)
         if mask.seqlen_q != self.seqlen:
             raise MaskError(f"the mask has {mask.seqlen_q} tokens; this plan is for {self.seqlen}")
         return _derive(pad(mask, self.padded_length), self.seqlen, self.cp_size, self.chunk_size, self.algorithm,
@@ -166,7 +166,7 @@ def make_plan(
     deal the chunks with `algorithm` (see maskc.dist.assign.ALGORITHMS), derive the
     communication tables and the overlap stages (`num_stages` and `fuse_local`, each the cost
     model's best when None)."""
-    _check_square(mask)
+    _check_plannable(mask)
     for name, value in (("cp_size", cp_size), ("chunk_size", chunk_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
             raise MaskParamError(f"{name} must be a positive int, got {value!r}")
@@ -209,10 +209,18 @@ def _derive(
     return Plan(padded, seqlen, cp_size, chunk_size, algorithm, rank_of_chunk, areas, comm, stages, cost)
 
 
-def _check_square(mask: Mask) -> None:
-    if not isinstance(mask, Mask):
-        raise TypeError(f"expected a maskc.Mask, got {type(mask).__name__}")
+def unplannable(mask: Mask) -> str | None:
+    """Why context parallelism cannot take `mask`, or None when it can."""
     if mask.seqlen_q != mask.seqlen_k:
-        raise MaskError(
+        return (
             f"context parallelism deals queries and keys together: the mask must be square, got {mask.seqlen_q} x {mask.seqlen_k}"
         )
+    return None
+
+
+def _check_plannable(mask: Mask) -> None:
+    if not isinstance(mask, Mask):
+        raise TypeError(f"expected a maskc.Mask, got {type(mask).__name__}")
+    reason = unplannable(mask)
+    if reason is not None:
+        raise MaskError(reason)

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from maskc.dist.plan import Plan
+from maskc.picture import subplots, write_png
 
 
 def format_report(plan: Plan, name: str) -> str:
@@ -48,14 +49,7 @@ def format_report(plan: Plan, name: str) -> str:
 def save_plan_picture(plan: Plan, path: str | Path, title: str) -> Path:
     """PNG: which rank owns each chunk (top) and each rank's area against the mean and the lower
     bound (bottom)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 5), gridspec_kw={"height_ratios": [1, 2]})
+    fig, (top, bottom) = subplots(2, 1, figsize=(10, 5), gridspec_kw={"height_ratios": [1, 2]})
     top.imshow(plan.rank_of_chunk[None, :], aspect="auto", cmap="turbo", interpolation="nearest", vmin=0,
                vmax=max(plan.cp_size - 1, 1))  # fmt: skip
     top.set_yticks([])
@@ -69,6 +63,4 @@ def save_plan_picture(plan: Plan, path: str | Path, title: str) -> Path:
     bottom.legend(fontsize=8)
     fig.suptitle(f"{title}: cp {plan.cp_size}, imbalance {plan.imbalance():.3f}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return write_png(fig, path, dpi=110)

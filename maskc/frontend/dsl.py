@@ -6,7 +6,7 @@ import functools
 import os
 from pathlib import Path
 
-from maskc.errors import MaskParamError, MaskSemanticError
+from maskc.errors import MaskcError, MaskParamError, MaskSemanticError, MaskSyntaxError
 from maskc.frontend import syntax as s
 from maskc.frontend.check import check_module, semantic_error
 from maskc.frontend.family import MaskFamily
@@ -37,9 +37,17 @@ def _read(source: str | os.PathLike[str]) -> tuple[str, str]:
         return source, "<string>"
     else:
         raise TypeError(f"load() expects a path or source text, got {type(source).__name__}")
+    if path.is_dir():
+        raise MaskcError(f"{path} is a directory, not a mask file")
     if not path.is_file():
         raise FileNotFoundError(f"mask file not found: {path}")
-    return path.read_text(encoding="utf-8"), str(path)
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8"), str(path)
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise MaskSyntaxError("not a mask file: the text is not UTF-8", source=str(path), line=line, column=column) from None
 
 
 def _family(mask: s.MaskDef, source: str) -> MaskFamily:

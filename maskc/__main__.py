@@ -1,0 +1,7 @@
+"""`python -m maskc`: the `maskc` command."""
+
+import sys
+
+from maskc.cli import main
+
+sys.exit(main())
