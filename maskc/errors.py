@@ -36,3 +36,14 @@ class ArtifactError(MaskcError):
 
 class CompilerUnavailableError(MaskcError):
     """Kernels must be compiled but the CUTLASS DSL is not installed here."""
+
+
+def install_compiler_hint() -> str:
+    """How to get the kernel compiler, for error messages: maskc is installed from its wheel or
+    its source tree, not from a package index, so name both (the DSL itself is on PyPI)."""
+    from maskc import __version__
+
+    return (
+        f"install maskc's compiler extra from its wheel or source tree: pip install 'maskc-{__version__}-py3-none-any.whl[cutlass]' "
+        "or pip install '.[cutlass]' (or the CUTLASS DSL alone: pip install nvidia-cutlass-dsl)"
+    )

@@ -35,7 +35,7 @@ from maskc.codegen.variant import (
     PORTABLE_CTAS_PER_SM,
     WARPGROUP_ROWS,
 )
-from maskc.errors import ArtifactError, MaskcError
+from maskc.errors import ArtifactError, MaskcError, install_compiler_hint
 from maskc.ir import Mask
 from maskc.ir.schedule import (
     backward_has_partial_blocks,
@@ -202,8 +202,8 @@ def _jit(request: dict[str, Any]) -> _Entry:
         from maskc.codegen.jit import compile_request
     except ImportError as exc:
         raise ArtifactError(
-            f"no compiled maskc kernel for {request} and the compiler is not installed ({exc}); "
-            "build one with `maskc compile` and pass its directory to maskc.runtime.register_artifact"
+            f"no compiled maskc kernel for {request} and the compiler is not installed ({exc}); build one with "
+            f"`maskc compile` and pass its directory to maskc.runtime.register_artifact, or {install_compiler_hint()}"
         ) from None
     register_artifact(compile_request(request))
     return _KERNELS[_request_key(request)]

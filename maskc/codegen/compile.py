@@ -21,7 +21,7 @@ from pathlib import Path
 
 from maskc.codegen.render import render
 from maskc.codegen.variant import KernelVariant
-from maskc.errors import CompilerUnavailableError
+from maskc.errors import CompilerUnavailableError, install_compiler_hint
 from maskc.runtime.abi import ABIS, STATIC_DIMS, Arg, ScalarArg, TensorArg
 
 #: The exported C symbol prefix of every forward kernel object.
@@ -116,8 +116,8 @@ def require_dsl() -> None:
     """Fail clearly, before any work, where the CUTLASS DSL (the kernel compiler) is missing."""
     if importlib.util.find_spec("cutlass") is None:
         raise CompilerUnavailableError(
-            "compiling kernels needs the CUTLASS DSL: pip install 'maskc[cutlass]' (nvidia-cutlass-dsl); "
-            "`maskc compile --ir-only` writes the IR without kernels"
+            f"compiling kernels needs the CUTLASS DSL: {install_compiler_hint()}; `maskc compile --ir-only` writes the IR "
+            "without kernels"
         )
 
 
