@@ -1,0 +1,111 @@
+"""CI: maskc as users install it, checked with the Python of a fresh venv that installed the
+built wheel (non-editable, with the compiler extra), from a directory outside the checkout:
+
+    python -I .ci/check_wheel.py REPO WHEEL
+
+1. The wheel holds every tracked file of maskc/, runtime/ and templates/ (where the package
+   maps them) and the LICENSE, and nothing else.
+2. `maskc` is the installed package; `maskc --version` and `python -m maskc --version` work,
+   and --help imports neither torch nor the compiler.
+3. `maskc compile` builds kernels for sm_90a, sm_80 (portable) and sm_100a from the wheel's
+   templates, into files readable by others (0644 / 0755 under umask 022).
+4. `maskc.runtime` imports and registers that artifact directory, made read-only, with the
+   compiler stack (lark, jinja2, the CUTLASS DSL) unimportable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+REPO, WHEEL = Path(sys.argv[1]), Path(sys.argv[2])
+BIN = Path(sys.executable).parent
+FOLDERS = {"maskc/": "maskc/", "runtime/": "maskc/runtime/", "templates/": "maskc/templates/"}
+HEAVY = ("torch", "numpy", "lark", "jinja2", "cutlass", "matplotlib")
+
+NO_COMPILER = """
+import sys
+class NoCompiler:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("lark", "jinja2", "cutlass"):
+            raise ImportError(f"{name} must not be needed by the runtime")
+sys.meta_path.insert(0, NoCompiler())
+import maskc.runtime
+keys = maskc.runtime.register_artifact(sys.argv[1])
+masks = maskc.runtime.load_artifact(sys.argv[1]).masks
+print(len(keys), sorted(masks), masks["varlen_block_causal"].shape)
+"""
+
+
+def run(*args: str) -> str:
+    result = subprocess.run(args, capture_output=True, text=True)
+    if result.returncode:
+        sys.exit(f"wheel check: `{' '.join(args)}` failed ({result.returncode}):\n{result.stdout}{result.stderr}")
+    return result.stdout
+
+
+def check(condition: bool, what: str) -> None:
+    if not condition:
+        sys.exit(f"wheel check failed: {what}")
+
+
+def contents() -> None:
+    tracked = run("git", "-C", str(REPO), "ls-files", *FOLDERS).split()
+    expected = {FOLDERS[next(f for f in FOLDERS if name.startswith(f))] + name.split("/", 1)[1] for name in tracked}
+    names = zipfile.ZipFile(WHEEL).namelist()
+    package = {n for n in names if ".dist-info/" not in n}
+    check(not expected - package, f"the wheel lacks {sorted(expected - package)}")
+    check(not package - expected, f"the wheel holds files the tree does not track: {sorted(package - expected)}")
+    check(any(n.endswith(".dist-info/licenses/LICENSE") for n in names), "the wheel carries no LICENSE")
+    print(f"wheel check: {WHEEL.name}, {WHEEL.stat().st_size / 1024:.0f} KiB, {len(package)} package files")
+
+
+def command() -> None:
+    import maskc
+
+    check(Path(maskc.__file__).is_relative_to(sys.prefix), f"maskc imported from {maskc.__file__}, not the venv")
+    version = f"maskc {maskc.__version__}"
+    check(run(str(BIN / "maskc"), "--version").strip() == version, "maskc --version")
+    check(run(sys.executable, "-m", "maskc", "--version").strip() == version, "python -m maskc --version")
+    start = time.perf_counter()
+    run(str(BIN / "maskc"), "--help")
+    seconds = time.perf_counter() - start
+    code = f"import sys; from maskc.cli import main\ntry: main(['--help'])\nexcept SystemExit: pass\nprint(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})), file=sys.stderr)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    check(result.stderr.strip() == "[]", f"maskc --help imports {result.stderr.strip()}")
+    print(f"wheel check: `maskc --help` in {seconds:.2f} s, importing none of {', '.join(HEAVY)}")
+
+
+def compile_kernels(out: Path) -> None:
+    os.umask(0o022)
+    os.environ["MASKC_CACHE"] = str(Path.cwd() / "cache")  # empty: every kernel renders from the wheel's templates
+    run(str(BIN / "maskc"), "compile", str(REPO / "examples" / "varlen_block_causal.mask"), "-o", str(out),
+        "--arch", "sm_90a,sm_80,sm_100a", "--heads", "8:8")  # fmt: skip
+    manifest = json.loads((out / "manifest.json").read_text())
+    kinds = sorted({(v["fields"]["arch"], v["fields"].get("portable", False)) for v in manifest["variants"]})
+    check(kinds == [("sm_100a", False), ("sm_100a", True), ("sm_80", True), ("sm_90a", False)], f"kernel families {kinds}")
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in [out, *out.rglob("*")]}
+    wrong = {str(p): oct(m) for p, m in modes.items() if m != (0o755 if p.is_dir() else 0o644)}
+    check(not wrong, f"artifact files not readable by others: {wrong}")
+    print(f"wheel check: compiled {len(manifest['variants'])} kernels for {', '.join(manifest['archs'])}; modes 0644 / 0755")
+
+
+def runtime_without_compiler(out: Path) -> None:
+    for path in [out, *out.rglob("*")]:
+        path.chmod(stat.S_IMODE(path.stat().st_mode) & ~0o222)
+    loaded = run(sys.executable, "-c", NO_COMPILER, str(out)).strip()
+    print(f"wheel check: maskc.runtime without the compiler registered the read-only artifact: {loaded}")
+
+
+if __name__ == "__main__":
+    contents()
+    command()
+    artifact = Path.cwd() / "artifact"
+    compile_kernels(artifact)
+    runtime_without_compiler(artifact)
