@@ -172,7 +172,7 @@ def register_artifact(directory: str | Path) -> list[str]:
             raise ArtifactError(f"kernel {v.get('key')!r} in {directory} was built for another argument ABI: recompile")
         if v.get("object") not in manifest["files"]:
             raise ArtifactError(f"kernel {v.get('key')!r} in {directory} has no hashed object file")
-    library = find_runtime_library(directory)
+    library = find_runtime_library(directory, manifest["files"])
     _check_runtime_version(manifest, library, directory)
     runtime = runtime_at(library)
     for v in variants:

@@ -15,7 +15,7 @@ import threading
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Mapping
+from typing import Collection, Mapping
 
 import torch
 
@@ -64,15 +64,19 @@ def _unpacked(xz: Path) -> Path:
     return target
 
 
-def find_runtime_library(artifact_dir: str | Path | None = None) -> Path:
-    """Where libcute_dsl_runtime.so is: next to the artifacts (plain or .xz), $MASKC_CUTE_RUNTIME, or the wheel."""
+def find_runtime_library(artifact_dir: str | Path | None = None, hashed: Collection[str] = ()) -> Path:
+    """Where libcute_dsl_runtime.so is: next to the artifacts (plain or .xz) where their
+    manifest hashes it (`hashed`: its file names), $MASKC_CUTE_RUNTIME, or the wheel. A
+    library in an artifact directory that its manifest does not hash is never loaded."""
     searched = []
     if artifact_dir is not None:
         for name in (LIBRARY, LIBRARY + ".xz"):
             path = Path(artifact_dir) / name
+            if name not in hashed:
+                searched.append(f"{path} (not in its manifest)" if path.exists() else str(path))
+                continue
             searched.append(str(path))
-            if path.is_file():
-                return _unpacked(path) if name.endswith(".xz") else path
+            return _unpacked(path) if name.endswith(".xz") else path
     env = os.environ.get(ENV_LIBRARY)
     if env:
         searched.append(f"${ENV_LIBRARY}={env}")

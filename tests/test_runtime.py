@@ -29,16 +29,29 @@ def test_library_found_next_to_artifacts_plain_or_xz(tmp_path: Path, monkeypatch
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / launch.LIBRARY).write_bytes(b"\x7fELF fake")
-    assert launch.find_runtime_library(plain) == plain / launch.LIBRARY
+    assert launch.find_runtime_library(plain, [launch.LIBRARY]) == plain / launch.LIBRARY
     packed = tmp_path / "packed"
     packed.mkdir()
-    (packed / (launch.LIBRARY + ".xz")).write_bytes(lzma.compress(b"\x7fELF fake"))
-    unpacked = launch.find_runtime_library(packed)
+    xz = launch.LIBRARY + ".xz"
+    (packed / xz).write_bytes(lzma.compress(b"\x7fELF fake"))
+    unpacked = launch.find_runtime_library(packed, [xz])
     assert unpacked.read_bytes() == b"\x7fELF fake"
     assert unpacked.is_relative_to(tmp_path / "cache")
-    (packed / (launch.LIBRARY + ".xz")).write_bytes(b"not xz")
+    (packed / xz).write_bytes(b"not xz")
     with pytest.raises(ArtifactError, match="not a valid xz archive"):
-        launch.find_runtime_library(packed)
+        launch.find_runtime_library(packed, [xz])
+
+
+def test_a_library_the_manifest_does_not_hash_is_never_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared library dropped into an artifact directory would run its code in the training process."""
+    monkeypatch.delenv(launch.ENV_LIBRARY, raising=False)
+    monkeypatch.setattr(launch, "installed_library", lambda: tmp_path / "installed.so")
+    (tmp_path / launch.LIBRARY).write_bytes(b"\x7fELF dropped in")
+    (tmp_path / (launch.LIBRARY + ".xz")).write_bytes(lzma.compress(b"\x7fELF dropped in"))
+    assert launch.find_runtime_library(tmp_path, ["model.ir.json"]) == tmp_path / "installed.so"
+    monkeypatch.setattr(launch, "installed_library", lambda: None)
+    with pytest.raises(ArtifactError, match=r"libcute_dsl_runtime.so \(not in its manifest\)"):
+        launch.find_runtime_library(tmp_path)
 
 
 def test_library_missing_everywhere_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
