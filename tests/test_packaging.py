@@ -1,8 +1,11 @@
-"""The package list in pyproject.toml names every package of the tree (the wheel's contents
-are checked file by file in CI, from a built wheel: .ci/wheel)."""
+"""The package as it installs: pyproject.toml's package list names every package of the tree
+(the wheel's contents are checked file by file in CI, from a built wheel: .ci/wheel), and
+`import maskc` stays light while every public name still loads."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,3 +24,24 @@ def test_every_package_of_the_tree_is_listed() -> None:
     # A package mapped to its own folder (maskc.runtime -> runtime/) is not also one under maskc/.
     assert set(setuptools["packages"]) == found
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
+
+
+def test_import_maskc_is_light_and_every_public_name_and_subpackage_loads_on_use() -> None:
+    """`import maskc` loads neither torch nor the compiler; the public names and the
+    subpackages (`maskc.runtime.register_artifact` after a plain `import maskc`) load on first use."""
+    code = (
+        "import sys, maskc\n"
+        "heavy = {'torch', 'numpy', 'lark', 'jinja2', 'cutlass'} & {m.split('.')[0] for m in sys.modules}\n"
+        "assert not heavy, heavy\n"
+        "assert callable(maskc.runtime.register_artifact) and callable(maskc.dist.make_plan)\n"
+        "assert all(getattr(maskc, name) is not None for name in maskc.__all__)\n"
+        "assert maskc.ir.Mask is maskc.Mask and maskc.attention is maskc.runtime.attention\n"
+        "try:\n"
+        "    maskc.no_such_name\n"
+        "except AttributeError as exc:\n"
+        "    assert 'no_such_name' in str(exc)\n"
+        "else:\n"
+        "    raise AssertionError('maskc.no_such_name did not raise')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
