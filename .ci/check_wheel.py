@@ -76,7 +76,15 @@ def command() -> None:
     start = time.perf_counter()
     run(str(BIN / "maskc"), "--help")
     seconds = time.perf_counter() - start
-    code = f"import sys; from maskc.cli import main\ntry: main(['--help'])\nexcept SystemExit: pass\nprint(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})), file=sys.stderr)"
+    code = (
+        "import sys\n"
+        "from maskc.cli import main\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})), file=sys.stderr)\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     check(result.stderr.strip() == "[]", f"maskc --help imports {result.stderr.strip()}")
     print(f"wheel check: `maskc --help` in {seconds:.2f} s, importing none of {', '.join(HEAVY)}")

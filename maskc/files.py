@@ -40,12 +40,8 @@ def copy_atomic(source: str | Path, target: str | Path) -> Path:
     return write_atomic(target, Path(source).read_bytes())
 
 
-def make_temporary_dir(parent: Path, prefix: str) -> Path:
-    """A new, uniquely named directory in `parent` with the umask's mode, to fill and then rename into place."""
-    while True:
-        path = parent / f"{prefix}{secrets.token_hex(8)}"
-        try:
-            path.mkdir(0o777)  # the umask applies
-            return path
-        except FileExistsError:
-            continue
+def make_temporary_dir(parent: Path, name: str) -> Path:
+    """A new directory in `parent` with the umask's mode, to fill and then rename into place as `name`."""
+    path = _temporary_name(parent, name)
+    path.mkdir(0o777)  # the umask applies
+    return path

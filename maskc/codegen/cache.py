@@ -92,7 +92,7 @@ def cached_kernel(variant: KernelVariant) -> Path:
             return final
         from maskc.codegen.compile import compile_variant
 
-        staging = make_temporary_dir(root, ".build-")
+        staging = make_temporary_dir(root, final.name)
         try:
             built = compile_variant(variant, staging)
             files = [p.relative_to(staging).as_posix() for p in sorted(staging.rglob("*")) if p.is_file()]
