@@ -24,6 +24,7 @@ from maskc.dist.pieces import Pieces, areas_by_chunk, chunk_areas, cut
 from maskc.dist.stages import CostModel, StagePlan, plan_stages
 from maskc.errors import MaskError, MaskParamError
 from maskc.ir.mask import Mask
+from maskc.limits import MAX_CP, MAX_ROWS, check_count
 
 FORMAT = 2  # 2: the stage model with call overheads and local fusion
 #: chunk_size=None picks the largest power of two in [MIN_CHUNK, MAX_CHUNK] that still gives
@@ -172,7 +173,9 @@ def make_plan(
             raise MaskParamError(f"{name} must be a positive int, got {value!r}")
     if algorithm not in ALGORITHMS:
         raise MaskParamError(f"unknown dispatch algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
+    check_count(cp_size, MAX_CP, "context-parallel ranks", MaskParamError)
     chunk_size = int(chunk_size or default_chunk_size(mask.seqlen_q, cp_size))
+    check_count(-(-mask.seqlen_q // chunk_size), MAX_ROWS, f"chunks of {chunk_size} tokens", MaskParamError)
     # At least one chunk per rank, so every rank has rows (padding) even for a tiny sequence.
     padded = pad(mask, max(padded_length(mask.seqlen_q, chunk_size, cp_size), chunk_size * cp_size))
     areas = chunk_areas(padded, chunk_size, padded.seqlen_q // chunk_size)

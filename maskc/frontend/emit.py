@@ -14,6 +14,7 @@ import numpy as np
 from maskc.errors import MaskError
 from maskc.ir import TYPE_IDS, Mask, band_slices
 from maskc.ir.slices import ragged_expand
+from maskc.limits import MAX_ROWS, MAX_TOKENS, check_count
 
 RangeArrays = tuple[np.ndarray, np.ndarray]
 
@@ -28,9 +29,19 @@ def split_chunks(
     if bad.any():
         raise MaskError(f"{where}: chunk size must be positive, got {int(size[bad][0])}")
     _check_ranges(where, "chunked", starts, ends)
-    parent, local = ragged_expand(-((starts - ends) // size))
+    parent, local = ragged_expand(check_rows(-((starts - ends) // size), where))
     cstarts = starts[parent] + local * size[parent]
     return parent, cstarts, np.minimum(cstarts + size[parent], ends[parent])
+
+
+def check_rows(counts: np.ndarray, where: str) -> np.ndarray:
+    """`counts` (elements per row of a loop, chunks per range), refused before anything is
+    expanded where their total passes MAX_ROWS; each is checked before the sum, which cannot
+    overflow then."""
+    largest = int(counts.max(initial=0))
+    total = largest if largest > MAX_ROWS else int(counts.sum())
+    check_count(total, MAX_ROWS, f"{where}: iterations", MaskError)
+    return counts
 
 
 @dataclass
@@ -38,6 +49,7 @@ class SliceBuffer:
     """Collects emitted slices as arrays, each batch tagged with its call site for later errors."""
 
     _batches: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+    _count: int = 0
 
     def add(self, kind: str, q: RangeArrays, k: RangeArrays, where: str) -> None:
         """Emit one primitive slice per row of the (broadcast) q and k range arrays."""
@@ -78,6 +90,7 @@ class SliceBuffer:
         for name, value in (("q", seqlen_q), ("k", seqlen_k)):
             if value < 0:
                 raise MaskError(f"{where}: {name} must be >= 0, got {value}")
+            check_count(value, MAX_TOKENS, f"{where}: {name} tokens")
         for site, qs, qe, ks, ke, _ in self._batches:
             for side, s, e, limit in (("q", qs, qe, seqlen_q), ("k", ks, ke, seqlen_k)):
                 bad = e > limit
@@ -97,6 +110,8 @@ class SliceBuffer:
         if not keep.all():
             qs, qe, ks, ke, types = (x[keep] for x in (qs, qe, ks, ke, types))
         if qs.size:
+            self._count += qs.size
+            check_count(self._count, MAX_ROWS, f"{where}: slices of the mask")
             self._batches.append((where, qs, qe, ks, ke, types))
 
 

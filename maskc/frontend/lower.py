@@ -17,10 +17,11 @@ import numpy as np
 from maskc.errors import MaskError
 from maskc.frontend import syntax as s
 from maskc.frontend.check import bind
-from maskc.frontend.emit import SliceBuffer, split_chunks
-from maskc.ir.slices import ragged_expand
+from maskc.frontend.emit import SliceBuffer, check_rows, split_chunks
 from maskc.frontend.params import DocList, ParamValue
 from maskc.ir import Mask
+from maskc.ir.slices import ragged_expand
+from maskc.limits import MAX_INT
 
 
 @dataclass(frozen=True, eq=False)
@@ -196,14 +197,14 @@ class _Lowering:
 
     def expand(self, it: Value, pos: s.Pos) -> tuple[np.ndarray, Value]:
         if isinstance(it, DocsV):
-            parent, local = ragged_expand(it.hi - it.lo)
+            parent, local = ragged_expand(check_rows(it.hi - it.lo, self.where(pos)))
             doc = it.lo[parent] + local
             return parent, RangeV(it.bounds[doc], it.bounds[doc + 1])
         if isinstance(it, ChunksV):
             parent, starts, ends = split_chunks(it.start, it.end, it.size, self.where(pos, "chunks"))
             return parent, RangeV(starts, ends)
         assert isinstance(it, SeqV)
-        parent, local = ragged_expand(np.maximum(0, -((it.start - it.stop) // it.step)))
+        parent, local = ragged_expand(check_rows(np.maximum(0, -((it.start - it.stop) // it.step)), self.where(pos)))
         return parent, it.start[parent] + local * it.step[parent]
 
     # Expressions: each returns one value per row of the frame.
@@ -212,6 +213,8 @@ class _Lowering:
         return _EXPRESSIONS[type(e)](self, e, frame)
 
     def expr_num(self, e: s.Num, frame: Frame) -> Value:
+        if abs(e.value) > MAX_INT:
+            raise self.fail(e.pos, f"integer {e.value} is outside the integers maskc computes with (at most 2^62 - 1 in magnitude)")
         return np.full(frame.size, e.value, dtype=np.int64)
 
     def expr_name(self, e: s.Name, frame: Frame) -> Value:
@@ -261,10 +264,16 @@ class _Lowering:
         return DocsV(docs.bounds, docs.lo + lo, docs.lo + hi)
 
     def expr_binop(self, e: s.BinOp, frame: Frame) -> Value:
+        """Exact: operands and results stay within MAX_INT, so a sum or difference cannot
+        overflow int64, and a product is checked before it is computed."""
         a, b = self.eval(e.left, frame), self.eval(e.right, frame)
         if e.op in ("//", "%") and not b.all():
             raise self.fail(e.pos, "integer division by zero" if e.op == "//" else "modulo by zero")
-        return _ARITHMETIC[e.op](a, b)
+        wraps = e.op == "*" and bool((np.abs(a) > MAX_INT // np.maximum(np.abs(b), 1)).any())
+        out = None if wraps else _ARITHMETIC[e.op](a, b)
+        if out is None or (np.abs(out) > MAX_INT).any():
+            raise self.fail(e.pos, f"the result of {e.op!r} is outside the integers maskc computes with (at most 2^62 - 1 in magnitude)")
+        return out
 
     def expr_neg(self, e: s.Neg, frame: Frame) -> Value:
         return -self.eval(e.operand, frame)

@@ -15,6 +15,7 @@ from typing import Any, Iterator, Literal, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from maskc.errors import MaskParamError
+from maskc.limits import MAX_INT, MAX_ROWS, MAX_TOKENS, check_count
 
 ParamKind = Literal["int", "seqlens", "cu_seqlens"]
 PARAM_KINDS: tuple[ParamKind, ...] = ("int", "seqlens", "cu_seqlens")
@@ -135,12 +136,16 @@ def coerce(kind: ParamKind, value: Any) -> ParamValue:
     if kind == "int":
         return as_int(value)
     arr = _as_int_vector(value, kind)
+    check_count(arr.size, MAX_ROWS, f"{kind} values", MaskParamError)
     if kind == "seqlens":
         if arr.size and arr.min() < 0:
             i = int(np.argmax(arr < 0))
             raise MaskParamError(f"document lengths must be >= 0, got {int(arr[i])} at index {i}")
+        # Each length is checked before the sum, so the sum cannot overflow.
+        check_count(int(arr.max(initial=0)), MAX_TOKENS, "tokens in a document", MaskParamError)
         bounds = np.zeros(arr.size + 1, dtype=np.int64)
         np.cumsum(arr, out=bounds[1:])
+        check_count(int(bounds[-1]), MAX_TOKENS, "tokens in all documents", MaskParamError)
         return SeqLens(bounds)
     if arr.size == 0 or arr[0] != 0:
         raise MaskParamError(f"cu_seqlens must start at 0, got {_short(arr.tolist())}")
@@ -150,6 +155,7 @@ def coerce(kind: ParamKind, value: Any) -> ParamValue:
         raise MaskParamError(
             f"cu_seqlens must be non-decreasing, got {int(arr[i])} after {int(arr[i - 1])} at index {i}"
         )
+    check_count(int(arr[-1]), MAX_TOKENS, "tokens in all documents", MaskParamError)
     return CuSeqLens(arr)
 
 
@@ -190,9 +196,12 @@ def as_int(value: Any) -> int:
     if isinstance(value, (bool, np.bool_)):
         raise MaskParamError(f"expected an int, got {_describe(value)}")
     try:
-        return operator.index(value)
+        number = operator.index(value)
     except TypeError:
         raise MaskParamError(f"expected an int, got {_describe(value)}") from None
+    if abs(number) > MAX_INT:
+        raise MaskParamError(f"{number} is outside the integers maskc computes with (at most 2^62 - 1 in magnitude)")
+    return number
 
 
 def _as_int_vector(value: Any, kind: str) -> np.ndarray:

@@ -13,6 +13,7 @@ from lark.indenter import DedentError, Indenter
 
 from maskc.errors import MaskSemanticError, MaskSyntaxError
 from maskc.frontend import syntax as s
+from maskc.limits import MAX_NESTING
 
 _WORDS = {
     "NAME": "a name",
@@ -69,10 +70,26 @@ def parse(text: str, source: str = "<string>") -> s.Module:
         raise MaskSyntaxError(message, source=source, line=e.token.end_line, column=column) from None
     except UnexpectedInput as e:
         raise _syntax_error(e, source) from None
+    _check_nesting(tree, source)
     try:
         return s.Module(source, _ToAst(source).transform(tree))
     except VisitError as e:
         raise e.orig_exc from None
+
+
+def _check_nesting(tree: Tree, source: str) -> None:
+    """Refuse a program nested deeper than MAX_NESTING (walked without recursion): the passes
+    after parsing recurse once per level, and a deeper program would exhaust Python's stack."""
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise MaskSyntaxError(
+                f"nested too deeply: more than {MAX_NESTING} levels of blocks and operators; split the expression "
+                "with intermediate names",
+                source=source, line=node.meta.line, column=node.meta.column,
+            )  # fmt: skip
+        stack.extend((child, depth + 1) for child in node.children if isinstance(child, Tree))
 
 
 def _syntax_error(e: UnexpectedInput, source: str) -> MaskSyntaxError:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from maskc.errors import MaskError
+from maskc.limits import MAX_ROWS, MAX_TOKENS, check_count
 from maskc.ir.normalize import normalize_arrays
 from maskc.ir.slices import FULL, TYPE_NAMES, AttnSlice, RowLines, band_slices, slice_areas, type_id
 
@@ -37,6 +38,10 @@ def _seqlen(value: Any, what: str) -> int:
         raise MaskError(f"{what} must be an int, got {value!r}")
     if value < 0:
         raise MaskError(f"{what} must be >= 0, got {value}")
+    if value > MAX_TOKENS:
+        raise MaskError(
+            f"{what} = {value:,} is more than maskc supports: at most {MAX_TOKENS:,} tokens (the kernels' offsets are 32-bit)"
+        )
     return int(value)
 
 
@@ -62,6 +67,7 @@ class Mask:
     def _init(self, q: np.ndarray, k: np.ndarray, t: np.ndarray, seqlen_q: int, seqlen_k: int) -> None:
         self._sq = _seqlen(seqlen_q, "seqlen_q")
         self._sk = _seqlen(seqlen_k, "seqlen_k")
+        check_count(t.shape[0], MAX_ROWS, "slices of a mask")
         _validate(q, k, t, self._sq, self._sk)
         self._q, self._k, self._t = _frozen(q), _frozen(k), _frozen(t)
 
@@ -317,10 +323,18 @@ class Mask:
 def _cu_seqlens(value: Any, what: str) -> np.ndarray:
     cu = _int_array(value, what)
     if cu.ndim != 1 or cu.size == 0 or cu[0] != 0:
-        raise MaskError(f"{what} must be a 1-D list starting at 0, got {cu.tolist()}")
+        raise MaskError(f"{what} must be a 1-D list starting at 0, got {_short(cu)}")
+    check_count(cu.size - 1, MAX_ROWS, f"documents in {what}")
     if np.any(np.diff(cu) < 0):
-        raise MaskError(f"{what} must be non-decreasing, got {cu.tolist()}")
+        raise MaskError(f"{what} must be non-decreasing, got {_short(cu)}")
+    _seqlen(int(cu[-1]), f"the last of {what}")
     return cu
+
+
+def _short(values: np.ndarray, limit: int = 8) -> str:
+    """A long array in an error message: its first values and its length."""
+    head = values[:limit].tolist()
+    return str(head) if values.size <= limit else f"[{', '.join(map(str, head))}, ...] ({values.size:,} values)"
 
 
 def _validate(q: np.ndarray, k: np.ndarray, t: np.ndarray, sq: int, sk: int) -> None:

@@ -14,6 +14,7 @@ from typing import Literal
 import numpy as np
 
 from maskc.errors import MaskError
+from maskc.limits import MAX_TOKENS
 
 AttnType = Literal["full", "causal", "inv_causal", "bi_causal"]
 TYPE_NAMES: tuple[str, ...] = ("full", "causal", "inv_causal", "bi_causal")
@@ -45,6 +46,8 @@ def _range_pair(value: object, what: str) -> tuple[int, int]:
         raise MaskError(f"{what} range ({start}, {end}) is negative")
     if start > end:
         raise MaskError(f"{what} range ({start}, {end}) is reversed (start > end)")
+    if end > MAX_TOKENS:
+        raise MaskError(f"{what} range ({start}, {end}) ends past {MAX_TOKENS:,} tokens, the longest sequence maskc supports")
     return start, end
 
 
@@ -73,7 +76,8 @@ class AttnSlice:
 
 
 def slice_areas(lq: np.ndarray, lk: np.ndarray, types: np.ndarray) -> np.ndarray:
-    """Per-slice areas (int64) from lengths and type ids, the closed forms of DESIGN.md."""
+    """Per-slice areas (int64) from lengths and type ids, the closed forms of the mask
+    semantics; exact for lengths up to MAX_TOKENS (every product stays below 2**63)."""
     lq = lq.astype(np.int64)
     lk = lk.astype(np.int64)
     tri = np.where(lk > lq, (2 * lk - lq + 1) * lq // 2, (1 + lk) * lk // 2)
