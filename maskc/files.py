@@ -13,10 +13,20 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import Iterator
 
 
 def _temporary_name(directory: Path, name: str) -> Path:
     return directory / f".{name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+
+
+def temporaries(directory: Path) -> Iterator[tuple[Path, str]]:
+    """The temporary files and directories in `directory`, each with the name it was made for:
+    what a writer killed before its rename left behind (or one still writing)."""
+    for path in directory.glob(".*.tmp"):
+        parts = path.name[1:].rsplit(".", 3)
+        if len(parts) == 4 and parts[1].isdigit() and len(parts[2]) == 12:
+            yield path, parts[0]
 
 
 def write_atomic(path: str | Path, data: bytes | str) -> Path:

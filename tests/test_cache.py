@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import stat
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from maskc.codegen import cache
 from maskc.codegen.jit import variant_for
+from maskc.files import make_temporary_dir
 from maskc.runtime import read_manifest
 
 pytest.importorskip("cutlass", reason="compiling kernels needs the CUTLASS DSL")
@@ -78,3 +81,22 @@ def test_concurrent_compiles_share_one_entry(tmp_path: Path) -> None:
     modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in entries[0].rglob("*")}
     assert stat.S_IMODE(entries[0].stat().st_mode) == 0o755
     assert modes and all(mode == (0o755 if (tmp_path / name).is_dir() else 0o644) for name, mode in modes.items()), modes
+
+
+def test_a_compile_sweeps_what_killed_compiles_left_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A staging directory whose entry's lock nobody holds is a dead compile's; one whose lock is
+    held belongs to a compile still running and stays."""
+    monkeypatch.setenv(cache.ENV_CACHE, str(tmp_path))
+
+    def fake_compile(variant: object, out: Path) -> SimpleNamespace:
+        (out / "k.o").write_bytes(b"object")
+        return SimpleNamespace(seconds=0.0, object_path=out / "k.o", function_prefix="attn_fwd")
+
+    monkeypatch.setattr("maskc.codegen.compile.compile_variant", fake_compile)
+    dead = [make_temporary_dir(tmp_path, name) for name in ("0123456789abcdef01234567", cache.entry_address(variant_for(REQUEST)))]
+    live = make_temporary_dir(tmp_path, "live0123456789abcdef0123")
+    with open(tmp_path / "live0123456789abcdef0123.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as a running compile of that entry holds it
+        entry = cache.cached_kernel(variant_for(REQUEST))
+    assert not any(d.exists() for d in dead) and live.is_dir()
+    assert read_manifest(entry)["files"].keys() == {"k.o"}

@@ -12,6 +12,7 @@ reader never sees a half-written entry. Entries are written with the umask's mod
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import functools
@@ -22,11 +23,12 @@ import os
 import shutil
 from importlib import resources
 from pathlib import Path
+from typing import Iterator
 
 import maskc
 import maskc.runtime.abi as abi_module
 from maskc.codegen.variant import KernelVariant
-from maskc.files import make_temporary_dir, write_atomic
+from maskc.files import make_temporary_dir, temporaries, write_atomic
 from maskc.runtime.abi import ABIS, abi_to_json
 from maskc.runtime.launch import installed_dsl_version
 from maskc.runtime.manifest import MANIFEST_NAME, write_manifest
@@ -86,12 +88,12 @@ def cached_kernel(variant: KernelVariant) -> Path:
     final = root / entry_address(variant)
     if (final / MANIFEST_NAME).is_file():
         return final
-    with open(root / f"{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _entry_lock(root, final.name, wait=True):
         if (final / MANIFEST_NAME).is_file():
             return final
         from maskc.codegen.compile import compile_variant
 
+        _sweep_dead_builds(root, final.name)
         staging = make_temporary_dir(root, final.name)
         try:
             built = compile_variant(variant, staging)
@@ -110,6 +112,31 @@ def cached_kernel(variant: KernelVariant) -> Path:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+@contextlib.contextmanager
+def _entry_lock(root: Path, entry: str, wait: bool) -> Iterator[bool]:
+    """Hold the lock of one cache entry (whoever holds it may build the entry) for the block;
+    without `wait`, yield False at once where another process holds it."""
+    with open(root / f"{entry}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
+def _sweep_dead_builds(root: Path, held: str) -> None:
+    """Remove the staging directories that killed compiles left behind: one belongs to a live
+    compile only while its entry's lock is held (`held`: the entry whose lock this process holds)."""
+    for staging, entry in temporaries(root):
+        if entry == held:
+            shutil.rmtree(staging, ignore_errors=True)
+            continue
+        with _entry_lock(root, entry, wait=False) as free:
+            if free:
+                shutil.rmtree(staging, ignore_errors=True)
 
 
 def compressed_runtime_library() -> Path:
