@@ -2,6 +2,16 @@
 
 from maskc.runtime.artifact import Artifact, load_artifact
 from maskc.runtime.attention import attention, register_artifact
-from maskc.runtime.manifest import FORMAT_VERSION, MANIFEST_NAME, read_manifest
+from maskc.runtime.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, open_manifest, read_manifest
 
-__all__ = ["Artifact", "attention", "register_artifact", "FORMAT_VERSION", "MANIFEST_NAME", "load_artifact", "read_manifest"]
+__all__ = [
+    "Artifact",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "Manifest",
+    "attention",
+    "load_artifact",
+    "open_manifest",
+    "read_manifest",
+    "register_artifact",
+]

@@ -8,7 +8,7 @@ from typing import Any
 
 from maskc.errors import ArtifactError, MaskError
 from maskc.ir import Mask
-from maskc.runtime.manifest import read_manifest
+from maskc.runtime.manifest import open_manifest
 
 
 @dataclass(frozen=True)
@@ -18,17 +18,13 @@ class Artifact:
     masks: dict[str, Mask]
 
 
-def load_artifact(directory: str | Path) -> Artifact:
-    """Verify an artifact directory and load the IR of every mask it holds."""
-    directory = Path(directory)
-    manifest = read_manifest(directory)
+def load_artifact(directory: str | Path, sha256: str | None = None) -> Artifact:
+    """Verify an artifact directory (`sha256` pins its manifest) and load the IR of every mask it holds."""
+    manifest = open_manifest(directory, sha256)
     masks = {}
-    for name, entry in manifest.get("masks", {}).items():
-        ir_file = entry.get("ir") if isinstance(entry, dict) else None
-        if ir_file not in manifest["files"]:
-            raise ArtifactError(f"mask {name!r} in {directory} has no hashed IR file")
+    for name, entry in manifest.body.get("masks", {}).items():
         try:
-            masks[name] = Mask.from_json((directory / ir_file).read_text())
-        except MaskError as exc:
+            masks[name] = Mask.from_json(manifest.files[entry["ir"]].decode())
+        except (MaskError, UnicodeDecodeError) as exc:
             raise ArtifactError(f"IR of mask {name!r} in {directory} is invalid: {exc}") from None
-    return Artifact(directory, manifest, masks)
+    return Artifact(Path(directory), manifest.body, masks)

@@ -46,8 +46,17 @@ from maskc.ir.schedule import (
 from maskc.ir.strategy import SUPPORTED_HEAD_DIMS, pack_gqa_supported, select_pack_gqa, select_tiles
 from maskc.reference import AttentionMeta, check_attention_args
 from maskc.runtime.abi import ABIS, BACKWARD_ABI, SCHEDULE_AND_LAUNCH, TensorArg, abi_to_json
-from maskc.runtime.launch import Kernel, find_runtime_library, installed_dsl_version, installed_library, runtime_at
-from maskc.runtime.manifest import read_manifest
+from maskc.runtime.launch import (
+    CuteRuntime,
+    Kernel,
+    find_runtime_library,
+    installed_dsl_version,
+    installed_library,
+    runtime_at,
+    runtime_of,
+    shipped_library,
+)
+from maskc.runtime.manifest import Manifest, open_manifest
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 ARCHS = {(8, 0): "sm_80", (8, 6): "sm_86", (8, 9): "sm_89", (9, 0): "sm_90a", (10, 0): "sm_100a", (12, 0): "sm_120a"}
@@ -159,41 +168,42 @@ _KERNELS: dict[tuple, _Entry] = {}
 _LOADED: list[_Entry] = []
 
 
-def register_artifact(directory: str | Path) -> list[str]:
-    """Verify an artifact directory and make its kernels available to `maskc.attention`."""
-    directory = Path(directory)
-    manifest = read_manifest(directory)
-    variants = manifest.get("variants", [])
+def register_artifact(directory: str | Path, sha256: str | None = None) -> list[str]:
+    """Verify an artifact directory and make its kernels available to `maskc.attention`; the
+    keys of its kernels. `sha256` pins the manifest's digest (`maskc verify DIR` prints it),
+    and with it every file of the directory. Nothing is written to the directory, and the
+    kernel objects and a runtime library it ships are used as the bytes that were verified."""
+    manifest = open_manifest(directory, sha256)
+    variants = manifest.body.get("variants", [])
     if not variants:
         return []
     for v in variants:
-        abi = ABIS.get(v.get("fields", {}).get("direction", "fwd"))
-        if abi is None or v.get("abi") != abi_to_json(abi):
-            raise ArtifactError(f"kernel {v.get('key')!r} in {directory} was built for another argument ABI: recompile")
-        if v.get("object") not in manifest["files"]:
-            raise ArtifactError(f"kernel {v.get('key')!r} in {directory} has no hashed object file")
-    library = find_runtime_library(directory, manifest["files"])
-    _check_runtime_version(manifest, library, directory)
-    runtime = runtime_at(library)
+        abi = ABIS.get(v["fields"]["direction"])
+        if abi is None or v["abi"] != abi_to_json(abi):
+            raise ArtifactError(f"kernel {v['key']!r} in {directory} was built for another argument ABI: recompile")
+    runtime = _runtime_for(manifest)
     for v in variants:
-        load = partial(Kernel, runtime, (directory / v["object"]).read_bytes(), v["function"], ABIS[v["fields"]["direction"]])
+        load = partial(Kernel, runtime, manifest.files[v["object"]], v["function"], ABIS[v["fields"]["direction"]])
         _KERNELS[_request_key(v["fields"])] = _entry(load, v["fields"])
     return [v["key"] for v in variants]
 
 
-def _check_runtime_version(manifest: dict[str, Any], library: Path, directory: Path) -> None:
-    """Objects run on the runtime library of the DSL release that built them. A library shipped
-    with the artifacts (or named by $MASKC_CUTE_RUNTIME) is the user's choice; the installed
-    wheel's is checked against the release recorded in the manifest."""
-    built = manifest.get("toolchain", {}).get("nvidia-cutlass-dsl")
-    if built is None or library != installed_library():
-        return
-    installed = installed_dsl_version()
-    if installed != built:
+def _runtime_for(manifest: Manifest) -> CuteRuntime:
+    """The runtime library an artifact's objects run on. One it ships (hashed by its manifest) or
+    one $MASKC_CUTE_RUNTIME names is the user's choice; the installed wheel's must be the DSL
+    release recorded in the manifest, since objects run on the runtime of the release that built
+    them."""
+    shipped = shipped_library(manifest.files, manifest.directory)
+    if shipped is not None:
+        return runtime_of(shipped, str(manifest.directory))
+    library = find_runtime_library()
+    built = manifest.body.get("toolchain", {}).get("nvidia-cutlass-dsl")
+    if built is not None and library == installed_library() and installed_dsl_version() != built:
         raise ArtifactError(
-            f"kernels in {directory} were built with nvidia-cutlass-dsl {built}, but the runtime library "
-            f"found is nvidia-cutlass-dsl {installed}'s: recompile, or ship the runtime with `maskc compile --bundle-runtime`"
+            f"kernels in {manifest.directory} were built with nvidia-cutlass-dsl {built}, but the runtime library found is "
+            f"nvidia-cutlass-dsl {installed_dsl_version()}'s: recompile, or ship the runtime with `maskc compile --bundle-runtime`"
         )
+    return runtime_at(library)
 
 
 def _jit(request: dict[str, Any]) -> _Entry:

@@ -15,12 +15,11 @@ import threading
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Collection, Mapping
+from typing import Mapping
 
 import torch
 
 from maskc.errors import ArtifactError
-from maskc.files import write_atomic
 from maskc.runtime.abi import Arg, ScalarArg, StreamArg, TensorArg
 
 LIBRARY = "libcute_dsl_runtime.so"
@@ -48,40 +47,21 @@ def installed_dsl_version() -> str | None:
         return None
 
 
-def _unpacked(xz: Path) -> Path:
-    """Decompress `libcute_dsl_runtime.so.xz` once into a per-user cache, keyed by content."""
-    data = xz.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "maskc" / "runtime" / digest
-    target = cache / LIBRARY
-    if not target.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        try:
-            raw = lzma.decompress(data)
-        except lzma.LZMAError as exc:
-            raise ArtifactError(f"{xz} is not a valid xz archive: {exc}") from None
-        write_atomic(target, raw)
-    return target
+def _decompressed(data: bytes, what: str | Path) -> bytes:
+    try:
+        return lzma.decompress(data)
+    except lzma.LZMAError as exc:
+        raise ArtifactError(f"{what} is not a valid xz archive: {exc}") from None
 
 
-def find_runtime_library(artifact_dir: str | Path | None = None, hashed: Collection[str] = ()) -> Path:
-    """Where libcute_dsl_runtime.so is: next to the artifacts (plain or .xz) where their
-    manifest hashes it (`hashed`: its file names), $MASKC_CUTE_RUNTIME, or the wheel. A
-    library in an artifact directory that its manifest does not hash is never loaded."""
+def find_runtime_library() -> Path:
+    """The runtime library the user installed: $MASKC_CUTE_RUNTIME (plain or .xz), else the wheel's."""
     searched = []
-    if artifact_dir is not None:
-        for name in (LIBRARY, LIBRARY + ".xz"):
-            path = Path(artifact_dir) / name
-            if name not in hashed:
-                searched.append(f"{path} (not in its manifest)" if path.exists() else str(path))
-                continue
-            searched.append(str(path))
-            return _unpacked(path) if name.endswith(".xz") else path
     env = os.environ.get(ENV_LIBRARY)
     if env:
         searched.append(f"${ENV_LIBRARY}={env}")
         if Path(env).is_file():
-            return _unpacked(Path(env)) if env.endswith(".xz") else Path(env)
+            return Path(env)
     installed = installed_library()
     searched.append("the nvidia-cutlass-dsl package")
     if installed is not None:
@@ -89,15 +69,31 @@ def find_runtime_library(artifact_dir: str | Path | None = None, hashed: Collect
     raise ArtifactError(f"{LIBRARY} not found; looked in: {', '.join(searched)}")
 
 
-class CuteRuntime:
-    """The loaded runtime library; one per process and path."""
+def library_bytes(path: Path) -> bytes:
+    """The library at `path`, decompressed where it is a `.xz`."""
+    data = path.read_bytes()
+    return _decompressed(data, path) if path.suffix == ".xz" else data
 
-    def __init__(self, path: Path):
-        self.path = path
+
+def shipped_library(files: Mapping[str, bytes], directory: Path) -> bytes | None:
+    """The runtime library an artifact directory ships (plain or .xz), from the bytes its
+    manifest hashed (`Manifest.files`): a library the manifest does not list is never used."""
+    if LIBRARY in files:
+        return files[LIBRARY]
+    if LIBRARY + ".xz" in files:
+        return _decompressed(files[LIBRARY + ".xz"], directory / (LIBRARY + ".xz"))
+    return None
+
+
+class CuteRuntime:
+    """The loaded runtime library; one per process and library (`runtime_at`, `runtime_of`)."""
+
+    def __init__(self, path: Path, name: str | None = None):
+        self.name = name or str(path)
         try:
             lib = ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL)
         except OSError as exc:
-            raise ArtifactError(f"cannot load {path}: {exc}") from None
+            raise ArtifactError(f"cannot load {self.name}: {exc}") from None
         lib.CuteDSLRT_Module_Create_From_Bytes.argtypes = [
             ctypes.POINTER(ctypes.c_void_p),
             ctypes.c_char_p,
@@ -132,7 +128,27 @@ class CuteRuntime:
 
 @lru_cache(maxsize=None)
 def runtime_at(path: Path) -> CuteRuntime:
+    """The library the user installed at `path` (`find_runtime_library`)."""
+    if path.suffix == ".xz":
+        return runtime_of(library_bytes(path), str(path))
     return CuteRuntime(path)
+
+
+_FROM_BYTES: dict[str, CuteRuntime] = {}
+
+
+def runtime_of(data: bytes, name: str) -> CuteRuntime:
+    """The library whose bytes are `data`, loaded from exactly those bytes (an anonymous
+    in-memory file, never a path someone could swap after the bytes were checked)."""
+    digest = hashlib.sha256(data).hexdigest()
+    runtime = _FROM_BYTES.get(digest)
+    if runtime is None:
+        with os.fdopen(os.memfd_create(LIBRARY), "wb") as f:
+            f.write(data)
+            f.flush()
+            runtime = CuteRuntime(Path(f"/proc/self/fd/{f.fileno()}"), f"{LIBRARY} of {name} (sha256 {digest[:16]})")
+        _FROM_BYTES[digest] = runtime
+    return runtime
 
 
 _SCALAR_CTYPES = {"float32": ctypes.c_float, "int32": ctypes.c_int32}

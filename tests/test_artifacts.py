@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -16,8 +17,13 @@ from maskc.codegen import LoweredMask, write_artifact
 from maskc.errors import ArtifactError
 from maskc.files import write_atomic
 from maskc.ir import Mask
-from maskc.runtime import FORMAT_VERSION, load_artifact, read_manifest
-from maskc.runtime.manifest import write_manifest
+from maskc.runtime import FORMAT_VERSION, load_artifact, open_manifest, read_manifest, register_artifact
+from maskc.runtime.abi import FORWARD_ABI, abi_to_json
+from maskc.runtime.manifest import sha256_of, write_manifest
+
+
+FIELDS = {"arch": "sm_90a", "direction": "fwd", "head_dim": 128, "dtype": "bf16", "num_heads_q": 8, "num_heads_kv": 8,
+          "tile_m": 128, "tile_n": 128}  # fmt: skip
 
 
 @pytest.fixture
@@ -72,7 +78,7 @@ def test_version_mismatch_is_refused(artifact: Path) -> None:
 
 
 def test_files_outside_the_directory_are_refused(artifact: Path) -> None:
-    _rewrite_manifest(artifact, files={"../m.mask": "0" * 64})
+    _rewrite_manifest(artifact, files={**read_manifest(artifact)["files"], "../m.mask": "0" * 64})
     with pytest.raises(ArtifactError, match="outside its directory"):
         read_manifest(artifact)
 
@@ -99,7 +105,7 @@ def _fake_cache_entry(directory: Path) -> Path:
     for name in ("k.o", "dump/k.ptx", "stray.so"):
         (directory / name).write_bytes(name.encode())
         (directory / name).chmod(0o600)
-    variant = {"key": "k", "object": "k.o", "function": "attn_fwd", "fields": {"arch": "sm_90a"}}
+    variant = {"key": "k", "object": "k.o", "function": "attn_fwd", "abi": abi_to_json(FORWARD_ABI), "fields": FIELDS}
     write_manifest(directory, {"variants": [variant], "files": ["k.o", "dump/k.ptx"]})
     return directory
 
@@ -147,3 +153,62 @@ def test_an_output_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "out").write_text("")
     with pytest.raises(ArtifactError, match="a file of that name exists"):
         write_artifact(tmp_path / "out", [LoweredMask("m", {}, Mask.from_cu_seqlens([0, 8]))])
+
+
+def test_symbolic_links_out_of_the_directory_are_refused(artifact: Path, tmp_path: Path) -> None:
+    """A manifest entry read through a link (a linked folder or file) must not reach outside."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("outside")
+    (artifact / "etc").symlink_to(tmp_path)
+    _rewrite_manifest(artifact, files={**read_manifest(artifact)["files"], "etc/secret.txt": sha256_of(secret)})
+    with pytest.raises(ArtifactError, match=r"artifact file .*etc/secret.txt leads outside .* \(through a symbolic link\)"):
+        read_manifest(artifact)
+    (artifact / "etc").unlink()
+    (artifact / "etc").symlink_to(secret)
+    _rewrite_manifest(artifact, files={**read_manifest_files(artifact), "etc": sha256_of(secret)})
+    with pytest.raises(ArtifactError, match="leads outside"):
+        read_manifest(artifact)
+    (artifact / "etc").unlink()
+    (artifact / "etc").symlink_to(artifact / "docs.ir.json")  # a link that stays inside is fine
+    _rewrite_manifest(artifact, files={**read_manifest_files(artifact), "etc": sha256_of(artifact / "docs.ir.json")})
+    assert "etc" in read_manifest(artifact)["files"]
+
+
+def read_manifest_files(artifact: Path) -> dict:
+    """The manifest's file table as written (without verifying it), less the test's `etc` entries."""
+    return {k: v for k, v in json.loads((artifact / "manifest.json").read_text())["files"].items() if not k.startswith("etc")}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"masks": ["docs"]}, r"manifest.json.masks must be an object, got list"),
+        ({"variants": {"k": {}}}, r"manifest.json.variants must be a list, got dict"),
+        ({"variants": [{"key": "k", "object": "docs.ir.json", "function": "f", "abi": []}]}, r"variants\[0\] has no 'fields'"),
+        ({"variants": [{"key": "k", "object": "docs.ir.json", "function": "f", "abi": [], "fields": {**FIELDS, "head_dim": "128"}}]},
+         r"variants\[0\].fields.head_dim must be an integer, got \"128\""),
+        ({"variants": [{"key": "k", "object": "nowhere.o", "function": "f", "abi": [], "fields": FIELDS}]},
+         r"variants\[0\].object names 'nowhere.o', which the manifest does not hash"),
+        ({"masks": {"docs": {"ir": "docs.ir.json", "seqlen_q": 8, "seqlen_k": True}}}, r'masks\["docs"\].seqlen_k must be an integer, got true'),
+        ({"masks": {"docs": {"seqlen_q": 8, "seqlen_k": 8}}}, r'masks\["docs"\] has no \'ir\''),
+        ({"toolchain": {"torch": 2}}, r'toolchain\["torch"\] must be a string, got 2'),
+        ({"files": {"docs.ir.json": "abc"}}, r'files\["docs.ir.json"\] must be a sha256 \(64 lowercase hex digits\), got "abc"'),
+        ({"files": []}, r"files must be an object, got list"),
+    ],
+)  # fmt: skip
+def test_a_malformed_manifest_is_an_artifact_error_naming_the_field(artifact: Path, change: dict, message: str) -> None:
+    _rewrite_manifest(artifact, **change)
+    for load in (read_manifest, load_artifact, register_artifact):
+        with pytest.raises(ArtifactError, match=message):
+            load(artifact)
+
+
+def test_the_manifest_digest_pins_the_whole_directory(artifact: Path) -> None:
+    digest = hashlib.sha256((artifact / "manifest.json").read_bytes()).hexdigest()
+    assert open_manifest(artifact, sha256=digest).sha256 == digest
+    assert load_artifact(artifact, sha256=digest.upper()).masks.keys() == {"docs", "window"}
+    assert register_artifact(artifact, sha256=digest) == []
+    with pytest.raises(ArtifactError, match=f"manifest.json has sha256 {digest}, not the pinned 0000"):
+        register_artifact(artifact, sha256="0" * 64)
+    with pytest.raises(ArtifactError, match="not the pinned"):
+        load_artifact(artifact, sha256="0" * 64)

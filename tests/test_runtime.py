@@ -24,44 +24,85 @@ from maskc.runtime.abi import BACKWARD_ABI, FORWARD_ABI, TensorArg, abi_to_json
 from maskc.runtime.manifest import write_manifest
 
 
-def test_library_found_next_to_artifacts_plain_or_xz(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    (plain / launch.LIBRARY).write_bytes(b"\x7fELF fake")
-    assert launch.find_runtime_library(plain, [launch.LIBRARY]) == plain / launch.LIBRARY
-    packed = tmp_path / "packed"
-    packed.mkdir()
-    xz = launch.LIBRARY + ".xz"
-    (packed / xz).write_bytes(lzma.compress(b"\x7fELF fake"))
-    unpacked = launch.find_runtime_library(packed, [xz])
-    assert unpacked.read_bytes() == b"\x7fELF fake"
-    assert unpacked.is_relative_to(tmp_path / "cache")
-    (packed / xz).write_bytes(b"not xz")
-    with pytest.raises(ArtifactError, match="not a valid xz archive"):
-        launch.find_runtime_library(packed, [xz])
+FIELDS = {"arch": "sm_90a", "direction": "fwd", "head_dim": 128, "dtype": "bf16", "num_heads_q": 8, "num_heads_kv": 8,
+          "has_softcap": False, "has_sink": False, "has_max_logits": False, "tile_m": 128, "tile_n": 128}  # fmt: skip
 
 
-def test_a_library_the_manifest_does_not_hash_is_never_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A shared library dropped into an artifact directory would run its code in the training process."""
+def kernel_artifact(directory: Path, extra: dict[str, bytes] | None = None, toolchain: dict | None = None) -> Path:
+    """An artifact directory holding one (fake) forward kernel object and the `extra` files, all hashed."""
+    directory.mkdir(exist_ok=True)
+    (directory / "k.o").write_bytes(b"object bytes")
+    for name, data in (extra or {}).items():
+        (directory / name).write_bytes(data)
+    variant = {"key": "k", "object": "k.o", "function": "attn_fwd", "abi": abi_to_json(FORWARD_ABI), "fields": FIELDS}
+    write_manifest(directory, {"toolchain": toolchain or {}, "variants": [variant], "files": ["k.o", *(extra or {})]})
+    return directory
+
+
+@pytest.fixture
+def runtimes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object]]:
+    """Which runtime library each registration loads: ("installed", path) or ("shipped", its bytes)."""
+    rt = importlib.import_module("maskc.runtime.attention")
+    loaded: list[tuple[str, object]] = []
+    monkeypatch.setattr(rt, "runtime_at", lambda path: loaded.append(("installed", path)))
+    monkeypatch.setattr(rt, "runtime_of", lambda data, name: loaded.append(("shipped", data)))
+    monkeypatch.setattr(rt, "_KERNELS", {})
+    monkeypatch.setattr(rt, "_LOADED", [])
+    monkeypatch.setattr(launch, "installed_library", lambda: Path("/installed/libcute_dsl_runtime.so"))
     monkeypatch.delenv(launch.ENV_LIBRARY, raising=False)
-    monkeypatch.setattr(launch, "installed_library", lambda: tmp_path / "installed.so")
-    (tmp_path / launch.LIBRARY).write_bytes(b"\x7fELF dropped in")
-    (tmp_path / (launch.LIBRARY + ".xz")).write_bytes(lzma.compress(b"\x7fELF dropped in"))
-    assert launch.find_runtime_library(tmp_path, ["model.ir.json"]) == tmp_path / "installed.so"
-    monkeypatch.setattr(launch, "installed_library", lambda: None)
-    with pytest.raises(ArtifactError, match=r"libcute_dsl_runtime.so \(not in its manifest\)"):
-        launch.find_runtime_library(tmp_path)
+    return loaded
+
+
+def test_a_shipped_library_is_used_from_the_bytes_its_manifest_hashed(tmp_path: Path, runtimes: list) -> None:
+    register_artifact(kernel_artifact(tmp_path / "plain", {launch.LIBRARY: b"\x7fELF plain"}))
+    register_artifact(kernel_artifact(tmp_path / "packed", {launch.LIBRARY + ".xz": lzma.compress(b"\x7fELF packed")}))
+    assert runtimes == [("shipped", b"\x7fELF plain"), ("shipped", b"\x7fELF packed")]
+    kernel_artifact(tmp_path / "bad", {launch.LIBRARY + ".xz": b"not xz"})
+    with pytest.raises(ArtifactError, match="libcute_dsl_runtime.so.xz is not a valid xz archive"):
+        register_artifact(tmp_path / "bad")
+
+
+def test_a_library_the_manifest_does_not_hash_is_never_loaded(tmp_path: Path, runtimes: list) -> None:
+    """A shared library dropped into an artifact directory would run its code in the training process."""
+    art = kernel_artifact(tmp_path / "art")
+    (art / launch.LIBRARY).write_bytes(b"\x7fELF dropped in")
+    (art / (launch.LIBRARY + ".xz")).write_bytes(lzma.compress(b"\x7fELF dropped in"))
+    assert register_artifact(art) == ["k"]
+    assert runtimes == [("installed", Path("/installed/libcute_dsl_runtime.so"))]
+
+
+def test_kernel_objects_run_as_the_bytes_that_were_verified(tmp_path: Path, runtimes: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The object is read once, hashed and kept: a file swapped on disk after registration is never used."""
+    rt = importlib.import_module("maskc.runtime.attention")
+    built = []
+    monkeypatch.setattr(rt, "Kernel", lambda runtime, data, function, abi: built.append(data))
+    art = kernel_artifact(tmp_path / "art")
+    register_artifact(art)
+    (art / "k.o").write_bytes(b"swapped in later")
+    rt._KERNELS[rt._request_key(FIELDS)].kernel
+    assert built == [b"object bytes"]
 
 
 def test_library_missing_everywhere_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(launch.ENV_LIBRARY, raising=False)
     monkeypatch.setattr(launch, "installed_library", lambda: None)
-    with pytest.raises(ArtifactError, match=r"libcute_dsl_runtime.so not found; looked in: .*plain.*nvidia-cutlass-dsl"):
-        launch.find_runtime_library(tmp_path / "plain")
-    monkeypatch.setenv(launch.ENV_LIBRARY, str(tmp_path / "lib.so"))
-    (tmp_path / "lib.so").write_bytes(b"x")
-    assert launch.find_runtime_library() == tmp_path / "lib.so"
+    with pytest.raises(ArtifactError, match=r"libcute_dsl_runtime.so not found; looked in: the nvidia-cutlass-dsl package"):
+        launch.find_runtime_library()
+    monkeypatch.setenv(launch.ENV_LIBRARY, str(tmp_path / "lib.so.xz"))
+    (tmp_path / "lib.so.xz").write_bytes(lzma.compress(b"\x7fELF"))
+    assert launch.find_runtime_library() == tmp_path / "lib.so.xz"
+    assert launch.library_bytes(tmp_path / "lib.so.xz") == b"\x7fELF"
+
+
+def test_a_library_loads_from_exactly_the_bytes_given() -> None:
+    """No path on disk that could be swapped between the check and the load: an in-memory file."""
+    installed = launch.installed_library()
+    if installed is None:
+        pytest.skip("the CUTLASS DSL wheel is not installed")
+    runtime = launch.runtime_of(installed.read_bytes(), "a test")
+    assert runtime.name.startswith("libcute_dsl_runtime.so of a test (sha256 ")
+    assert any("/memfd:libcute_dsl_runtime.so" in line for line in Path("/proc/self/maps").read_text().splitlines())
+    assert launch.runtime_of(installed.read_bytes(), "another name") is runtime
 
 
 def test_installed_wheel_library_is_found_without_importing_cutlass() -> None:
@@ -91,7 +132,7 @@ def test_artifact_without_kernels_registers_nothing(tmp_path: Path) -> None:
 
 def test_artifact_for_another_abi_is_refused(tmp_path: Path) -> None:
     (tmp_path / "k.o").write_bytes(b"object")
-    variant = {"key": "k", "object": "k.o", "function": "k", "abi": [{"kind": "stream", "name": "stream"}], "fields": {}}
+    variant = {"key": "k", "object": "k.o", "function": "k", "abi": [{"kind": "stream", "name": "stream"}], "fields": FIELDS}
     write_manifest(tmp_path, {"variants": [variant], "files": ["k.o"]})
     with pytest.raises(ArtifactError, match="another argument ABI"):
         register_artifact(tmp_path)
@@ -110,9 +151,7 @@ def test_kernels_built_with_another_dsl_release_are_refused(tmp_path: Path, monk
     """With no runtime shipped beside them, objects must match the installed DSL's runtime library."""
     pytest.importorskip("nvidia_cutlass_dsl", reason="the CUTLASS DSL wheel is not installed")
     monkeypatch.delenv(launch.ENV_LIBRARY, raising=False)
-    (tmp_path / "k.o").write_bytes(b"object")
-    variant = {"key": "k", "object": "k.o", "function": "k", "abi": abi_to_json(FORWARD_ABI), "fields": {}}
-    write_manifest(tmp_path, {"toolchain": {"nvidia-cutlass-dsl": "0.0.1"}, "variants": [variant], "files": ["k.o"]})
+    kernel_artifact(tmp_path, toolchain={"nvidia-cutlass-dsl": "0.0.1"})
     with pytest.raises(ArtifactError, match=r"built with nvidia-cutlass-dsl 0.0.1, but the runtime library found is"):
         register_artifact(tmp_path)
 
@@ -245,10 +284,8 @@ def test_a_read_only_artifact_directory_registers_without_a_write(tmp_path: Path
     art = tmp_path / "art"
     write_artifact(art, [LoweredMask("docs", {}, Mask.from_cu_seqlens([0, 8, 20], causal=True))])
     (art / "k.o").write_bytes(b"object bytes, loaded on first use")
-    fields = {"arch": "sm_90a", "direction": "fwd", "head_dim": 128, "dtype": "bf16", "num_heads_q": 8, "num_heads_kv": 8,
-              "has_softcap": False, "has_sink": False, "has_max_logits": False, "tile_m": 128, "tile_n": 128}  # fmt: skip
     body = json.loads((art / "manifest.json").read_text())
-    body["variants"] = [{"key": "k", "object": "k.o", "function": "attn_fwd", "abi": abi_to_json(FORWARD_ABI), "fields": fields}]
+    body["variants"] = [{"key": "k", "object": "k.o", "function": "attn_fwd", "abi": abi_to_json(FORWARD_ABI), "fields": FIELDS}]
     body["toolchain"]["nvidia-cutlass-dsl"] = launch.installed_dsl_version()
     write_manifest(art, {**body, "files": [*body["files"], "k.o"]})
     for path in [art, *art.iterdir()]:

@@ -15,7 +15,7 @@ from maskc.codegen.cache import toolchain
 from maskc.errors import ArtifactError
 from maskc.files import copy_atomic, write_atomic
 from maskc.ir import Mask
-from maskc.runtime.manifest import read_manifest, write_manifest
+from maskc.runtime.manifest import open_manifest, write_manifest
 
 
 @dataclass(frozen=True)
@@ -40,18 +40,18 @@ def _jsonable(value: Any) -> Any:
 
 
 def _gather_kernels(out: Path, kernels: Sequence[Path]) -> tuple[list[dict], list[str]]:
-    """Copy the hashed files of verified cache entries under `out/kernels/<entry>/`; their
-    variant records and files."""
+    """Write the hashed files of verified cache entries, as verified, under `out/kernels/<entry>/`;
+    their variant records and files."""
     variants, files = [], []
     for entry in kernels:
-        manifest = read_manifest(entry)
+        manifest = open_manifest(entry)
         prefix = f"kernels/{entry.name}/"
-        for name in manifest["files"]:
+        for name, data in manifest.files.items():
             target = out / prefix / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            copy_atomic(entry / name, target)
-        files += [prefix + name for name in manifest["files"]]
-        variants += [{**v, "object": prefix + v["object"]} for v in manifest["variants"]]
+            write_atomic(target, data)
+        files += [prefix + name for name in manifest.files]
+        variants += [{**v, "object": prefix + v["object"]} for v in manifest.body["variants"]]
     return variants, files
 
 
