@@ -39,7 +39,7 @@ def test_second_compile_is_a_no_op(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert cache.cached_kernel(variant_for(REQUEST)) == first
     # Another variant, or edited templates or code generator, is another address.
     assert cache.entry_address(variant_for({**REQUEST, "num_heads_kv": 2})) != first.name
-    monkeypatch.setattr(cache, "_sources_digest", lambda: "edited sources")
+    monkeypatch.setattr(cache, "sources_digest", lambda: "edited sources")
     assert cache.entry_address(variant_for(REQUEST)) != first.name
 
 
@@ -52,12 +52,12 @@ def test_the_address_follows_the_code_generator_not_only_the_templates(tmp_path:
     edited.write_bytes(dict((name, path) for path, name in cache.source_files())["codegen/render.py"].read_bytes())
     files = [(edited if name == "codegen/render.py" else path, name) for path, name in cache.source_files()]
     monkeypatch.setattr(cache, "source_files", lambda: files)
-    cache._sources_digest.cache_clear()
+    cache.sources_digest.cache_clear()
     before = cache.entry_address(variant_for(REQUEST))
     edited.write_text(edited.read_text() + "\n# edited\n")
-    cache._sources_digest.cache_clear()
+    cache.sources_digest.cache_clear()
     assert cache.entry_address(variant_for(REQUEST)) != before
-    cache._sources_digest.cache_clear()
+    cache.sources_digest.cache_clear()
 
 
 def test_concurrent_compiles_share_one_entry(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -304,3 +305,43 @@ def test_output_into_a_closed_pipe_ends_quietly() -> None:
         os.close(write)
     assert result.returncode == 141
     assert result.stderr == ""
+
+
+def test_verify_prints_the_digest_that_pins_a_directory(tmp_path: Path) -> None:
+    out = tmp_path / "art"
+    assert maskc("compile", "examples/causal.mask", "-o", str(out), "--ir-only").returncode == 0
+    digest = hashlib.sha256((out / "manifest.json").read_bytes()).hexdigest()
+    result = maskc("verify", str(out), "--sha256", digest)
+    assert result.returncode == 0, result.stderr
+    assert f"manifest sha256  {digest}" in result.stdout and "every file matches its manifest (2 files)" in result.stdout
+    assert_user_error(maskc("verify", str(out), "--sha256", "ab" * 32), f"has sha256 {digest}, not the pinned abab")
+    (out / "causal.ir.json").write_text("{}")
+    assert_user_error(maskc("verify", str(out)), "causal.ir.json was modified")
+    assert_user_error(maskc("verify", str(tmp_path / "none")), "is not a directory")
+
+
+def test_verify_rebuild_finds_an_object_its_publisher_swapped(tmp_path: Path) -> None:
+    """A publisher who replaces an object and rehashes the manifest passes the hash check;
+    recompiling the recorded variant shows the object is not what maskc builds."""
+    pytest.importorskip("cutlass", reason="rebuilding kernels needs the CUTLASS DSL")
+    from maskc.codegen import LoweredMask, write_artifact
+    from maskc.codegen.cache import cached_kernel
+    from maskc.codegen.jit import variant_for
+    from maskc.runtime.manifest import write_manifest
+
+    request = {"arch": "sm_90a", "direction": "fwd", "head_dim": 64, "dtype": "fp16", "num_heads_q": 4, "num_heads_kv": 4,
+               "has_softcap": False, "has_sink": False, "has_max_logits": False, "pack_gqa": False}  # fmt: skip
+    out = tmp_path / "art"
+    write_artifact(out, [LoweredMask("m", {}, Mask.from_cu_seqlens([0, 8]))], kernels=[cached_kernel(variant_for(request))])
+    honest = maskc("verify", str(out), "--rebuild")
+    assert honest.returncode == 0, honest.stderr
+    assert re.search(r"attn_fwd_\S+: identical", honest.stdout) and "1 identical, 0 different" in honest.stdout
+    body = json.loads((out / "manifest.json").read_text())
+    obj = out / body["variants"][0]["object"]
+    data = bytearray(obj.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    obj.write_bytes(bytes(data))
+    write_manifest(out, body)
+    swapped = maskc("verify", str(out), "--rebuild")
+    assert swapped.returncode == 1, swapped.stderr
+    assert re.search(r"attn_fwd_\S+: DIFFERS: object differs \(1 of [\d,]+ bytes", swapped.stdout), swapped.stdout

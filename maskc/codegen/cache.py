@@ -56,7 +56,7 @@ def source_files() -> list[tuple[Path, str]]:
 
 
 @functools.lru_cache(maxsize=1)
-def _sources_digest() -> str:
+def sources_digest() -> str:
     digest = hashlib.sha256()
     for path, name in source_files():
         digest.update(name.encode())
@@ -65,7 +65,7 @@ def _sources_digest() -> str:
 
 
 def entry_address(variant: KernelVariant) -> str:
-    body = {"variant": dataclasses.asdict(variant), "toolchain": toolchain(), "sources": _sources_digest()}
+    body = {"variant": dataclasses.asdict(variant), "toolchain": toolchain(), "sources": sources_digest()}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -78,6 +78,7 @@ def variant_record(variant: KernelVariant, object_name: str, function: str) -> d
         "function": function,
         "abi": abi_to_json(ABIS[variant.direction]),
         "experimental": variant.experimental,
+        "sources": sources_digest(),
     }
 
 
@@ -141,9 +142,9 @@ def _sweep_dead_builds(root: Path, held: str) -> None:
 
 def compressed_runtime_library() -> Path:
     """libcute_dsl_runtime.so of the installed DSL, xz-compressed once (43 MB -> about 13 MB) for shipping."""
-    from maskc.runtime.launch import LIBRARY, find_runtime_library
+    from maskc.runtime.launch import LIBRARY, find_runtime_library, library_bytes
 
-    data = find_runtime_library().read_bytes()
+    data = library_bytes(find_runtime_library())
     target = cache_root() / "runtime" / hashlib.sha256(data).hexdigest()[:16] / f"{LIBRARY}.xz"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)

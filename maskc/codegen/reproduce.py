@@ -1,0 +1,74 @@
+"""Rebuild an artifact directory's kernels and compare them with what it ships.
+
+Compiling a variant is deterministic (the same variant, templates and toolchain give the
+same object, byte for byte), so a user who does not want to trust a publisher's objects can
+recompile them from the variant records in the manifest and check that they are the ones
+shipped. Where they differ, the report says which files differ and what the toolchain or the
+templates that built them were, against the ones doing the rebuild.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from maskc.codegen.cache import sources_digest, toolchain
+from maskc.codegen.variant import KernelVariant, VariantError
+from maskc.runtime.manifest import Manifest
+
+#: Files that `compile_variant` writes next to an object, by suffix; the PTX dump is left out
+#: (it records the path it was written to).
+_COMPARED = {".o": "object", ".h": "header", ".py": "rendered source"}
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """One kernel of an artifact, recompiled: `differences` is empty when every file matches."""
+
+    key: str
+    differences: tuple[str, ...]
+
+    @property
+    def identical(self) -> bool:
+        return not self.differences
+
+
+def rebuild(manifest: Manifest) -> list[Rebuilt]:
+    """Recompile every kernel of `manifest` in a temporary directory and compare its files."""
+    here, recorded = toolchain(), manifest.body.get("toolchain", {})
+    drift = tuple(
+        f"built with {name} {recorded[name]}, rebuilt with {here[name]}"
+        for name in here
+        if name in recorded and recorded[name] != here[name]
+    )
+    return [_rebuild_one(manifest, v, drift) for v in manifest.body.get("variants", [])]
+
+
+def _rebuild_one(manifest: Manifest, record: dict, drift: tuple[str, ...]) -> Rebuilt:
+    from maskc.codegen.compile import compile_variant
+
+    try:
+        variant = KernelVariant(**record["fields"])
+    except (TypeError, VariantError) as exc:
+        return Rebuilt(record["key"], (f"its variant cannot be built by this maskc: {exc}",))
+    obj = PurePosixPath(record["object"])
+    with tempfile.TemporaryDirectory() as tmp:
+        built = compile_variant(variant, tmp, keep_ptx=False)
+        differences = []
+        for suffix, what in _COMPARED.items():
+            shipped = manifest.files.get(str(obj.with_suffix(suffix)))
+            if shipped is None:
+                continue
+            fresh = Path(tmp, f"{built.key}{suffix}").read_bytes()
+            if fresh != shipped:
+                differences.append(_difference(what, shipped, fresh))
+    sources = record.get("sources")
+    if differences and sources is not None and sources != sources_digest():
+        differences.append(f"built from templates and code generator {sources[:16]}, rebuilt from {sources_digest()[:16]}")
+    return Rebuilt(record["key"], tuple(differences) + (drift if differences else ()))
+
+
+def _difference(what: str, shipped: bytes, fresh: bytes) -> str:
+    changed = sum(a != b for a, b in zip(shipped, fresh)) + abs(len(shipped) - len(fresh))
+    return f"{what} differs ({changed:,} of {max(len(shipped), len(fresh)):,} bytes; shipped {len(shipped):,}, rebuilt {len(fresh):,})"
