@@ -132,7 +132,7 @@ def _record(required: Mapping[str, Check], optional: Mapping[str, Check] = Mappi
                 raise ArtifactError(f"{where} has no {key!r}")
             check_field(value[key], f"{where}.{key}")
         for key, check_field in optional.items():
-            if key in value and value[key] is not None:
+            if key in value:
                 check_field(value[key], f"{where}.{key}")
 
     return check
@@ -175,7 +175,7 @@ _MASK = _record(
 _MANIFEST = _record(
     {"format_version": _INT, "files": _table(_sha256)},
     {"masks": _table(_MASK), "variants": _list(_VARIANT), "toolchain": _table(_of((str, type(None)), "a string")),
-     "archs": _list(_STR), "source": _STR, "maskc_version": _STR},  # fmt: skip
+     "archs": _list(_STR), "source": _of((str, type(None)), "a string or null"), "maskc_version": _STR},  # fmt: skip
 )
 
 

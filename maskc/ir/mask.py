@@ -25,7 +25,10 @@ JSON_FORMAT = "maskc.mask/1"
 def _int_array(value: Any, what: str) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError, OverflowError):
+        raise MaskError(f"{what} must be a rectangular array of integers, got {type(value).__name__} {str(value)[:60]}") from None
     if arr.size == 0:
         arr = arr.astype(np.int64)
     if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
@@ -129,6 +132,7 @@ class Mask:
     def sliding_window(cls, cu_seqlens: Any, left: int, right: int = 0) -> Mask:
         """Per-document band: each query sees `left` keys before and `right` after itself, in its document."""
         cu = _cu_seqlens(cu_seqlens, "cu_seqlens")
+        left, right = _seqlen(left, "left"), _seqlen(right, "right")
         q, k, t = band_slices(cu[:-1], cu[1:], cu[:-1], cu[1:], left, right)
         return cls.from_arrays(q, k, t, int(cu[-1]), int(cu[-1]))
 
@@ -333,6 +337,7 @@ def _cu_seqlens(value: Any, what: str) -> np.ndarray:
 
 def _short(values: np.ndarray, limit: int = 8) -> str:
     """A long array in an error message: its first values and its length."""
+    values = values.ravel()
     head = values[:limit].tolist()
     return str(head) if values.size <= limit else f"[{', '.join(map(str, head))}, ...] ({values.size:,} values)"
 
