@@ -88,6 +88,7 @@ def test_compile_writes_a_loadable_artifact(tmp_path: Path) -> None:
         (["show", "examples/causal.mask", "-p", "n=99999999999999999999", "--no-png"], "99999999999999999999 is outside"),
         (["show", "examples/causal.mask", "-p", "n=4294967296", "--no-png"], "q tokens: 4,294,967,296 is more than maskc supports"),
         (["plan", "examples/causal.mask", "--cp", "100000"], "context-parallel ranks: 100,000 is more than maskc supports"),
+        (["compile", "examples/causal.mask", "-p", "n=4294967296", "-o", "x"], "q tokens: 4,294,967,296 is more than"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         ([], "required: COMMAND"),
     ],
