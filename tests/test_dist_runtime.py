@@ -1,11 +1,12 @@
-"""Running plans over torch.distributed: the local masks (no processes), and gloo on CPUs with 2
-and 4 processes against the single-process reference, forward and backward."""
+"""Running plans over torch.distributed: the local masks (no processes), gloo on CPUs with 2 and 4
+processes against the single-process reference, forward and backward, and what the ranks check
+of each other: the same plan (once per plan and group) and arrival within maskc's timeout."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
-import time
 import traceback
 from datetime import timedelta
 
@@ -18,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import maskc
-from maskc.dist import make_plan
+from maskc.dist import make_plan, runtime
 from maskc.dist.runtime import key_order, local_mask, plan_digest, stage_tables
 from maskc.ir import AttnSlice, Mask
 
@@ -88,10 +89,14 @@ def run_ranks(worker, world: int, *args, timeout: float) -> None:
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
+def _init_gloo(rank: int, world: int, port: int, timeout: float = 60) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+
+
 def _worker(rank: int, world: int, port: int, name: str, algorithm: str, stages: tuple, errors: mp.Queue) -> None:
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        _init_gloo(rank, world, port)
         torch.manual_seed(0)  # the same global inputs on every rank
         mask = MASKS[name]()
         q, k, v = (torch.randn(SEQ, h, D, dtype=torch.float64) for h in (HQ, HKV, HKV))
@@ -140,38 +145,128 @@ def test_gloo_forward_and_backward_equal_the_reference(world: int, name: str, al
     run_ranks(_worker, world, name, algorithm, stages, timeout=240)
 
 
-def _lonely_worker(rank: int, port: int, results: mp.Queue) -> None:
-    """Rank 0 attends; rank 1 never joins (it only waits), so rank 0 must time out clearly. A
-    process group whose collective timed out cannot be torn down cleanly, so rank 0 reports
-    and leaves with os._exit."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=3))
-    plan = make_plan(MASKS["varlen_causal"](), 2, 16)
-    if rank == 1:
-        time.sleep(8)
-        return
+def _disagreeing_worker(rank: int, world: int, port: int, errors: mp.Queue) -> None:
+    """Rank 1 builds its plans with another chunk size: dispatch and undispatch raise on every
+    rank, naming who holds which plan, so none is left waiting in a collective and the group
+    still works."""
     try:
-        q = torch.randn(SEQ, HQ, D, dtype=torch.float64)
-        with pytest.raises(maskc.MaskcError, match="not every rank joined before the process group's timeout"):
-            maskc.dist.attention(*(maskc.dist.dispatch(x, plan) for x in (q, q[:, :HKV], q[:, :HKV])), plan)
-        results.put("ok")
+        _init_gloo(rank, world, port)
+        torch.manual_seed(0)  # the same global input on every rank
+        mask = MASKS["varlen_causal"]()
+        x = torch.randn(SEQ, 3, dtype=torch.float64)
+        named = r"different maskc plans: ranks 0, 2 hold plan [0-9a-f]{16}, rank 1 holds plan [0-9a-f]{16}: build the plan"
+        plan = make_plan(mask, world, 8 if rank == 1 else 16)
+        with pytest.raises(maskc.MaskcError, match=named):
+            maskc.dist.dispatch(x, plan)
+        local = torch.zeros(plan.padded_length // world, 3, dtype=torch.float64)
+        with pytest.raises(maskc.MaskcError, match=named):
+            maskc.dist.undispatch(local, plan)
+        plan = make_plan(mask, world, 16)
+        assert torch.equal(maskc.dist.undispatch(maskc.dist.dispatch(x, plan), plan), x)
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+def test_ranks_with_different_plans_all_raise_naming_them() -> None:
+    run_ranks(_disagreeing_worker, 3, timeout=120)
+
+
+def _counting_worker(rank: int, world: int, port: int, store: str, errors: mp.Queue) -> None:
+    """Counts the collectives by step through a whole forward and backward of dispatch,
+    attention and undispatch, then on another group, then on a world initialised anew (the
+    same ranks and group name as the first)."""
+    try:
+        _init_gloo(rank, world, port)
+        steps: list[str] = []
+        issue = runtime._collective
+
+        def counting(step: str, *args, **kwargs):
+            steps.append(step)
+            return issue(step, *args, **kwargs)
+
+        runtime._collective = counting
+        plan = make_plan(MASKS["random"](), world, 16, num_stages=2, fuse_local=False)
+        q, k, v = (torch.randn(SEQ, h, D, dtype=torch.float64, requires_grad=True) for h in (HQ, HKV, HKV))
+        for _ in range(2):
+            out, _ = maskc.dist.attention(*(maskc.dist.dispatch(x, plan) for x in (q, k, v)), plan)
+            maskc.dist.undispatch(out, plan).sum().backward()
+        assert steps.count("plan check") == 1, steps
+        assert {"undispatch", "dispatch backward", "stage 1/2 keys", "stage 2/2 dK/dV (backward)"} <= set(steps), steps
+        group = dist.new_group(list(range(world)))
+        maskc.dist.undispatch(maskc.dist.dispatch(q, plan, group), plan, group)
+        maskc.dist.dispatch(q, plan)
+        assert steps.count("plan check") == 2, steps
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        maskc.dist.dispatch(q, plan)
+        assert steps.count("plan check") == 3, steps
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+def test_the_plan_check_runs_once_per_plan_and_group(tmp_path) -> None:
+    run_ranks(_counting_worker, 2, str(tmp_path / "store"), timeout=120)
+
+
+def _absent_worker(rank: int, port: int, rank1_does: str, timeouts: tuple, results: mp.Queue, release) -> None:
+    """Rank 1 does `rank1_does` (nothing, the dispatches, or the forward) and then waits, outside
+    any collective, for the test to let it go; rank 0 runs a forward and backward and must get
+    the MaskcError, which it puts on `results`. They run on a group of their own, whose timeout
+    can be short without hurrying the rendezvous, and wait 2 s for each other's word. A rank
+    whose collective failed cannot tear its process group down cleanly, so both leave with
+    os._exit."""
+    maskc_timeout, group_timeout = timeouts
+    _init_gloo(rank, 2, port)
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=group_timeout))
+    runtime.TIMEOUT, runtime._WORD_WAIT = maskc_timeout, 2.0
+    plan = make_plan(MASKS["varlen_causal"](), 2, 16)
+    q, k, v = (torch.randn(SEQ, h, D, dtype=torch.float64, requires_grad=True) for h in (HQ, HKV, HKV))
+    try:
+        if rank == 0 or rank1_does != "nothing":
+            local = [maskc.dist.dispatch(x, plan, group) for x in (q, k, v)]
+        if rank == 0 or rank1_does == "forward":
+            out = maskc.dist.undispatch(maskc.dist.attention(*local, plan, group=group)[0], plan, group)
+        if rank == 0:
+            out.sum().backward()
+            results.put("no error")
+    except maskc.MaskcError as exc:
+        results.put(str(exc))
     except BaseException:
         results.put(traceback.format_exc())
+    if rank == 1:
+        release.wait(60)
     results.close()
     results.join_thread()
     os._exit(0)
 
 
-def test_a_rank_that_never_joins_is_a_clear_timeout_error() -> None:
+@pytest.mark.parametrize("rank1_does,timeouts,step", [
+    ("nothing", (2.0, 60), "plan check"),
+    ("dispatch", (2.0, 60), r"stage 1/\d keys"),
+    ("forward", (2.0, 60), r"stage \d/\d dK/dV \(backward\)"),
+    ("nothing", (0, 2), "plan check"),
+])  # fmt: skip
+def test_a_rank_that_never_arrives_is_named_with_the_step(rank1_does: str, timeouts: tuple, step: str) -> None:
+    """Rank 1 stops calling maskc.dist early: rank 0 raises within maskc's timeout (2 s; twice
+    that with the wait for the other ranks' word), naming the plan step it was at and rank 1 as
+    the rank that did not arrive; with maskc's timeout 0 the process group's (2 s) applies."""
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results, release = ctx.Queue(), ctx.Event()
     port = _free_port()
-    procs = [ctx.Process(target=_lonely_worker, args=(r, port, results)) for r in range(2)]
+    procs = [ctx.Process(target=_absent_worker, args=(r, port, rank1_does, timeouts, results, release)) for r in range(2)]
     for p in procs:
         p.start()
-    assert results.get(timeout=120) == "ok"
-    for p in procs:
-        p.join(timeout=60)
+    try:
+        message = results.get(timeout=60)
+    finally:
+        release.set()
+        for p in procs:
+            p.join(timeout=30)
+    assert re.match(rf"maskc\.dist {step}: the collective failed on rank 0 \(.+\); rank 1 did not arrive\. ", message), message
 
 
 def test_attention_input_errors_name_the_problem(tmp_path) -> None:

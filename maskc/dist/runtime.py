@@ -11,13 +11,18 @@ the backward each stage's partial dK/dV of the received rows go back to their ow
 add them to their own (GroupReduce: the transposed all-to-all-v and a scatter-add), while the
 next stage computes. Local compute is maskc's kernels on CUDA and the
 reference attention elsewhere (gloo on CPUs), through their functional forward / backward.
+The ranks check each other: the first use of a plan on a group compares every rank's digest of
+it (`_agreed_rank`), and every collective waits at most `TIMEOUT` seconds, then fails naming
+its plan step and the ranks that did not arrive (`_Pending`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import weakref
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -116,28 +121,100 @@ def key_order(plan: Plan, rank: int, sources: tuple[int | None, ...], device: to
 # ---- process group helpers --------------------------------------------------------------------
 
 
-def _rank(plan: Plan, group: Any) -> int:
-    if not dist.is_available() or not dist.is_initialized():
-        raise MaskcError("maskc.dist needs an initialised torch.distributed process group (init_process_group)")
-    world = dist.get_world_size(group)
-    if world != plan.cp_size:
-        raise MaskcError(f"the plan is for {plan.cp_size} ranks but the process group has {world}")
-    return dist.get_rank(group)
-
-
-def _collective(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run a collective; a rank that never joins surfaces as a clear error once the process
-    group's timeout (init_process_group(timeout=...)) passes, not as a bare backend trace."""
+def _timeout_from_env() -> float:
+    text = os.environ.get("MASKC_DIST_TIMEOUT", "300")
     try:
-        return fn(*args, **kwargs)
-    except RuntimeError as exc:
-        text = str(exc)
-        if "imeout" in text or "timed out" in text.lower():
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise MaskcError(f"MASKC_DIST_TIMEOUT must be a number of seconds >= 0 (0: no limit of maskc's), got {text!r}")
+    return seconds
+
+
+TIMEOUT: float = _timeout_from_env()
+"""Seconds every maskc collective may take before it raises a MaskcError that names its plan step
+and the ranks that did not arrive (learning those takes up to as long again, at most
+`_WORD_WAIT`): $MASKC_DIST_TIMEOUT, 300 by default; assign it to change it (read at every
+wait). Keep it below the process group's timeout, past which NCCL's watchdog ends the process
+with its own message. 0: no limit of maskc's, the process group's timeout applies (NCCL's waits
+then only order the streams, where a limit blocks the CPU until the transfer lands)."""
+
+_WORD_WAIT = 30.0
+"""The most seconds a rank whose collective failed waits for the other ranks' word: inside the
+minute NCCL's watchdog leaves the process after a failed collective before it ends it (torch 2.11,
+the default TORCH_NCCL_ASYNC_ERROR_HANDLING), so the MaskcError is out first."""
+
+
+def _resolve(group: Any) -> Any:
+    """The process group object itself (None: the default group)."""
+    return dist.group.WORLD if group is None else group
+
+
+def _ranks(ranks: list[int], verb: tuple[str, str]) -> str:
+    """'rank 1 holds' or 'ranks 0, 2 hold' (verb: singular, plural)."""
+    return f"rank {ranks[0]} {verb[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} {verb[1]}"
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A maskc collective in flight, with the plan step it serves (for the error message)."""
+
+    step: str
+    work: Any
+    group: Any
+
+    def wait(self) -> None:
+        """Wait at most TIMEOUT seconds. torch's `work.wait(timeout)` is the limit gloo and NCCL
+        both honour: NCCL blocks the CPU until the work completes or the time passes, then
+        aborts the group's communicators and raises here (its watchdog still ends the process
+        about a minute later); a zero timedelta is torch's "no limit". Any failure becomes a
+        MaskcError naming the step and where the other ranks are (`_whereabouts`)."""
+        try:
+            self.work.wait(timeout=timedelta(seconds=TIMEOUT))
+        except RuntimeError as exc:
+            limit = f"{TIMEOUT:g} s for each collective" if TIMEOUT else "0: the process group's timeout applies"
             raise MaskcError(
-                f"maskc.dist {what}: not every rank joined before the process group's timeout; do all ranks call "
-                f"the same maskc.dist functions with the same plan? ({text.splitlines()[0]})"
+                f"maskc.dist {self.step}: the collective failed on rank {dist.get_rank(self.group)} "
+                f"({str(exc).strip().splitlines()[0]}); {_whereabouts(self.step, self.group)}. Do all ranks call the "
+                f"same maskc.dist functions with the same plan? (MASKC_DIST_TIMEOUT: {limit})"
             ) from exc
-        raise
+
+
+def _collective(step: str, fn: Any, *args: Any, group: Any, **kwargs: Any) -> _Pending:
+    """Issue a collective asynchronously; `.wait()` on the result ends it. Every maskc collective
+    goes through here, so that every one of them has a limit and a message naming its step."""
+    return _Pending(step, fn(*args, group=group, async_op=True, **kwargs), group)
+
+
+def _whereabouts(step: str, group: Any) -> str:
+    """Where the other ranks are, in words, once `step` failed on this rank. Learnt only now,
+    through the default store (TCP, whatever the backend), so the healthy path pays nothing:
+    each rank whose collective fails posts its step, then reads the others' posts for up to
+    TIMEOUT (a rank that reached the same collective fails within TIMEOUT of this one; the
+    store's timeout when TIMEOUT is 0), at most _WORD_WAIT. No post: the rank did not arrive;
+    another step: it is elsewhere. A group is unusable after a failed collective, so one post
+    per group and rank."""
+    group = _resolve(group)
+    keys = [f"maskc/failed/{group.group_name}/{r}" for r in range(dist.get_world_size(group))]
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(keys[dist.get_rank(group)], step)
+        try:
+            store.wait(keys, timedelta(seconds=min(TIMEOUT or store.timeout.total_seconds(), _WORD_WAIT)))
+        except RuntimeError:
+            pass  # the ranks that never post are the ones to name
+        posts = [store.get(key).decode() if store.check([key]) else None for key in keys]
+    except RuntimeError as exc:
+        return f"which ranks arrived is unknown (the store failed: {str(exc).strip().splitlines()[0]})"
+    elsewhere: dict[str | None, list[int]] = {}
+    for rank, post in enumerate(posts):
+        if post != step:
+            elsewhere.setdefault(post, []).append(rank)
+    if not elsewhere:
+        return "every rank reached it"
+    return ", ".join(_ranks(ranks, ("did not arrive", "did not arrive")) if post is None else
+                     f"{_ranks(ranks, ('is', 'are'))} at {post!r}" for post, ranks in elsewhere.items())  # fmt: skip
 
 
 def plan_digest(plan: Plan) -> int:
@@ -145,18 +222,36 @@ def plan_digest(plan: Plan) -> int:
     return int.from_bytes(hashlib.sha256(plan.to_json().encode()).digest()[:8], "little") >> 1
 
 
-def _check_same_plan(plan: Plan, group: Any, device: torch.device) -> None:
-    """Once per (plan, group): every rank must hold the same plan, or nothing lines up."""
-    seen = _memo(plan).setdefault("checked_groups", set())
-    if id(group) in seen:
-        return
-    mine = torch.tensor([plan_digest(plan)], dtype=torch.int64, device=device)
-    digests = [torch.empty_like(mine) for _ in range(plan.cp_size)]
-    _collective("plan check", dist.all_gather, digests, mine, group=group)
-    values = [int(d.item()) for d in digests]
-    if len(set(values)) != 1:
-        raise MaskcError(f"ranks hold different maskc plans (digests {values}): build the plan identically on every rank")
-    seen.add(id(group))
+def _agreed_rank(plan: Plan, group: Any) -> int:
+    """This rank in `group`, once every rank of it is known to hold `plan`, or nothing lines up.
+    dispatch, undispatch and attention call it before anything else, so their backwards (the
+    plan drives those collectives too) find it done. The first time for a (plan, group) the
+    ranks all-gather their digests (on the device torch's object collectives use on the group):
+    every rank sees every digest, so on a disagreement all of them raise and none waits in a
+    later collective. The groups that agreed are kept per plan in a weak set, by the group
+    object itself: not its id() (reused once a group is freed), nor its ranks and name (a
+    world destroyed and initialised again has the same ones, maybe other processes behind
+    them); a group leaves the set when it is freed."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise MaskcError("maskc.dist needs an initialised torch.distributed process group (init_process_group)")
+    group = _resolve(group)
+    agreed = _memo(plan).setdefault("agreed_groups", weakref.WeakSet())
+    if group not in agreed:
+        world = dist.get_world_size(group)
+        device = torch.device(dist.distributed_c10d._get_object_coll_device(group))
+        mine = torch.tensor([plan_digest(plan)], dtype=torch.int64, device=device)
+        digests = [torch.empty_like(mine) for _ in range(world)]
+        _collective("plan check", dist.all_gather, digests, mine, group=group).wait()
+        holders: dict[int, list[int]] = {}
+        for rank, digest in enumerate(digests):
+            holders.setdefault(int(digest.item()), []).append(rank)
+        if len(holders) > 1:
+            held = ", ".join(f"{_ranks(ranks, ('holds', 'hold'))} plan {d:016x}" for d, ranks in holders.items())
+            raise MaskcError(f"ranks hold different maskc plans: {held}: build the plan identically on every rank")
+        if world != plan.cp_size:
+            raise MaskcError(f"the plan is for {plan.cp_size} ranks but the process group has {world}")
+        agreed.add(group)
+    return dist.get_rank(group)
 
 
 def _rows(plan: Plan, which: str, rank: int, device: torch.device, stage: int | None = None) -> torch.Tensor:
@@ -189,10 +284,10 @@ def _take_local(x: torch.Tensor, plan: Plan, rank: int) -> torch.Tensor:
     return padded.index_select(0, _rows(plan, "local", rank, x.device))
 
 
-def _gather_global(x_local: torch.Tensor, plan: Plan, group: Any) -> torch.Tensor:
+def _gather_global(x_local: torch.Tensor, plan: Plan, group: Any, step: str) -> torch.Tensor:
     """Every rank's local rows put back in global order, on every rank (padding removed)."""
     parts = [torch.empty_like(x_local) for _ in range(plan.cp_size)]
-    _collective("all_gather", dist.all_gather, parts, x_local.contiguous(), group=group)
+    _collective(step, dist.all_gather, parts, x_local.contiguous(), group=group).wait()
     full = x_local.new_empty(plan.padded_length, *x_local.shape[1:])
     full[_rows(plan, "global", -1, x_local.device)] = torch.cat(parts)
     return full[: plan.seqlen]
@@ -200,38 +295,39 @@ def _gather_global(x_local: torch.Tensor, plan: Plan, group: Any) -> torch.Tenso
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, plan: Plan, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, plan: Plan, group: Any, rank: int) -> torch.Tensor:  # type: ignore[override]
         ctx.plan, ctx.group = plan, group
-        return _take_local(x, plan, _rank(plan, group))
+        return _take_local(x, plan, rank)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
-        return _gather_global(grad, ctx.plan, ctx.group), None, None
+        return _gather_global(grad, ctx.plan, ctx.group, "dispatch backward"), None, None, None
 
 
 class _Undispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x_local: torch.Tensor, plan: Plan, group: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.plan, ctx.rank = plan, _rank(plan, group)
-        return _gather_global(x_local, plan, group)
+    def forward(ctx: Any, x_local: torch.Tensor, plan: Plan, group: Any, rank: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.plan, ctx.rank = plan, rank
+        return _gather_global(x_local, plan, group, "undispatch")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
-        return _take_local(grad, ctx.plan, ctx.rank), None, None
+        return _take_local(grad, ctx.plan, ctx.rank), None, None, None
 
 
 def dispatch(x: torch.Tensor, plan: Plan, group: Any = None) -> torch.Tensor:
     """This rank's part of a global sequence-first tensor (the same on every rank), in the plan's
     local layout. Its gradient is gathered back: every rank gets the full gradient of `x`."""
-    return _Dispatch.apply(x, plan, group)
+    return _Dispatch.apply(x, plan, group, _agreed_rank(plan, group))
 
 
 def undispatch(x_local: torch.Tensor, plan: Plan, group: Any = None) -> torch.Tensor:
     """The global tensor from every rank's local part, on every rank. Its backward takes this
     rank's part of the gradient every rank holds in full."""
+    rank = _agreed_rank(plan, group)
     if x_local.shape[0] != plan.padded_length // plan.cp_size:
         raise MaskcError(f"expected this rank's {plan.padded_length // plan.cp_size} rows, got shape {tuple(x_local.shape)}")
-    return _Undispatch.apply(x_local, plan, group)
+    return _Undispatch.apply(x_local, plan, group, rank)
 
 
 # ---- attention ---------------------------------------------------------------------------------
@@ -268,15 +364,11 @@ class _Options:
         return dk, dv, dsink
 
 
-def _start(what: str, out: torch.Tensor, send: torch.Tensor, out_counts: np.ndarray, in_counts: np.ndarray, group: Any):
+def _start(step: str, out: torch.Tensor, send: torch.Tensor, out_counts: np.ndarray, in_counts: np.ndarray,
+           group: Any) -> _Pending:  # fmt: skip
     """An all-to-all-v issued asynchronously: NCCL runs it beside the next kernels, gloo in its
-    own thread; `_finish` waits for it."""
-    return _collective(what, dist.all_to_all_single, out, send, out_counts.tolist(), in_counts.tolist(), group=group,
-                       async_op=True)  # fmt: skip
-
-
-def _finish(what: str, work: Any) -> None:
-    _collective(what, work.wait)
+    own thread; the call that needs it waits for it."""
+    return _collective(step, dist.all_to_all_single, out, send, out_counts.tolist(), in_counts.tolist(), group=group)
 
 
 def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,7 +428,8 @@ class _StagedAttention(torch.autograd.Function):
         for i, buf in enumerate(landing):
             comm = stage_tables(plan, i)
             send = kv.index_select(0, _rows(plan, "gather", rank, kv.device, i))
-            fetches.append(_start("GroupCast", buf, send, comm.recv_counts[rank], comm.send_counts[rank], opt.group))
+            fetches.append(_start(f"stage {i + 1}/{plan.stages.num_stages} keys", buf, send, comm.recv_counts[rank],
+                                  comm.send_counts[rank], opt.group))  # fmt: skip
 
         parts, keys_values = [], []
         for sources in _calls(plan):
@@ -345,7 +438,7 @@ class _StagedAttention(torch.autograd.Function):
             else:
                 for stage in sources:
                     if stage is not None:
-                        _finish("GroupCast", fetches[stage])
+                        fetches[stage].wait()
                 buf = joined if None in sources else landing[sources[0]]
                 order = key_order(plan, rank, sources, kv.device)
                 if order is None:
@@ -398,11 +491,12 @@ class _StagedAttention(torch.autograd.Function):
                     continue
                 comm = stage_tables(plan, s)
                 back = piece.new_empty(int(comm.send_counts[rank].sum()), *piece.shape[1:])
-                reduces.append((s, back, _start("GroupReduce", back, piece, comm.reduce_recv_counts[rank],
+                step = f"stage {s + 1}/{plan.stages.num_stages} dK/dV (backward)"
+                reduces.append((s, back, _start(step, back, piece, comm.reduce_recv_counts[rank],
                                                 comm.reduce_send_counts[rank], opt.group)))  # fmt: skip
         dkv = own.to(torch.promote_types(own.dtype, torch.float32))
         for s, back, work in reduces:
-            _finish("GroupReduce", work)
+            work.wait()
             dkv.index_add_(0, _rows(plan, "scatter", rank, dkv.device, s), back.to(dkv.dtype))
         dkv = dkv.to(kv_dtype)
         return dq.to(q.dtype), dkv[:, :hkv], dkv[:, hkv:], dsink, None
@@ -430,18 +524,17 @@ def attention(
     unfused stage) leaving 8 SMs moved the forward by -2% to +3% and cost the backward 2.5-5%
     on four of the five benchmark masks (it gained 4.6% on the fifth). The sinks' gradient on
     each rank is its rows' share: sum it over ranks like any replicated parameter's (DDP does)."""
-    rank = _rank(plan, group)
+    rank = _agreed_rank(plan, group)
     rows = plan.padded_length // plan.cp_size
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != rows:
             raise MaskcError(f"{name} must be this rank's [{rows}, heads, head_dim] rows (from maskc.dist.dispatch)")
     if isinstance(sm_margin, bool) or not isinstance(sm_margin, int) or sm_margin < 0:
         raise MaskcError(f"sm_margin must be a non-negative int (SMs left to NCCL), got {sm_margin!r}")
-    _check_same_plan(plan, group, q.device)
     opt = _Options(plan, rank, group, softmax_scale, float(softcap), return_max_logits, int(sm_margin))
     out, lse, max_logits = _StagedAttention.apply(q, k, v, sink, opt)
     if not return_max_logits:
         return out, AttentionMeta(lse=lse, max_logits=None)
     max_logits = max_logits.clone()
-    _collective("max_logits", dist.all_reduce, max_logits, op=dist.ReduceOp.MAX, group=group)
+    _collective("max_logits", dist.all_reduce, max_logits, op=dist.ReduceOp.MAX, group=group).wait()
     return out, AttentionMeta(lse=lse, max_logits=max_logits)
