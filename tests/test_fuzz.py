@@ -105,7 +105,7 @@ def programs(draw: st.DrawFn) -> tuple[str, dict]:
     """Well-formed programs over documents whose numbers are random: most fail at lowering."""
     prim = draw(st.sampled_from(["full", "causal", "inv_causal", "bi_causal"]))
     lines = [
-        f"mask m(n: int = 8, docs: seqlens = [3, 5]):",
+        "mask m(n: int = 8, docs: seqlens = [3, 5]):",
         f"    seqlen({draw(st.sampled_from(['docs.end', 'n', 'docs.end + n']))})",
         "    for d in docs:",
         f"        for b in chunks(d, {draw(expressions())}):",
