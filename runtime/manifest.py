@@ -129,11 +129,11 @@ def _record(required: Mapping[str, Check], optional: Mapping[str, Check] = Mappi
         _of(dict, "an object")(value, where)
         for key, check_field in required.items():
             if key not in value:
-                raise ArtifactError(f"{where} has no {key!r}")
-            check_field(value[key], f"{where}.{key}")
+                raise ArtifactError(f"{where or 'the manifest'} has no {key!r}")
+            check_field(value[key], f"{where}.{key}" if where else key)
         for key, check_field in optional.items():
             if key in value:
-                check_field(value[key], f"{where}.{key}")
+                check_field(value[key], f"{where}.{key}" if where else key)
 
     return check
 
@@ -187,9 +187,12 @@ def _check_schema(body: Any, where: str) -> None:
     version = body.get("format_version")
     if version != FORMAT_VERSION:
         raise ArtifactError(f"{where} has format version {version!r}; this maskc reads version {FORMAT_VERSION}: recompile the artifacts")
-    _MANIFEST(body, where)
+    try:
+        _MANIFEST(body, "")
+    except ArtifactError as exc:
+        raise ArtifactError(f"{where}: {exc}") from None
     named = [(f"masks[{json.dumps(m)}].{key}", entry[key]) for m, entry in body.get("masks", {}).items()
-             for key in ("ir", "plan") if entry.get(key) is not None]  # fmt: skip
+             for key in ("ir", "plan") if key in entry]  # fmt: skip
     named += [(f"variants[{i}].object", v["object"]) for i, v in enumerate(body.get("variants", []))]
     for field, name in named:
         if name not in body["files"]:

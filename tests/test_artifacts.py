@@ -182,8 +182,8 @@ def read_manifest_files(artifact: Path) -> dict:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"masks": ["docs"]}, r"manifest.json.masks must be an object, got list"),
-        ({"variants": {"k": {}}}, r"manifest.json.variants must be a list, got dict"),
+        ({"masks": ["docs"]}, r"manifest.json: masks must be an object, got list"),
+        ({"variants": {"k": {}}}, r"manifest.json: variants must be a list, got dict"),
         ({"variants": [{"key": "k", "object": "docs.ir.json", "function": "f", "abi": []}]}, r"variants\[0\] has no 'fields'"),
         ({"variants": [{"key": "k", "object": "docs.ir.json", "function": "f", "abi": [], "fields": {**FIELDS, "head_dim": "128"}}]},
          r"variants\[0\].fields.head_dim must be an integer, got \"128\""),
@@ -193,7 +193,7 @@ def read_manifest_files(artifact: Path) -> dict:
         ({"masks": {"docs": {"seqlen_q": 8, "seqlen_k": 8}}}, r'masks\["docs"\] has no \'ir\''),
         ({"toolchain": {"torch": 2}}, r'toolchain\["torch"\] must be a string, got 2'),
         ({"files": {"docs.ir.json": "abc"}}, r'files\["docs.ir.json"\] must be a sha256 \(64 lowercase hex digits\), got "abc"'),
-        ({"files": []}, r"files must be an object, got list"),
+        ({"files": []}, r"manifest.json: files must be an object, got list"),
     ],
 )  # fmt: skip
 def test_a_malformed_manifest_is_an_artifact_error_naming_the_field(artifact: Path, change: dict, message: str) -> None:
