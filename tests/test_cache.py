@@ -95,8 +95,13 @@ def test_a_compile_sweeps_what_killed_compiles_left_behind(tmp_path: Path, monke
     monkeypatch.setattr("maskc.codegen.compile.compile_variant", fake_compile)
     dead = [make_temporary_dir(tmp_path, name) for name in ("0123456789abcdef01234567", cache.entry_address(variant_for(REQUEST)))]
     live = make_temporary_dir(tmp_path, "live0123456789abcdef0123")
+    legacy, recent = tmp_path / ".build-old", tmp_path / ".build-recent"  # an earlier maskc's names
+    for folder in (legacy, recent):
+        folder.mkdir()
+    os.utime(legacy, (0, 0))
+    dead.append(legacy)
     with open(tmp_path / "live0123456789abcdef0123.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # as a running compile of that entry holds it
         entry = cache.cached_kernel(variant_for(REQUEST))
-    assert not any(d.exists() for d in dead) and live.is_dir()
+    assert not any(d.exists() for d in dead) and live.is_dir() and recent.is_dir()
     assert read_manifest(entry)["files"].keys() == {"k.o"}

@@ -21,6 +21,7 @@ import json
 import lzma
 import os
 import shutil
+import time
 from importlib import resources
 from pathlib import Path
 from typing import Iterator
@@ -138,6 +139,14 @@ def _sweep_dead_builds(root: Path, held: str) -> None:
         with _entry_lock(root, entry, wait=False) as free:
             if free:
                 shutil.rmtree(staging, ignore_errors=True)
+    # maskc 0.1.0 before this sweep named its staging `.build-*`, tied to no lock: an hour old is dead.
+    for staging in root.glob(".build-*"):
+        try:
+            dead = time.time() - staging.stat().st_mtime > 3600
+        except FileNotFoundError:  # another compile swept it first
+            continue
+        if dead:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def compressed_runtime_library() -> Path:
