@@ -321,10 +321,11 @@ def test_verify_prints_the_digest_that_pins_a_directory(tmp_path: Path) -> None:
     assert_user_error(maskc("verify", str(tmp_path / "none")), "is not a directory")
 
 
-def test_verify_rebuild_finds_an_object_its_publisher_swapped(tmp_path: Path) -> None:
+def test_verify_rebuild_finds_an_object_its_publisher_swapped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A publisher who replaces an object and rehashes the manifest passes the hash check;
-    recompiling the recorded variant shows the object is not what maskc builds."""
+    recompiling the recorded variant shows the object is not what maskc builds, and where."""
     pytest.importorskip("cutlass", reason="rebuilding kernels needs the CUTLASS DSL")
+    monkeypatch.setenv("MASKC_CACHE", str(tmp_path / "cache"))  # built here, by this Python and DSL
     from maskc.codegen import LoweredMask, write_artifact
     from maskc.codegen.cache import cached_kernel
     from maskc.codegen.jit import variant_for
@@ -342,7 +343,9 @@ def test_verify_rebuild_finds_an_object_its_publisher_swapped(tmp_path: Path) ->
     data = bytearray(obj.read_bytes())
     data[len(data) // 2] ^= 0xFF
     obj.write_bytes(bytes(data))
+    body["toolchain"]["python"] = "3.0.0"
     write_manifest(out, body)
     swapped = maskc("verify", str(out), "--rebuild")
     assert swapped.returncode == 1, swapped.stderr
-    assert re.search(r"attn_fwd_\S+: DIFFERS: object differs \(1 of [\d,]+ bytes", swapped.stdout), swapped.stdout
+    assert re.search(r"attn_fwd_\S+: DIFFERS: object differs \(1 of [\d,]+ bytes.*\) in ELF sections \.\w+", swapped.stdout), swapped.stdout
+    assert "; built with python 3.0.0, rebuilt with " in swapped.stdout

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -98,7 +97,7 @@ def write_artifact(
             masks[item.name]["plan"] = plan_name
     body = {
         "maskc_version": maskc.__version__,
-        "toolchain": {"python": platform.python_version(), "torch": torch.__version__, **toolchain()},
+        "toolchain": {"torch": torch.__version__, **toolchain()},
         "source": f"source{source.suffix}" if source is not None else None,
         "masks": masks,
         "archs": sorted({v["fields"]["arch"] for v in variants}),

@@ -20,6 +20,7 @@ import hashlib
 import json
 import lzma
 import os
+import platform
 import shutil
 import time
 from importlib import resources
@@ -43,8 +44,10 @@ def cache_root() -> Path:
 
 
 def toolchain() -> dict[str, str | None]:
-    """Versions an object depends on, recorded in every manifest entry."""
-    return {"maskc": maskc.__version__, "nvidia-cutlass-dsl": installed_dsl_version()}
+    """Versions an object depends on, recorded in every manifest entry. Python is one: the DSL
+    embeds the kernel function's signature in the object, pickled, and pickles of the standard
+    library's enums differ between Python releases (3.11.2 and 3.11.7, seen here)."""
+    return {"maskc": maskc.__version__, "nvidia-cutlass-dsl": installed_dsl_version(), "python": platform.python_version()}
 
 
 def source_files() -> list[tuple[Path, str]]:

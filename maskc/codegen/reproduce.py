@@ -9,6 +9,7 @@ templates that built them were, against the ones doing the rebuild.
 
 from __future__ import annotations
 
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -71,4 +72,28 @@ def _rebuild_one(manifest: Manifest, record: dict, drift: tuple[str, ...]) -> Re
 
 def _difference(what: str, shipped: bytes, fresh: bytes) -> str:
     changed = sum(a != b for a, b in zip(shipped, fresh)) + abs(len(shipped) - len(fresh))
-    return f"{what} differs ({changed:,} of {max(len(shipped), len(fresh)):,} bytes; shipped {len(shipped):,}, rebuilt {len(fresh):,})"
+    text = f"{what} differs ({changed:,} of {max(len(shipped), len(fresh)):,} bytes; shipped {len(shipped):,}, rebuilt {len(fresh):,})"
+    old, new = _elf_sections(shipped), _elf_sections(fresh)
+    if old and new:
+        sections = sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
+        text += f" in ELF sections {', '.join(sections)}" if sections else " in the layout only (every section is equal)"
+    return text
+
+
+def _elf_sections(data: bytes) -> dict[str, bytes]:
+    """The sections of a little-endian ELF64 object by name ({} for anything else): where two
+    builds of one kernel differ says what differs (the device code, the host code, the data the
+    DSL embeds)."""
+    if data[:6] != b"\x7fELF\x02\x01" or len(data) < 64:
+        return {}
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
+    entsize, count, names_at = struct.unpack_from("<HHH", data, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", data, shoff + i * entsize) for i in range(count)]
+    if not headers or names_at >= count:
+        return {}
+    names = data[headers[names_at][4] : headers[names_at][4] + headers[names_at][5]]
+    sections = {}
+    for name_at, kind, _, _, offset, size in headers:
+        name = names[name_at : names.index(b"\0", name_at)].decode(errors="replace")
+        sections[name] = b"" if kind == 8 else data[offset : offset + size]  # SHT_NOBITS holds no bytes
+    return sections
