@@ -197,11 +197,11 @@ def _runtime_for(manifest: Manifest) -> CuteRuntime:
     if shipped is not None:
         return runtime_of(shipped, str(manifest.directory))
     library = find_runtime_library()
-    built = manifest.body.get("toolchain", {}).get("nvidia-cutlass-dsl")
-    if built is not None and library == installed_library() and installed_dsl_version() != built:
+    built, installed = manifest.body.get("toolchain", {}).get("nvidia-cutlass-dsl"), installed_dsl_version()
+    if built is not None and library == installed_library() and installed != built:
         raise ArtifactError(
             f"kernels in {manifest.directory} were built with nvidia-cutlass-dsl {built}, but the runtime library found is "
-            f"nvidia-cutlass-dsl {installed_dsl_version()}'s: recompile, or ship the runtime with `maskc compile --bundle-runtime`"
+            f"nvidia-cutlass-dsl {installed}'s: recompile, or ship the runtime with `maskc compile --bundle-runtime`"
         )
     return runtime_at(library)
 
