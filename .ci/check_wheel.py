@@ -1,7 +1,7 @@
 """CI: maskc as users install it, checked with the Python of a fresh venv that installed the
 built wheel (non-editable, with the compiler extra), from a directory outside the checkout:
 
-    python -I .ci/check_wheel.py REPO WHEEL
+    python -I .ci/check_wheel.py REPO WHEEL RUNTIME_PYTHON
 
 1. The wheel holds every tracked file of maskc/, runtime/ and templates/ (where the package
    maps them) and the LICENSE, and nothing else.
@@ -9,8 +9,10 @@ built wheel (non-editable, with the compiler extra), from a directory outside th
    and --help imports neither torch nor the compiler.
 3. `maskc compile` builds kernels for sm_90a, sm_80 (portable) and sm_100a from the wheel's
    templates, into files readable by others (0644 / 0755 under umask 022).
-4. `maskc.runtime` imports and registers that artifact directory, made read-only, with the
-   compiler stack (lark, jinja2, the CUTLASS DSL) unimportable.
+4. In a second venv that holds only torch, numpy and the wheel (no dependencies: RUNTIME_PYTHON),
+   where neither lark nor the CUTLASS DSL is installed (jinja2 comes with torch, but is not
+   imported), `maskc.runtime` registers that artifact directory, made read-only, with the
+   runtime library named by $MASKC_CUTE_RUNTIME.
 """
 
 from __future__ import annotations
@@ -24,21 +26,20 @@ import time
 import zipfile
 from pathlib import Path
 
-REPO, WHEEL = Path(sys.argv[1]), Path(sys.argv[2])
+REPO, WHEEL, RUNTIME_PYTHON = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 BIN = Path(sys.executable).parent
 FOLDERS = {"maskc/": "maskc/", "runtime/": "maskc/runtime/", "templates/": "maskc/templates/"}
 HEAVY = ("torch", "numpy", "lark", "jinja2", "cutlass", "matplotlib")
 
-NO_COMPILER = """
-import sys
-class NoCompiler:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("lark", "jinja2", "cutlass"):
-            raise ImportError(f"{name} must not be needed by the runtime")
-sys.meta_path.insert(0, NoCompiler())
+RUNTIME_ONLY = """
+import importlib.util, sys
+present = [name for name in ("lark", "cutlass") if importlib.util.find_spec(name)]
+assert not present, f"the runtime venv has {present}"
 import maskc.runtime
 keys = maskc.runtime.register_artifact(sys.argv[1])
 masks = maskc.runtime.load_artifact(sys.argv[1]).masks
+imported = sorted({"lark", "jinja2", "cutlass"} & {m.split(".")[0] for m in sys.modules})
+assert not imported, f"the runtime imported {imported}"
 print(len(keys), sorted(masks), masks["varlen_block_causal"].shape)
 """
 
@@ -105,10 +106,13 @@ def compile_kernels(out: Path) -> None:
 
 
 def runtime_without_compiler(out: Path) -> None:
+    from maskc.runtime.launch import ENV_LIBRARY, installed_library
+
     for path in [out, *out.rglob("*")]:
         path.chmod(stat.S_IMODE(path.stat().st_mode) & ~0o222)
-    loaded = run(sys.executable, "-c", NO_COMPILER, str(out)).strip()
-    print(f"wheel check: maskc.runtime without the compiler registered the read-only artifact: {loaded}")
+    os.environ[ENV_LIBRARY] = str(installed_library())
+    loaded = run(RUNTIME_PYTHON, "-I", "-c", RUNTIME_ONLY, str(out)).strip()
+    print(f"wheel check: maskc.runtime with torch and numpy only registered the read-only artifact: {loaded}")
 
 
 if __name__ == "__main__":
