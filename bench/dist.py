@@ -1,7 +1,7 @@
 """Context-parallel benchmark: maskc.dist.attention beside PyTorch's ring context parallelism
 and all-gathered keys/values + FlexAttention, per-GPU TFLOP/s, forward and backward.
 
-Run one process per GPU: `torchrun --nproc-per-node N bench/dist.py --artifacts DIR --out OUT`
+Run one process per GPU: `torchrun --nproc-per-node N bench/dist.py --artifacts DIR [--run ID]`
 (DIR: a `maskc compile` directory with the 64:8 d=128 bf16 kernels). The seeds' settings:
 16k tokens per GPU (--per-gpu), heads 64:8, d=128, bf16; per-GPU TFLOP/s = 4 * area * Hq * D /
 time / N with time the slowest rank's median (the backward counts 2.5x the FLOPs). Masks as in
@@ -10,16 +10,16 @@ bench/kernel.py over the N * 16k global tokens. Baselines in the same run: PyTor
 all-gathering K and V and running FlexAttention on its contiguous query shard (the backward
 reduce-scatters dK, dV) on every mask. `--also` adds maskc with forced stage plans beside the
 cost model's, `--sm-margins` a sweep of the SMs left to NCCL; with several GPUs the all-to-all
-bandwidth (what CostModel.bandwidth stands for) is measured first. Rank 0 appends one JSON row
-per mask to OUT/dist.jsonl and prints a table (plot the rows with bench/dist_plot.py).
-`--device cpu` runs the maskc path only, over gloo with the reference attention in float32 (a
-smoke test of the harness, not a benchmark).
+bandwidth (what CostModel.bandwidth stands for) is measured first. Rank 0 appends dist and
+link rows to bench/results (or --out; see bench/README.md) and prints the run's table. To
+measure scaling, give the invocations for each GPU count one run id (`--run ID`): bench/report.py
+plots a run over its GPU counts. `--device cpu` runs the maskc path only, over gloo with the
+reference attention in float32 (a smoke test of the harness, not a benchmark).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -37,6 +37,8 @@ import maskc  # noqa: E402
 from maskc.dist import make_plan  # noqa: E402
 
 from kernel import D, HKV, HQ, build_masks, compiled_flex, flex_mask_mod  # noqa: E402
+from record import RESULTS, Run, cpu_device  # noqa: E402
+from report import dist_tables  # noqa: E402
 
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "varlen_block_causal")
 
@@ -124,7 +126,7 @@ def allgather_flex(name: str, seqlen: int, lens: Any, q: torch.Tensor, k: torch.
     return call, shard
 
 
-def torch_ring(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float] | str:
+def torch_ring(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
     """PyTorch's context parallelism (ring attention over SDPA) on full / causal: (fwd, bwd) ms."""
     import torch.distributed.tensor.experimental._attention as cp_impl
     import torch.nn.functional as F
@@ -148,10 +150,24 @@ def torch_ring(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
             return forward_backward_ms(call, leaves, qt.device)
 
 
+def measure(run: Run, case: dict, impl: str, plan: str | None, fwd_bwd: Callable[[], tuple[float, float]]) -> list[dict]:
+    """The forward and backward rows of `impl` on `case`, per-GPU TFLOP/s from the (forward,
+    backward) ms that `fwd_bwd` measures."""
+    flops = 4 * case["area"] * int(case["heads"].split(":")[0]) * case["head_dim"]
+    fields = {**case, "impl": impl, **({"plan": plan} if plan else {})}
+
+    def tflops() -> list[dict]:
+        fwd, bwd = fwd_bwd()
+        return [{"tflops": flops / fwd / 1e9 / case["gpus"]}, {"tflops": 2.5 * flops / bwd / 1e9 / case["gpus"]}]
+
+    return run.write_measured([("dist", {**fields, "direction": d}) for d in ("fwd", "bwd")], tflops)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--artifacts", type=Path, help="maskc compile directory (CUDA)")
-    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the results files (default: bench/results)")
+    parser.add_argument("--run", help="the run these rows join (default: a new one): one id for the GPU counts of a sweep")
     parser.add_argument("--per-gpu", type=int, default=16384, help="tokens per GPU")
     parser.add_argument("--masks", default=",".join(MASKS))
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -168,67 +184,56 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         maskc.runtime.register_artifact(args.artifacts)
     device = torch.device("cuda" if cuda else "cpu")
+    run = Run.start(
+        "dist", torch.cuda.get_device_name() if cuda else cpu_device(), args.out if rank == 0 else None, args.run,
+        launcher=f"torchrun --nproc-per-node {world}",
+    )
     dtype = torch.bfloat16 if cuda else torch.float32
     heads = (HQ, HKV) if cuda else (4, 2)
+    head_dim = D if cuda else 16
     seqlen = args.per_gpu * world
     masks, lens = build_masks(seqlen)
     torch.manual_seed(seqlen)  # the same global inputs on every rank
-    q, k, v = (torch.randn(seqlen, h, D if cuda else 16, device=device, dtype=dtype) for h in (heads[0], heads[1], heads[1]))
-    args.out.mkdir(parents=True, exist_ok=True)
+    q, k, v = (torch.randn(seqlen, h, head_dim, device=device, dtype=dtype) for h in (heads[0], heads[1], heads[1]))
+    rows = []
     if world > 1:
         kv_bytes = q.shape[0] // world * 2 * heads[1] * q.shape[2] * q.element_size()  # a rank's K and V
-        link = {"cp": world, "alltoall_GBps": alltoall_bandwidth(kv_bytes, device)}
-        if rank == 0:
-            print(json.dumps(link), flush=True)
-            with (args.out / "dist.jsonl").open("a") as log:
-                print(json.dumps(link), file=log)
+        rows.append(run.write("link", collective="all-to-all", gpus=world, gbps=alltoall_bandwidth(kv_bytes, device), mbytes=kv_bytes / 1e6))
     forced = [(int(spec.rstrip("f")), spec.endswith("f")) for spec in args.also.split(",") if spec]
     margins = [int(m) for m in args.sm_margins.split(",") if m]
-    rows = []
     for name in args.masks.split(","):
         mask = masks[name]
-        flops = 4 * mask.area() * heads[0] * q.shape[2]
-        row: dict[str, Any] = {"cp": world, "per_gpu": args.per_gpu, "mask": name, "area": mask.area()}
+        case = {"mask": name, "gpus": world, "tokens_per_gpu": args.per_gpu, "heads": f"{heads[0]}:{heads[1]}",
+                "head_dim": head_dim, "dtype": "bf16" if cuda else "fp32", "area": mask.area()}
         plan = make_plan(mask, world)
-        row["num_stages"], row["fuse_local"] = plan.stages.num_stages, plan.stages.fuse_local
 
         def ours(plan: Any, sm_margin: int = 0) -> tuple[float, float]:
             local = [maskc.dist.dispatch(x, plan).detach().requires_grad_() for x in (q, k, v)]
             return forward_backward_ms(lambda: maskc.dist.attention(*local, plan, sm_margin=sm_margin)[0], local, device)
 
-        runs: dict[str, Callable[[], tuple[float, float] | str]] = {"maskc": lambda: ours(plan)}
-        runs.update({f"maskc_sm{m}": lambda m=m: ours(plan, m) for m in margins})
+        runs: dict[str, tuple[str | None, Callable[[], tuple[float, float]]]] = {"maskc": (plan_name(plan), lambda: ours(plan))}
+        runs.update({f"maskc_sm{m}": (plan_name(plan), lambda m=m: ours(plan, m)) for m in margins})
         for n, fuse in forced:
             if (n, fuse) != (plan.stages.num_stages, plan.stages.fuse_local):
                 other = make_plan(mask, world, num_stages=n, fuse_local=fuse)
-                runs[f"maskc_{n}{'f' if fuse else ''}"] = lambda other=other: ours(other)
+                runs[f"maskc_{plan_name(other)}"] = (plan_name(other), lambda other=other: ours(other))
         if cuda and not args.no_baselines:
-            runs["flex_allgather"] = lambda: forward_backward_ms(*allgather_flex(name, seqlen, lens, q, k, v), device)
+            runs["flex_allgather"] = (None, lambda: forward_backward_ms(*allgather_flex(name, seqlen, lens, q, k, v), device))
             if name in ("full", "causal") and world > 1:
-                runs["torch_ring"] = lambda: torch_ring(name, q, k, v)
-        for tag, run in runs.items():
-            try:
-                fwd, bwd = run()
-                row[tag] = [flops / fwd / 1e9 / world, 2.5 * flops / bwd / 1e9 / world]
-            except Exception as exc:  # a baseline that cannot run this case is reported, not fatal
-                row[tag] = f"error: {type(exc).__name__}: {str(exc)[:160]}"
+                runs["torch_ring"] = (None, lambda: torch_ring(name, q, k, v))
+        for impl, (stages, fwd_bwd) in runs.items():
+            rows += measure(run, case, impl, stages, fwd_bwd)
             if cuda:
                 torch.cuda.empty_cache()
-        rows.append(row)
-        if rank == 0:
-            print(json.dumps(row), flush=True)
-            with (args.out / "dist.jsonl").open("a") as log:
-                print(json.dumps(row), file=log)
     if rank == 0:
-        tags = [t for t in dict.fromkeys(key for row in rows for key in row) if t.startswith("maskc")]
-        tags += ["torch_ring", "flex_allgather"]
-        print("\n cp mask                 stages " + " ".join(f"{t:>15}" for t in tags) + "  (per-GPU TFLOP/s fwd / bwd)")
-        for row in rows:
-            cells = [row.get(t) for t in tags]
-            text = [f"{c[0]:6.0f} / {c[1]:4.0f}" if isinstance(c, list) else ("-" if c is None else "error") for c in cells]
-            stages = f"{row['num_stages']}{'f' if row['fuse_local'] else ''}"
-            print(f" {row['cp']:2d} {row['mask']:20s} {stages:>6} " + " ".join(f"{t:>15}" for t in text))
+        all_impls = {impl: impl for impl in dict.fromkeys(row["impl"] for row in rows if row["kind"] == "dist")}
+        print("\n".join([f"run {run.run}", "", *dist_tables(rows, all_impls)]))
     dist.destroy_process_group()
+
+
+def plan_name(plan: Any) -> str:
+    """A plan's stages as the tables write them: the count, 'f' when the first joins the local call."""
+    return f"{plan.stages.num_stages}{'f' if plan.stages.fuse_local else ''}"
 
 
 if __name__ == "__main__":

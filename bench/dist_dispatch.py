@@ -4,7 +4,9 @@ The plan is rebuilt whenever document boundaries change (every batch), so chunk 
 solver must stay far below a step (target: under 50 ms). Per mask: the median time of
 `chunk_areas` and of each algorithm, the imbalance (largest over mean rank area; the lower
 bound over the mean is the best any algorithm could reach) and the key/value rows the plan's
-communication tables move (`maskc.dist.comm`). Run: `python bench/dist_dispatch.py [--runs 30]`.
+communication tables move (`maskc.dist.comm`). Run: `python bench/dist_dispatch.py [--runs 30]`;
+appends plan rows (and host rows for the chunk areas) to bench/results (or --out; see
+bench/README.md) and prints them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from maskc.frontend import load  # noqa: E402
 from maskc.ir import Mask  # noqa: E402
 
 from common import pack_documents, sample_doc_lengths, timed  # noqa: E402
+from record import RESULTS, Run, cpu_device  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +34,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1 << 20)
     parser.add_argument("--cp", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the results files (default: bench/results)")
     args = parser.parse_args()
+    run = Run.start("dist_dispatch", cpu_device(), args.out)
 
     total = args.tokens
     family = load(ROOT / "examples" / "varlen_block_causal.mask")["varlen_block_causal"]
@@ -51,11 +56,15 @@ def main() -> None:
         ms, _, areas = timed(lambda: chunk_areas(padded, args.chunk, num_chunks), args.runs)
         bound = lower_bound(areas, args.cp) * args.cp / max(int(areas.sum()), 1)
         print(f"{name:32} {'areas':11} {ms:7.2f} {'bound ' + format(bound, '.4f'):>10}")
+        run.write("host", step=f"chunk areas, {name} ({total:,} tokens, {num_chunks} chunks of {args.chunk})", ms=ms)
         for algorithm in ALGORITHMS:
             ms, _, rank = timed(lambda: solve(areas, args.cp, algorithm), args.runs)
-            print(
-                f"{'':32} {algorithm:11} {ms:7.2f} {imbalance(areas, rank, args.cp):10.4f} "
-                f"{build_comm_tables(padded, args.chunk, rank, args.cp).comm_rows_total:15,}"
+            moved = int(build_comm_tables(padded, args.chunk, rank, args.cp).comm_rows_total)
+            balance = float(imbalance(areas, rank, args.cp))
+            print(f"{'':32} {algorithm:11} {ms:7.2f} {balance:10.4f} {moved:15,}")
+            run.write(
+                "plan", mask=name, gpus=args.cp, tokens=total, algorithm=algorithm, chunk=args.chunk,
+                imbalance=balance, bound=float(bound), rows_moved=moved, solve_ms=ms,
             )
 
 

@@ -6,7 +6,8 @@ prints per algorithm the imbalance (max / mean rank area), the largest rank area
 lower bound, the K/V rows maskc's tables move against ring P2P and all-gather, the chosen
 stage count and whether stage 1 is fused into the local call, the modelled forward and
 backward time (the cost model's defaults: an H200 with NVLink), plus the planning time.
-Run: `python bench/dist_plan.py [--cp 8,16,32,64] [--tokens-per-rank 8192] [--algorithms swap]`.
+Run: `python bench/dist_plan.py [--cp 8,16,32,64] [--tokens-per-rank 8192] [--algorithms swap]`;
+appends plan rows to bench/results (or --out; see bench/README.md) and prints them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from common import pack_documents  # noqa: E402
+from record import RESULTS, Run, cpu_device  # noqa: E402
 
 from maskc.dist.assign import ALGORITHMS  # noqa: E402
 from maskc.dist.plan import make_plan  # noqa: E402
@@ -47,7 +49,9 @@ def main() -> None:
     parser.add_argument("--tokens-per-rank", type=int, default=8192)
     parser.add_argument("--chunk-size", type=int, default=None)
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the results files (default: bench/results)")
     args = parser.parse_args()
+    run = Run.start("dist_plan", cpu_device(), args.out)
     print(
         f"{'mask':20} {'cp':>3} {'algorithm':10} {'imbalance':>9} {'max/LB':>7} {'maskc rows':>12} "
         f"{'ring rows':>12} {'allgather rows':>14} {'stages':>6} {'fused':>5} {'fwd ms':>7} {'bwd ms':>7} {'plan ms':>8}"
@@ -67,6 +71,13 @@ def main() -> None:
                     f"{s['num_stages']:>6} {'yes' if s['fuse_local'] else 'no':>5} {s['modelled_forward_s'] * 1e3:7.2f} "
                     f"{s['modelled_backward_s'] * 1e3:7.2f} {ms:8.1f}",
                     flush=True,
+                )
+                run.write(
+                    "plan", mask=name, gpus=cp, tokens=seqlen, algorithm=algorithm, chunk=s["chunk_size"],
+                    imbalance=s["imbalance"], max_over_bound=s["max_area"] / max(s["lower_bound"], 1),
+                    rows_moved=s["comm_rows_total"], ring_rows=s["ring_p2p_rows_total"], allgather_rows=s["allgather_rows_total"],
+                    stages=s["num_stages"], fused=s["fuse_local"], model_fwd_ms=s["modelled_forward_s"] * 1e3,
+                    model_bwd_ms=s["modelled_backward_s"] * 1e3, plan_ms=ms,
                 )
 
 

@@ -1,4 +1,4 @@
-"""Kernel benchmark on the seeds' settings: b=1, heads 64:8, d=128, bf16, seqlen 1k..64k.
+"""Kernel benchmark on MagiAttention's settings: b=1, heads 64:8, d=128, bf16, seqlen 1k..64k.
 
 maskc beside FlashAttention-4 (where it supports the mask natively), torch SDPA (cuDNN and
 flash backends, full/causal) and FlexAttention, in one run, forward TFLOP/s with the seeds'
@@ -7,17 +7,18 @@ formula (4 * area * Hq * D / time). Varlen documents come from the real length h
 
 With --backward, also the backward TFLOP/s (2.5 x the forward FLOPs, `out.backward` timed alone)
 and the peak memory of one forward + backward of every implementation; --deterministic adds maskc
-with deterministic=True, --portable maskc's portable kernels.
+with deterministic=True, --portable maskc's portable kernels. The host time of one
+maskc.attention call is measured first.
 
-Run on the GPU machine: `python bench/kernel.py --artifacts DIR... --out OUT [--seqlens 16384,65536]
+Run on the GPU machine: `python bench/kernel.py --artifacts DIR... [--seqlens 16384,65536]
 [--backward] [--deterministic] [--portable]` (DIR: `maskc compile` directories holding the d=128
-bf16 64:8 kernels). Writes OUT/kernel.jsonl, OUT/kernel_<seqlens>.png, and prints tables.
+bf16 64:8 kernels). Appends kernel, memory and host rows to bench/results (or --out; see
+bench/README.md) and prints the run's tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -35,11 +36,14 @@ from maskc.frontend import load  # noqa: E402
 from maskc.ir import Mask  # noqa: E402
 
 from common import pack_documents  # noqa: E402
+from record import RESULTS, Run  # noqa: E402
+from report import kernel_tables  # noqa: E402
 
 HQ, HKV, D = 64, 8, 128
 WINDOW = 1024
 BLOCK = 1024
-COLORS = {"maskc": "tab:blue", "maskc_det": "tab:cyan", "maskc_portable": "tab:gray", "fa4": "tab:orange", "sdpa_cudnn": "tab:green", "sdpa_flash": "tab:red", "flex": "tab:purple"}
+HOST_CALLS = 2000
+HOST_STEP = f"one maskc.attention call (forward, 128 causal tokens, {HQ}:{HKV} heads, d={D}; mean of {HOST_CALLS})"
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window_causal", "varlen_block_causal")
 
 
@@ -166,12 +170,29 @@ def baselines(name: str, seqlen: int, lens: np.ndarray, q: torch.Tensor, k: torc
     return calls
 
 
+def measure(run: Run, case: dict, impl: str, call: Callable[[], object], leaves: list[torch.Tensor] | None) -> list[dict]:
+    """The rows of `impl` on `case`: forward TFLOP/s; with `leaves` (the inputs whose gradients
+    the backward computes) also backward TFLOP/s and the peak memory of a forward + backward."""
+
+    def forward() -> list[dict]:
+        with torch.no_grad():
+            return [{"tflops": timed_tflops(call, case["area"])}]
+
+    rows = run.write_measured([("kernel", {**case, "impl": impl, "direction": "fwd"})], forward)
+    if leaves is not None:
+        rows += run.write_measured(
+            [("kernel", {**case, "impl": impl, "direction": "bwd"}), ("memory", {**case, "impl": impl})],
+            lambda: [{"tflops": timed_backward_tflops(call, case["area"], leaves)}, {"peak_mib": peak_memory_mib(call, leaves)}],
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--artifacts", required=True, type=Path, nargs="+", help="maskc compile directories with the 64:8 d=128 bf16 kernels"
     )
-    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the results files (default: bench/results)")
     parser.add_argument("--seqlens", default="1024,2048,4096,8192,16384,32768,65536")
     parser.add_argument("--masks", default=",".join(MASKS))
     parser.add_argument("--no-baselines", action="store_true")
@@ -183,11 +204,11 @@ def main() -> None:
         "--portable", action="store_true", help="also maskc's portable kernels (portable=True: warp MMA, every GPU since Ampere)"
     )
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    run = Run.start("kernel", torch.cuda.get_device_name(), args.out)
     for directory in args.artifacts:
         maskc.runtime.register_artifact(directory)
-    log = (args.out / "kernel.jsonl").open("a")
-    print(json.dumps({"host_overhead_us": host_overhead_us()}), file=log, flush=True)
+    host = run.write("host", step=HOST_STEP, ms=host_overhead_us() / 1e3)
+    print(f"{host['step']}: {host['ms'] * 1e3:.1f} us", flush=True)
     rows = []
     for seqlen in map(int, args.seqlens.split(",")):
         torch.manual_seed(seqlen)
@@ -197,8 +218,8 @@ def main() -> None:
         masks, lens = build_masks(seqlen)
         for name in args.masks.split(","):
             mask = masks[name]
-            area = mask.area()
-            row = {"seqlen": seqlen, "mask": name, "docs": len(lens), "area": area}
+            case = {"mask": name, "seqlen": seqlen, "heads": f"{HQ}:{HKV}", "head_dim": D, "dtype": "bf16",
+                    "docs": len(lens), "area": mask.area()}
             calls = {"maskc": lambda: maskc.attention(q, k, v, mask)[0]}
             if args.deterministic:
                 calls["maskc_det"] = lambda: maskc.attention(q, k, v, mask, deterministic=True)[0]
@@ -206,24 +227,16 @@ def main() -> None:
                 calls["maskc_portable"] = lambda: maskc.attention(q, k, v, mask, portable=True)[0]
             if not args.no_baselines:
                 calls.update(baselines(name, seqlen, lens, q, k, v))
-            for tag, call in calls.items():
-                try:
-                    with torch.no_grad():
-                        row[tag] = timed_tflops(call, area)
-                    if args.backward:
-                        row[f"{tag}_bwd"] = timed_backward_tflops(call, area, [q, k, v])
-                        row[f"{tag}_mem"] = peak_memory_mib(call, [q, k, v])
-                except Exception as exc:  # a baseline that cannot run this case is reported, not fatal
-                    row[tag] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            print(json.dumps(row), file=log, flush=True)
-    plot(rows, args.out / f"kernel_{args.seqlens.replace(',', '_')}.png")
-    print_table(rows)
-    print(f"host overhead per maskc.attention call: {host_overhead_us():.1f} us")
+            for impl, call in calls.items():
+                for row in measure(run, case, impl, call, [q, k, v] if args.backward else None):
+                    rows.append(row)
+                    value = row.get("tflops", row.get("peak_mib", row.get("error")))
+                    print(f"{seqlen} {name} {impl} {row['kind']} {row.get('direction', '')} {value}", flush=True)
+    all_impls = {impl: impl for impl in dict.fromkeys(row["impl"] for row in rows)}
+    print("\n".join(["", f"run {run.run}", "", *kernel_tables(rows, all_impls)]))
 
 
-def host_overhead_us(calls: int = 2000) -> float:
+def host_overhead_us(calls: int = HOST_CALLS) -> float:
     """CPU time of one maskc.attention call, on a problem so small the GPU never holds the host back."""
     mask = Mask.from_cu_seqlens([0, 128], causal=True)
     q = torch.randn(128, HQ, D, device="cuda", dtype=torch.bfloat16)
@@ -237,41 +250,6 @@ def host_overhead_us(calls: int = 2000) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
-
-
-def print_table(rows: list[dict]) -> None:
-    for suffix, what in (("", "forward TFLOP/s"), ("_bwd", "backward TFLOP/s"), ("_mem", "forward + backward peak MiB")):
-        tags = [t + suffix for t in COLORS]
-        if not any(isinstance(r.get(t), float) for r in rows for t in tags):
-            continue
-        print(f"\n{'seqlen':>7} {'mask':22}" + "".join(f"{t:>16}" for t in tags) + f"   ({what})")
-        for r in rows:
-            cells = "".join(f"{r[t]:16.0f}" if isinstance(r.get(t), float) else f"{'-':>16}" for t in tags)
-            print(f"{r['seqlen']:>7} {r['mask']:22}{cells}")
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    names = list(dict.fromkeys(r["mask"] for r in rows))
-    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.5), squeeze=False)
-    for ax, name in zip(axes[0], names):
-        sub = [r for r in rows if r["mask"] == name]
-        for tag, color in COLORS.items():
-            pts = [(r["seqlen"], r[tag]) for r in sub if isinstance(r.get(tag), float)]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=tag, color=color)
-        ax.set_xscale("log", base=2)
-        ax.set_title(name, fontsize=9)
-        ax.set_xlabel("seqlen")
-        ax.set_ylabel("fwd TFLOP/s")
-    handles = [plt.Line2D([], [], color=c, marker="o", label=t) for t, c in COLORS.items()]
-    fig.legend(handles=handles, loc="upper center", ncol=len(COLORS), fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 0.9))
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

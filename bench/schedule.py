@@ -1,21 +1,37 @@
-"""Time the forward and backward tile schedules of 1M-token masks (they run whenever the mask changes)."""
+"""Time the forward and backward tile schedules of 1M-token masks (they run whenever the mask changes).
+
+Run: `python bench/schedule.py [--runs 20]`; appends host rows to bench/results (or --out; see
+bench/README.md) and prints them.
+"""
 
 from __future__ import annotations
 
+import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from maskc.ir import Mask
-from maskc.ir.schedule import build_backward_schedule, build_schedule
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from common import sample_doc_lengths
+from maskc.ir import Mask  # noqa: E402
+from maskc.ir.schedule import build_backward_schedule, build_schedule  # noqa: E402
+
+from common import sample_doc_lengths  # noqa: E402
+from record import RESULTS, Run, cpu_device  # noqa: E402
 
 TOTAL = 1 << 20
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the results files (default: bench/results)")
+    args = parser.parse_args()
+    run = Run.start("schedule", cpu_device(), args.out)
     cu = np.r_[0, np.cumsum(sample_doc_lengths(TOTAL, 4000))]
     masks = {
         "full": Mask.from_cu_seqlens([0, TOTAL]),
@@ -30,16 +46,20 @@ def main() -> None:
         # its items dealt to the CTAs included.
         times = {build_schedule: [], build_backward_schedule: []}
         params = {build_schedule: (128, 128), build_backward_schedule: (64, 128, 8, 132)}
-        for _ in range(20):
+        for _ in range(args.runs):
             for build in times:
                 fresh = Mask.from_arrays(mask.q_ranges, mask.k_ranges, mask.types, *mask.shape)
                 start = time.perf_counter()
                 build(fresh, *params[build])
                 times[build].append((time.perf_counter() - start) * 1e3)
         fwd = build_schedule(mask, 128, 128)
-        print(
-            f"{name:34} {statistics.median(times[build_schedule]):14.2f} "
-            f"{statistics.median(times[build_backward_schedule]):14.2f} {fwd.num_work:6} {len(fwd.ranges):9} {len(fwd.lines):7}"
+        median = {build: statistics.median(times[build]) for build in times}
+        print(f"{name:34} {median[build_schedule]:14.2f} {median[build_backward_schedule]:14.2f} {fwd.num_work:6} {len(fwd.ranges):9} {len(fwd.lines):7}")
+        run.write("host", step=f"forward tile schedule, {name} (1M tokens, 128x128 tiles)", ms=median[build_schedule])
+        run.write(
+            "host",
+            step=f"backward tile schedule and item deal, {name} (1M tokens, 64x128 tiles, 8 K/V heads, 132 CTAs)",
+            ms=median[build_backward_schedule],
         )
 
 

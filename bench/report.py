@@ -1,0 +1,429 @@
+"""Regenerate docs/performance.md from the rows in bench/results (see bench/README.md).
+
+`python bench/report.py` rewrites the page; `--check` only says whether it is up to date (exit
+status 1 if not); `--plots` also redraws its figures under docs/img (needs matplotlib). The page
+is a function of the rows alone, byte for byte, so a test can check it; the figures are redrawn
+on request only, and carry the id of the run they show, which the test checks too.
+
+For every implementation and configuration the page shows the newest measurement: the tables
+of every run that holds one, newest first, each with the baselines measured in that run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from record import RESULTS, ROOT, key, read_results  # noqa: E402
+
+DOC = ROOT / "docs" / "performance.md"
+IMG = ROOT / "docs" / "img"
+#: The implementations the page shows, with their column titles; other rows (forced plans,
+#: SM-margin sweeps) stay in the results for the design notes.
+KERNEL_IMPLS = {
+    "maskc": "maskc",
+    "maskc_det": "maskc deterministic",
+    "maskc_portable": "maskc portable",
+    "fa4": "FA4",
+    "sdpa_cudnn": "cuDNN",
+    "sdpa_flash": "SDPA flash",
+    "flex": "FlexAttention",
+}
+DIST_IMPLS = {"maskc": "maskc", "torch_ring": "PyTorch ring CP", "flex_allgather": "all-gather + FlexAttention"}
+KERNEL_PLOT = "kernel.png"
+DIST_PLOT = "dist_scaling.png"
+PLOT_SEQLENS = (16384, 65536)
+DASH = "—"
+
+INTRO = """\
+# How fast maskc is
+
+Throughput of maskc's attention kernels beside FlashAttention-4 (FA4), cuDNN and
+FlashAttention-2 (both through PyTorch's SDPA) and FlexAttention, and of its context
+parallelism beside PyTorch's, with the host time maskc spends each time the mask changes.
+Every library in a table was measured in the same run on the same device. A run on one GPU
+differs from the next by about 3%, so compare numbers within one table.
+
+This page is generated from the rows in `bench/results/` by `python bench/report.py`; every
+benchmark appends its rows there (`bench/README.md`). For each implementation and
+configuration it shows the newest measurement: each table is one run, newest first, and an
+older run keeps its table while it holds the newest figure of something (a library the newer
+runs did not measure, say).
+
+**Settings** (those of MagiAttention's benchmarks): one sequence of 1k to 64k tokens, 64 query
+heads and 8 key/value heads (GQA), head dim 128, bf16. Variable-length ("varlen") masks pack
+documents whose lengths are drawn from a real long-context corpus (`bench/data/`), each at most
+a quarter of the sequence; block-causal blocks are 1024 tokens; in the sliding window each
+query sees the 1024 keys up to itself. TFLOP/s count the mask's exact area: forward
+`4 * area * Hq * D`, backward 2.5 times that. A dash: the library has no kernel for that mask,
+or the run did not measure it.
+
+## Reproducing
+
+Compile the kernels (on any machine), then run the benchmarks on the GPU machine:
+
+```bash
+maskc compile examples/full.mask -o kernels --head-dim 128 --heads 64:8 --dtype bf16 --bundle-runtime
+python3 bench/kernel.py --artifacts kernels --seqlens 16384,65536 --backward
+torchrun --nproc-per-node 4 bench/dist.py --artifacts kernels
+python3 bench/report.py --plots
+```
+
+`maskc compile` with `--deterministic` or `--portable` adds those kernels, which
+`bench/kernel.py --deterministic` / `--portable` measure. `bench/lower.py`,
+`bench/schedule.py`, `bench/dist_plan.py`, `bench/dist_dispatch.py` and `bench/dist_stages.py`
+measure the host side on any machine. Each script's `--help` says what it measures.
+"""
+
+
+ONE_GPU = """\
+## One GPU
+
+`bench/kernel.py`: maskc's kernels for Hopper (`maskc`; `maskc deterministic` with
+`deterministic=True`) and the portable kernels every NVIDIA GPU since Ampere runs (`maskc
+portable`, measured with `portable=True` on the same GPU), beside the libraries that express
+each mask natively. The backward is `out.backward` timed alone.
+"""
+
+SEVERAL_GPUS = """\
+## Several GPUs: context parallelism
+
+`bench/dist.py`: `maskc.dist.attention` with one process per GPU (NCCL) and 16k tokens per GPU,
+the masks above over all the GPUs' tokens, beside PyTorch's ring context parallelism
+(`context_parallel` over SDPA, full and causal only) and every rank all-gathering the keys and
+values before FlexAttention. Per-GPU TFLOP/s: the whole mask's FLOPs over the GPUs, in the
+slowest rank's median time.
+"""
+
+HOST = """\
+## Host time
+
+What maskc does on the CPU: each `maskc.attention` call, and each time the mask changes
+(lowering it, its tile schedules, a context-parallel plan). Medians unless the step says
+otherwise; the newest measurement of each step.
+"""
+
+PLANS = """\
+## Context-parallel plans
+
+How `maskc.dist.make_plan` splits a mask over many ranks, computed on the CPU: the balance (the
+largest rank's mask area over the mean), the key/value rows its tables move beside ring P2P
+and all-gather on the same dispatch, the overlap stages its cost model picks and the times the
+model predicts (an H200-class GPU on NVLink); then the model's times of every stage count for
+one mask. These are modelled, not measured on GPUs; only the planning times are measured.
+"""
+PLAN_FIELDS = ("mask", "gpus", "tokens", "chunk", "algorithm", "imbalance", "bound", "max_over_bound", "rows_moved",
+               "ring_rows", "allgather_rows", "stages", "fused", "model_fwd_ms", "model_bwd_ms", "plan_ms", "solve_ms")
+STAGES_FIELDS = ("mask", "gpus", "tokens", "chunk", "stages", "fused", "model_fwd_ms", "model_bwd_ms", "chosen")
+
+
+def run_order(rows: Sequence[dict]) -> dict[str, tuple[str, int]]:
+    """Each run's place in time: its date, then where its first row comes in the files."""
+    order: dict[str, tuple[str, int]] = {}
+    for index, row in enumerate(rows):
+        order.setdefault(row["run"], (row["date"], index))
+    return order
+
+
+def latest(rows: Sequence[dict], kind: str) -> dict[tuple, dict]:
+    """The newest measurement (not an error) of each configuration of `kind`."""
+    order = run_order(rows)
+    newest: dict[tuple, dict] = {}
+    for row in sorted((r for r in rows if r["kind"] == kind and "error" not in r), key=lambda r: order[r["run"]]):
+        newest[key(row)] = row
+    return newest
+
+
+def current_runs(rows: Sequence[dict], kind: str, impls: Iterable[str] | None = None) -> list[str]:
+    """The runs holding the newest measurement of some configuration of `kind` (of one of
+    `impls`), newest first."""
+    order = run_order(rows)
+    held = {row["run"] for row in latest(rows, kind).values() if impls is None or row["impl"] in impls}
+    return sorted(held, key=lambda run: order[run], reverse=True)
+
+
+def of_run(rows: Sequence[dict], run: str, kind: str) -> list[dict]:
+    return [row for row in rows if row["run"] == run and row["kind"] == kind]
+
+
+def markdown_table(header: Sequence[str], lines: Iterable[Sequence[str]], right: Iterable[int]) -> list[str]:
+    """A markdown table whose columns `right` (numbers) are right-aligned."""
+    right = set(right)
+    align = ["---:" if i in right else "---" for i in range(len(header))]
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|", *("| " + " | ".join(line) + " |" for line in lines)]
+
+
+def tokens(n: int) -> str:
+    """16384 -> '16k' (sequence lengths in the tables)."""
+    return f"{n // 1024}k" if n % 1024 == 0 and n >= 1024 else str(n)
+
+
+def number(value: float) -> str:
+    """A measured time or ratio with about three significant digits, never in exponent form."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def direction_cell(rows: Sequence[dict]) -> str:
+    """'fwd / bwd' TFLOP/s of one implementation on one configuration, or what exists of it."""
+    by_direction = {row["direction"]: row for row in rows}
+    parts = []
+    for direction in ("fwd", "bwd"):
+        row = by_direction.get(direction)
+        if row is not None:
+            parts.append("failed" if "error" in row else f"{row['tflops']:.0f}")
+    return " / ".join(parts) if parts else DASH
+
+
+def attention_table(
+    rows: Sequence[dict], line_fields: tuple[str, str], impls: dict[str, str], extra: dict[str, Callable[[list[dict]], str]] | None = None
+) -> list[str]:
+    """TFLOP/s, forward / backward: a line per (size, mask), a column per implementation in
+    `impls` that the rows hold (then `extra` columns, each computed from a line's rows)."""
+    size, _ = line_fields
+    mask_order = list(dict.fromkeys(row["mask"] for row in rows))
+    cells: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        cells[(row[size], mask_order.index(row["mask"]))][row["impl"]].append(row)
+    columns = [impl for impl in impls if any(row["impl"] == impl for row in rows)]
+    extra = extra or {}
+    header = [{"seqlen": "seqlen", "gpus": "GPUs"}[size], "mask", *extra, *(impls[c] for c in columns)]
+    lines = []
+    for line in sorted(cells):
+        by_impl = cells[line]
+        label = tokens(line[0]) if size == "seqlen" else str(line[0])
+        everything = [row for group in by_impl.values() for row in group]
+        lines.append([label, mask_order[line[1]].replace("_", " "), *(f(everything) for f in extra.values()),
+                      *(direction_cell(by_impl.get(c, [])) for c in columns)])
+    return markdown_table(header, lines, {0, *range(2 + len(extra), len(header))})
+
+
+def memory_table(rows: Sequence[dict]) -> list[str]:
+    """Peak MiB of one forward + backward: a line per sequence length, the range over masks."""
+    columns = [impl for impl in KERNEL_IMPLS if any(row["impl"] == impl for row in rows)]
+    lines = []
+    for seqlen in sorted({row["seqlen"] for row in rows}):
+        cells = []
+        for impl in columns:
+            values = sorted(row["peak_mib"] for row in rows if row["seqlen"] == seqlen and row["impl"] == impl and "error" not in row)
+            low, high = (f"{values[0]:.0f}", f"{values[-1]:.0f}") if values else (DASH, DASH)
+            cells.append(low if low == high else f"{low}-{high}")
+        lines.append([tokens(seqlen), *cells])
+    return markdown_table(["seqlen", *(KERNEL_IMPLS[c] for c in columns)], lines, range(len(columns) + 1))
+
+
+def kernel_tables(rows: Sequence[dict], impls: dict[str, str] = KERNEL_IMPLS) -> list[str]:
+    """The TFLOP/s table of one run's kernel rows, and its memory table if it measured memory."""
+    kernel = [row for row in rows if row["kind"] == "kernel" and row["impl"] in impls]
+    memory = [row for row in rows if row["kind"] == "memory" and row["impl"] in impls]
+    names = {"fwd": "forward", "bwd": "backward"}
+    directions = " / ".join(names[d] for d in names if any(row["direction"] == d for row in kernel))
+    lines = [f"TFLOP/s, {directions}:", "", *attention_table(kernel, ("seqlen", "mask"), impls)]
+    if memory:
+        lines += ["", "Peak memory of one forward + backward on top of q, k and v (MiB, the range over masks):", "",
+                  *memory_table(memory)]
+    return lines
+
+
+def dist_tables(rows: Sequence[dict], impls: dict[str, str] = DIST_IMPLS) -> list[str]:
+    """One run's per-GPU TFLOP/s table, with maskc's stage plan and the all-to-all bandwidth."""
+    dist = [row for row in rows if row["kind"] == "dist" and row["impl"] in impls]
+
+    def plan(line: list[dict]) -> str:
+        return next((row["plan"] for row in line if row["impl"] == "maskc" and "plan" in row), DASH)
+
+    links = defaultdict(list)
+    for row in sorted((r for r in rows if r["kind"] == "link" and "error" not in r), key=lambda r: r["gpus"]):
+        links[row["collective"]].append(f"{row['gbps']:.0f} GB/s at {row['gpus']} GPUs")
+    lines = [f"{name.capitalize()} bandwidth per rank and direction: {', '.join(at)}." for name, at in links.items()]
+    return lines + [""] * bool(lines) + ["Per-GPU TFLOP/s of the slowest rank, forward / backward (plan: maskc's stages, `f` when the "
+                    "first joins the local call):", "", *attention_table(dist, ("gpus", "mask"), impls, {"plan": plan})]
+
+
+PLAN_COLUMNS = {
+    "mask": ("mask", lambda v: v.replace("_", " ")), "gpus": ("GPUs", str), "tokens": ("tokens", lambda v: f"{v:,}"),
+    "algorithm": ("algorithm", str), "chunk": ("chunk", str), "imbalance": ("imbalance", lambda v: f"{v:.4f}"),
+    "bound": ("bound", lambda v: f"{v:.4f}"), "max_over_bound": ("max / bound", lambda v: f"{v:.4f}"),
+    "rows_moved": ("K/V rows moved", lambda v: f"{v:,}"), "ring_rows": ("ring P2P rows", lambda v: f"{v:,}"),
+    "allgather_rows": ("all-gather rows", lambda v: f"{v:,}"), "stages": ("stages", str),
+    "fused": ("fused", lambda v: "yes" if v else "no"), "model_fwd_ms": ("modelled fwd ms", number),
+    "model_bwd_ms": ("modelled bwd ms", number), "plan_ms": ("plan ms", number), "solve_ms": ("solve ms", number),
+    "chosen": ("chosen", lambda v: "yes" if v else ""),
+}
+
+
+def field_table(rows: Sequence[dict], fields: Sequence[str]) -> list[str]:
+    """A line per row, a column per field of `fields` that some row has."""
+    present = [f for f in fields if any(f in row for row in rows)]
+    lines = [[PLAN_COLUMNS[f][1](row[f]) if f in row else DASH for f in present] for row in rows]
+    right = [i for i, f in enumerate(present) if f not in ("mask", "algorithm")]
+    return markdown_table([PLAN_COLUMNS[f][0] for f in present], lines, right)
+
+
+def run_heading(rows: Sequence[dict]) -> list[str]:
+    first = rows[0]
+    about = [f"Command: `{first['command']}`."]
+    if "versions" in first:
+        about.append(f"{first['versions']}.")
+    if "note" in first:
+        about.append(first["note"])
+    return [f"### {first['device']}, {first['date']}, commit `{first['commit']}`", "", " ".join(about), ""]
+
+
+def plot_runs(rows: Sequence[dict]) -> dict[str, str]:
+    """The run each figure shows: for the kernels, the shown run with both directions at 16k and
+    64k beside the most other libraries (the newest of equals); for the scaling, the newest shown
+    run over several GPU counts."""
+    chosen = {}
+    candidates = []
+    for run in current_runs(rows, "kernel", KERNEL_IMPLS):
+        mine = of_run(rows, run, "kernel")
+        both = all(any(r["seqlen"] == s and r["direction"] == d and r["impl"] == "maskc" and "error" not in r for r in mine)
+                   for s in PLOT_SEQLENS for d in ("fwd", "bwd"))
+        if both:
+            candidates.append((len({r["impl"] for r in mine if not r["impl"].startswith("maskc")}), run))
+    if candidates:
+        chosen[KERNEL_PLOT] = max(candidates, key=lambda c: c[0])[1]
+    for run in current_runs(rows, "dist", DIST_IMPLS):
+        if len({r["gpus"] for r in of_run(rows, run, "dist")}) > 1:
+            chosen[DIST_PLOT] = run
+            break
+    return chosen
+
+
+def describe(rows: Sequence[dict], run: str) -> str:
+    first = next(row for row in rows if row["run"] == run)
+    return f"{first['device']}, {first['date']}, commit `{first['commit']}`"
+
+
+def render(rows: Sequence[dict]) -> str:
+    """docs/performance.md for `rows` (read_results' order)."""
+    plots = plot_runs(rows)
+    out = [INTRO, ONE_GPU]
+    if KERNEL_PLOT in plots:
+        out += [f"![TFLOP/s per mask, forward and backward, at 16k and 64k tokens](img/{KERNEL_PLOT})", "",
+                f"The figure shows the run of {describe(rows, plots[KERNEL_PLOT])}.", ""]
+    for run in current_runs(rows, "kernel", KERNEL_IMPLS):
+        mine = [row for row in rows if row["run"] == run]
+        out += [*run_heading(mine), *kernel_tables(mine), ""]
+    out.append(SEVERAL_GPUS)
+    if DIST_PLOT in plots:
+        out += [f"![per-GPU TFLOP/s against the number of GPUs](img/{DIST_PLOT})", "",
+                f"The figure shows the run of {describe(rows, plots[DIST_PLOT])}.", ""]
+    for run in current_runs(rows, "dist", DIST_IMPLS):
+        mine = [row for row in rows if row["run"] == run]
+        out += [*run_heading(mine), *dist_tables(mine), ""]
+    lines = [[row["step"], number(row["ms"]), row["device"], row["date"], f"`{row['commit']}`", f"`bench/{row['bench']}.py`"]
+             for row in latest(rows, "host").values()]
+    out += [HOST, *markdown_table(["step", "ms", "device", "date", "commit", "benchmark"], lines, [1]), "", PLANS]
+    for kind, fields in (("plan", PLAN_FIELDS), ("stages", STAGES_FIELDS)):
+        for run in current_runs(rows, kind):
+            mine = of_run(rows, run, kind)
+            out += [*run_heading(mine), *field_table(mine, fields), ""]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def draw(rows: Sequence[dict], img: Path = IMG) -> list[Path]:
+    """Redraw the figures of plot_runs under `img`; each PNG names its run in its Description."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    written = []
+    for name, run in plot_runs(rows).items():
+        if name == KERNEL_PLOT:
+            fig = _kernel_figure(plt, of_run(rows, run, "kernel"))
+        else:
+            fig = _dist_figure(plt, of_run(rows, run, "dist"))
+        fig.suptitle(describe(rows, run).replace("`", ""), fontsize=9)
+        img.mkdir(parents=True, exist_ok=True)
+        path = img / name
+        fig.savefig(path, dpi=110, metadata={"Description": f"run {run}"})
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _kernel_figure(plt: Any, rows: list[dict]) -> Any:
+    impls = [impl for impl in KERNEL_IMPLS if any(row["impl"] == impl for row in rows)]
+    masks = list(dict.fromkeys(row["mask"] for row in rows))
+    fig, axes = plt.subplots(2, len(PLOT_SEQLENS), figsize=(6 * len(PLOT_SEQLENS), 7), squeeze=False)
+    width = 0.8 / len(impls)
+    for col, seqlen in enumerate(PLOT_SEQLENS):
+        for line, direction in enumerate(("fwd", "bwd")):
+            ax = axes[line, col]
+            for i, impl in enumerate(impls):
+                values = {r["mask"]: r["tflops"] for r in rows
+                          if r["impl"] == impl and r["seqlen"] == seqlen and r["direction"] == direction and "error" not in r}
+                xs = [m + (i - (len(impls) - 1) / 2) * width for m, name in enumerate(masks) if name in values]
+                ax.bar(xs, [values[name] for name in masks if name in values], width, color=color(KERNEL_IMPLS, impl))
+            ax.set_xticks(range(len(masks)), [m.replace("_", "\n") for m in masks], fontsize=7)
+            ax.set_title(f"{'forward' if direction == 'fwd' else 'backward'}, {tokens(seqlen)} tokens", fontsize=9)
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(axis="y", alpha=0.3)
+    legend(plt, fig, KERNEL_IMPLS, impls)
+    return fig
+
+
+def _dist_figure(plt: Any, rows: list[dict]) -> Any:
+    impls = [impl for impl in DIST_IMPLS if any(row["impl"] == impl for row in rows)]
+    masks = list(dict.fromkeys(row["mask"] for row in rows))
+    fig, axes = plt.subplots(2, len(masks), figsize=(3.2 * len(masks), 6), sharex=True, squeeze=False)
+    gpus = sorted({row["gpus"] for row in rows})
+    for col, mask in enumerate(masks):
+        for line, direction in enumerate(("fwd", "bwd")):
+            ax = axes[line, col]
+            for impl in impls:
+                points = sorted((r["gpus"], r["tflops"]) for r in rows
+                                if r["mask"] == mask and r["impl"] == impl and r["direction"] == direction and "error" not in r)
+                if points:
+                    ax.plot(*zip(*points), marker="o", color=color(DIST_IMPLS, impl))
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+        axes[0, col].set_title(mask.replace("_", " "), fontsize=9)
+        axes[1, col].set_xlabel("GPUs")
+        axes[1, col].set_xticks(gpus)
+    axes[0, 0].set_ylabel("forward TFLOP/s per GPU")
+    axes[1, 0].set_ylabel("backward TFLOP/s per GPU")
+    legend(plt, fig, DIST_IMPLS, impls)
+    return fig
+
+
+def color(impls: dict[str, str], impl: str) -> str:
+    """One colour per implementation, the same in every figure of its kind."""
+    return f"C{list(impls).index(impl)}"
+
+
+def legend(plt: Any, fig: Any, titles: dict[str, str], impls: list[str]) -> None:
+    """A legend of `impls` above the panels, under the figure's title."""
+    handles = [plt.Rectangle((0, 0), 1, 1, color=color(titles, impl)) for impl in impls]
+    fig.legend(handles, [titles[impl] for impl in impls], loc="upper center", ncol=len(impls), fontsize=8, bbox_to_anchor=(0.5, 0.96))
+    fig.tight_layout(rect=(0, 0, 1, 0.91))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of the results files (default bench/results)")
+    parser.add_argument("--check", action="store_true", help="only check that docs/performance.md is up to date")
+    parser.add_argument("--plots", action="store_true", help="also redraw the figures under docs/img (needs matplotlib)")
+    args = parser.parse_args()
+    rows = read_results(args.results)
+    text = render(rows)
+    if args.check:
+        if DOC.read_text() != text:
+            sys.exit(f"{DOC.relative_to(ROOT)} is out of date: run python bench/report.py")
+        return
+    DOC.write_text(text)
+    print(f"wrote {DOC.relative_to(ROOT)}")
+    if args.plots:
+        for path in draw(rows):
+            print(f"wrote {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

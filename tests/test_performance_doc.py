@@ -1,0 +1,224 @@
+"""The performance record: every row in bench/results is well formed, docs/performance.md and
+its figures are what bench/report.py makes of them, and the benchmarks write their rows through
+bench/record.py (with fake timings here: the GPU benchmarks run on GPU machines only)."""
+
+from __future__ import annotations
+
+import json
+import re
+import runpy
+import struct
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+sys.path.insert(0, str(BENCH))
+
+import record  # noqa: E402
+import report  # noqa: E402
+from record import RowError, Run, read_results, read_rows  # noqa: E402
+
+NOW = datetime(2026, 12, 1, 8, 30, tzinfo=timezone.utc)
+
+
+def png_text(path: Path) -> dict[str, str]:
+    """The tEXt chunks of a PNG file (keyword -> text)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is no PNG"
+    chunks, at = {}, 8
+    while at < len(data):
+        (length,) = struct.unpack(">I", data[at : at + 4])
+        kind, body = data[at + 4 : at + 8], data[at + 8 : at + 8 + length]
+        if kind == b"tEXt":
+            keyword, text = body.split(b"\0", 1)
+            chunks[keyword.decode("latin-1")] = text.decode("latin-1")
+        at += 12 + length
+    return chunks
+
+
+def scratch_run(tmp_path: Path, bench: str = "kernel", device: str = "NVIDIA H200") -> Run:
+    return Run.start(bench, device, tmp_path, argv=["bench/kernel.py", "--backward"], now=NOW)
+
+
+def test_every_row_in_bench_results_is_well_formed() -> None:
+    rows = read_results()
+    kinds = {row["kind"] for row in rows}
+    assert {"kernel", "memory", "dist", "link", "host", "plan"} <= kinds
+    assert all(path.stem in record.KINDS for path in (BENCH / "results").glob("*.jsonl"))
+
+
+def test_performance_doc_is_generated_from_the_rows() -> None:
+    expected = report.render(read_results())
+    assert (ROOT / "docs" / "performance.md").read_text() == expected, "docs/performance.md is out of date: run python bench/report.py"
+
+
+def test_figures_show_the_runs_the_doc_names() -> None:
+    rows = read_results()
+    plots = report.plot_runs(rows)
+    assert set(plots) == {report.KERNEL_PLOT, report.DIST_PLOT}
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    for name, run in plots.items():
+        assert f"](img/{name})" in doc
+        assert png_text(ROOT / "docs" / "img" / name).get("Description") == f"run {run}", (
+            f"docs/img/{name} shows another run than {run}: run python bench/report.py --plots"
+        )
+
+
+def test_the_doc_shows_the_newest_figure_of_each_implementation(tmp_path: Path) -> None:
+    """A newer run supersedes an older one's figures for what both measured; the older run keeps
+    its table while it holds the only figure of something (here FA4)."""
+    case = {"mask": "full", "seqlen": 16384, "heads": "64:8", "head_dim": 128, "dtype": "bf16", "direction": "fwd"}
+    old = Run.start("kernel", "NVIDIA H200", tmp_path / "a", run="old", argv=["bench/kernel.py"], now=NOW.replace(day=1))
+    old.write("kernel", impl="maskc", tflops=500.0, **case)
+    old.write("kernel", impl="fa4", tflops=650.0, **case)
+    new = Run.start("kernel", "NVIDIA H200", tmp_path / "a", run="new", argv=["bench/kernel.py"], now=NOW.replace(day=2))
+    new.write("kernel", impl="maskc", tflops=600.0, **case)
+    rows = read_results(tmp_path / "a")
+    assert report.current_runs(rows, "kernel", report.KERNEL_IMPLS) == ["new", "old"]
+    newer = Run.start("kernel", "NVIDIA H200", tmp_path / "a", run="newer", argv=["bench/kernel.py"], now=NOW.replace(day=3))
+    newer.write("kernel", impl="fa4", tflops=640.0, **case)
+    newer.write("kernel", impl="maskc", error="RuntimeError: out of memory", **case)
+    rows = read_results(tmp_path / "a")
+    assert report.current_runs(rows, "kernel", report.KERNEL_IMPLS) == ["newer", "new"]
+    doc = report.render(rows)
+    assert doc.index("| 16k | full | failed | 640 |") < doc.index("| 16k | full | 600 |")
+    assert "500" not in doc
+
+
+def test_rows_are_checked_when_written(tmp_path: Path) -> None:
+    run = scratch_run(tmp_path)
+    case = {"mask": "full", "seqlen": 1024, "heads": "64:8", "head_dim": 128, "dtype": "bf16", "direction": "fwd"}
+    with pytest.raises(RowError, match="missing tflops"):
+        run.write("kernel", impl="maskc", **case)
+    with pytest.raises(RowError, match="no field speed"):
+        run.write("kernel", impl="maskc", tflops=1.0, speed=2.0, **case)
+    with pytest.raises(RowError, match="direction must be one of fwd, bwd"):
+        run.write("kernel", impl="maskc", tflops=1.0, **{**case, "direction": "both"})
+    with pytest.raises(RowError, match="seqlen must be int"):
+        run.write("kernel", impl="maskc", tflops=1.0, **{**case, "seqlen": 1024.0})
+    with pytest.raises(RowError, match="carries no tflops"):
+        run.write("kernel", impl="maskc", tflops=1.0, error="failed", **case)
+    assert not (tmp_path / "kernel.jsonl").exists()
+    row = run.write("kernel", impl="maskc", tflops=612, **case)
+    assert json.loads((tmp_path / "kernel.jsonl").read_text()) == row
+    assert row["run"] == f"2026-12-01T083000Z-{row['commit']}" and row["date"] == "2026-12-01"
+    assert row["command"] == "python bench/kernel.py --backward"
+
+
+def test_reading_names_the_file_and_line_of_a_bad_row(tmp_path: Path) -> None:
+    run = scratch_run(tmp_path)
+    good = run.write("host", step="lower", ms=0.5)
+    path = tmp_path / "host.jsonl"
+    bad = {key: value for key, value in good.items() if key != "date"}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(RowError, match=r"host.jsonl:2: missing date"):
+        read_rows(path)
+    path.write_text(json.dumps(good) + "\n{not json\n")
+    with pytest.raises(RowError, match=r"host.jsonl:2: Expecting property name"):
+        read_rows(path)
+    link = run.write("link", collective="all-to-all", gpus=2, gbps=1.0)
+    path.write_text(json.dumps(link) + "\n")
+    with pytest.raises(RowError, match=r"host.jsonl:1: a link row in the host file"):
+        read_rows(path)
+
+
+def test_the_rows_of_one_run_agree(tmp_path: Path) -> None:
+    run = scratch_run(tmp_path)
+    row = run.write("host", step="a", ms=1.0)
+    (tmp_path / "host.jsonl").write_text(json.dumps(row) + "\n" + json.dumps({**row, "step": "b", "commit": "abcdef0"}) + "\n")
+    with pytest.raises(RowError, match=re.escape(f"the rows of run {row['run']} differ in commit")):
+        read_results(tmp_path)
+    (tmp_path / "host.jsonl").unlink()
+    (tmp_path / "speed.jsonl").write_text("")
+    with pytest.raises(RowError, match="no kind of row is called 'speed'"):
+        read_results(tmp_path)
+
+
+def test_the_commit_comes_from_git_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MASKC_BENCH_COMMIT", raising=False)
+    assert record.COMMIT.fullmatch(record.tree_commit())
+    monkeypatch.setenv("MASKC_BENCH_COMMIT", "abc1234+dirty")
+    assert record.tree_commit() == "abc1234+dirty"
+    monkeypatch.setenv("MASKC_BENCH_COMMIT", "HEAD")
+    with pytest.raises(RowError, match="MASKC_BENCH_COMMIT must be a git sha"):
+        record.tree_commit()
+
+
+def load_script(name: str) -> dict:
+    return runpy.run_path(str(BENCH / f"{name}.py"), run_name=f"bench_{name}")
+
+
+def test_kernel_benchmark_rows_with_fake_timings(tmp_path: Path) -> None:
+    kernel = load_script("kernel")
+    run = scratch_run(tmp_path)
+    case = {"mask": "causal", "seqlen": 16384, "heads": "64:8", "head_dim": 128, "dtype": "bf16", "docs": 9, "area": 134225920}
+    globals_ = kernel["measure"].__globals__
+    globals_["timed_tflops"] = lambda call, area: 600.0
+    globals_["timed_backward_tflops"] = lambda call, area, leaves: 520.0
+    globals_["peak_memory_mib"] = lambda call, leaves: 1360.5
+    leaves = [torch.zeros(1)]
+    rows = kernel["measure"](run, case, "maskc", lambda: None, leaves)
+    assert [(r["kind"], r.get("direction"), r.get("tflops", r.get("peak_mib"))) for r in rows] == [
+        ("kernel", "fwd", 600.0), ("kernel", "bwd", 520.0), ("memory", None, 1360.5)
+    ]
+
+    def no_backward(call: object, area: int, leaves: list) -> float:
+        raise NotImplementedError("no backward for this mask")
+
+    globals_["timed_backward_tflops"] = no_backward
+    rows += kernel["measure"](run, case, "fa4", lambda: None, leaves)
+    assert rows[3]["tflops"] == 600.0
+    assert rows[4]["error"] == rows[5]["error"] == "NotImplementedError: no backward for this mask"
+    assert sorted(map(json.dumps, read_results(tmp_path))) == sorted(map(json.dumps, rows))
+    table = report.kernel_tables(rows)
+    assert "| 16k | causal | 600 / 520 | 600 / failed |" in table
+    assert "| 16k | 1360 | — |" in table
+
+
+def test_dist_benchmark_rows_with_fake_timings(tmp_path: Path) -> None:
+    dist = load_script("dist")
+    run = scratch_run(tmp_path, bench="dist")
+    case = {"mask": "full", "gpus": 4, "tokens_per_gpu": 16384, "heads": "64:8", "head_dim": 128, "dtype": "bf16", "area": 4294967296}
+    rows = dist["measure"](run, case, "maskc", "1f", lambda: (8.0, 25.0))
+    flops = 4 * 4294967296 * 64 * 128
+    assert [r["tflops"] for r in rows] == [flops / 8.0 / 1e9 / 4, 2.5 * flops / 25.0 / 1e9 / 4]
+    assert all(r["plan"] == "1f" and r["kind"] == "dist" for r in rows)
+    run.write("link", collective="all-to-all", gpus=4, gbps=220.4)
+    table = report.dist_tables(read_results(tmp_path))
+    assert table[0] == "All-to-all bandwidth per rank and direction: 220 GB/s at 4 GPUs."
+    assert f"| 4 | full | 1f | {rows[0]['tflops']:.0f} / {rows[1]['tflops']:.0f} |" in table
+
+
+@pytest.mark.parametrize("script", ["kernel", "dist", "report"])
+def test_gpu_benchmarks_explain_themselves_anywhere(script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(sys, "argv", [f"bench/{script}.py", "--help"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(BENCH / f"{script}.py"), run_name="__main__")
+    assert done.value.code == 0
+    assert "bench/README.md" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "kinds"),
+    [
+        ("lower", ["--runs", "1", "--tokens", "65536", "--docs", "100"], {"host"}),
+        ("schedule", ["--runs", "1"], {"host"}),
+        ("dist_plan", ["--cp", "2", "--tokens-per-rank", "4096", "--algorithms", "swap"], {"plan"}),
+        ("dist_dispatch", ["--runs", "1", "--tokens", "65536", "--cp", "8", "--chunk", "1024"], {"plan", "host"}),
+        ("dist_stages", ["--runs", "1"], {"stages", "host"}),
+    ],
+)
+def test_host_benchmarks_write_their_rows(script: str, args: list[str], kinds: set[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", [f"bench/{script}.py", *args, "--out", str(tmp_path)])
+    runpy.run_path(str(BENCH / f"{script}.py"), run_name="__main__")
+    rows = read_results(tmp_path)
+    assert {row["kind"] for row in rows} == kinds
+    assert {row["bench"] for row in rows} == {script}
+    assert len({row["run"] for row in rows}) == 1
+    assert rows[0]["command"] == f"python bench/{script}.py {' '.join(args)} --out {tmp_path}"
+    report.render(rows)
