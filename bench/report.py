@@ -17,9 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from record import RESULTS, ROOT, key, read_results  # noqa: E402
+from record import RESULTS, ROOT, key, read_results
 
 DOC = ROOT / "docs" / "performance.md"
 IMG = ROOT / "docs" / "img"
@@ -180,11 +178,11 @@ def direction_cell(rows: Sequence[dict]) -> str:
 
 
 def attention_table(
-    rows: Sequence[dict], line_fields: tuple[str, str], impls: dict[str, str], extra: dict[str, Callable[[list[dict]], str]] | None = None
+    rows: Sequence[dict], size: str, impls: dict[str, str], extra: dict[str, Callable[[list[dict]], str]] | None = None
 ) -> list[str]:
-    """TFLOP/s, forward / backward: a line per (size, mask), a column per implementation in
-    `impls` that the rows hold (then `extra` columns, each computed from a line's rows)."""
-    size, _ = line_fields
+    """TFLOP/s, forward / backward: a line per (`size`, mask), `size` being seqlen or gpus; after
+    the `extra` columns (each computed from a line's rows), a column per implementation in
+    `impls` that the rows hold."""
     mask_order = list(dict.fromkeys(row["mask"] for row in rows))
     cells: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
@@ -222,7 +220,7 @@ def kernel_tables(rows: Sequence[dict], impls: dict[str, str] = KERNEL_IMPLS) ->
     memory = [row for row in rows if row["kind"] == "memory" and row["impl"] in impls]
     names = {"fwd": "forward", "bwd": "backward"}
     directions = " / ".join(names[d] for d in names if any(row["direction"] == d for row in kernel))
-    lines = [f"TFLOP/s, {directions}:", "", *attention_table(kernel, ("seqlen", "mask"), impls)]
+    lines = [f"TFLOP/s, {directions}:", "", *attention_table(kernel, "seqlen", impls)]
     if memory:
         lines += ["", "Peak memory of one forward + backward on top of q, k and v (MiB, the range over masks):", "",
                   *memory_table(memory)]
@@ -240,11 +238,14 @@ def dist_tables(rows: Sequence[dict], impls: dict[str, str] = DIST_IMPLS) -> lis
     for row in sorted((r for r in rows if r["kind"] == "link" and "error" not in r), key=lambda r: r["gpus"]):
         links[row["collective"]].append(f"{row['gbps']:.0f} GB/s at {row['gpus']} GPUs")
     lines = [f"{name.capitalize()} bandwidth per rank and direction: {', '.join(at)}." for name, at in links.items()]
-    return lines + [""] * bool(lines) + ["Per-GPU TFLOP/s of the slowest rank, forward / backward (plan: maskc's stages, `f` when the "
-                    "first joins the local call):", "", *attention_table(dist, ("gpus", "mask"), impls, {"plan": plan})]
+    if lines:
+        lines.append("")
+    return [*lines, "Per-GPU TFLOP/s of the slowest rank, forward / backward (plan: maskc's stages, `f` when the first "
+            "joins the local call):", "", *attention_table(dist, "gpus", impls, {"plan": plan})]
 
 
-PLAN_COLUMNS = {
+#: The columns of the plan and stages tables: each field's title and format.
+COLUMNS = {
     "mask": ("mask", lambda v: v.replace("_", " ")), "gpus": ("GPUs", str), "tokens": ("tokens", lambda v: f"{v:,}"),
     "algorithm": ("algorithm", str), "chunk": ("chunk", str), "imbalance": ("imbalance", lambda v: f"{v:.4f}"),
     "bound": ("bound", lambda v: f"{v:.4f}"), "max_over_bound": ("max / bound", lambda v: f"{v:.4f}"),
@@ -259,9 +260,9 @@ PLAN_COLUMNS = {
 def field_table(rows: Sequence[dict], fields: Sequence[str]) -> list[str]:
     """A line per row, a column per field of `fields` that some row has."""
     present = [f for f in fields if any(f in row for row in rows)]
-    lines = [[PLAN_COLUMNS[f][1](row[f]) if f in row else DASH for f in present] for row in rows]
+    lines = [[COLUMNS[f][1](row[f]) if f in row else DASH for f in present] for row in rows]
     right = [i for i, f in enumerate(present) if f not in ("mask", "algorithm")]
-    return markdown_table([PLAN_COLUMNS[f][0] for f in present], lines, right)
+    return markdown_table([COLUMNS[f][0] for f in present], lines, right)
 
 
 def run_heading(rows: Sequence[dict]) -> list[str]:
