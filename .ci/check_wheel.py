@@ -106,7 +106,7 @@ def compile_kernels(out: Path) -> None:
 
 
 def runtime_without_compiler(out: Path) -> None:
-    from maskc.runtime.launch import ENV_LIBRARY, installed_library
+    from maskc.artifact.toolchain import ENV_LIBRARY, installed_library
 
     for path in [out, *out.rglob("*")]:
         path.chmod(stat.S_IMODE(path.stat().st_mode) & ~0o222)

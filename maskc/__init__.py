@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING
 
+from maskc.artifact.source import set_kernel_source
 from maskc.errors import ArtifactError, MaskcError, MaskError, MaskParamError, MaskSemanticError, MaskSyntaxError
 from maskc.lazy import lazy_attributes
-
-__version__ = "0.1.0"
+from maskc.version import __version__
 
 # The public names that need torch (or the grammar) are imported on first use, so `import
 # maskc` (and with it the `maskc` command's --help and --version) stays fast.
@@ -24,6 +25,9 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from pathlib import Path
+    from typing import Any, Mapping
+
     from maskc.frontend.params import CuSeqLens, SeqLens
     from maskc.frontend.python_front import Builder, mask
     from maskc.ir import AttnSlice, Mask
@@ -32,6 +36,19 @@ if TYPE_CHECKING:
 
 
 __getattr__ = lazy_attributes(__name__, globals(), _LAZY)
+
+
+def _compile_kernel(request: Mapping[str, Any]) -> Path:
+    """The just-in-time compile (maskc.codegen.jit), imported with the first kernel it builds."""
+    from maskc.codegen.jit import compile_request
+
+    return compile_request(request)
+
+
+# The runtime never imports the compiler; where the CUTLASS DSL is installed, it compiles the
+# kernels no registered artifact holds through this kernel source.
+if importlib.util.find_spec("cutlass") is not None:
+    set_kernel_source(_compile_kernel)
 
 
 def __dir__() -> list[str]:

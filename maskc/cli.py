@@ -6,11 +6,11 @@ import argparse
 import os
 import re
 import sys
-from itertools import product
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 import maskc
+from maskc.artifact import families
 from maskc.errors import MaskcError, MaskParamError
 
 if TYPE_CHECKING:
@@ -138,18 +138,32 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _csv(kind: type, what: str):
-    """argparse type for a comma-separated list of `kind` values."""
+def _csv(kind: type, what: str, choices: Sequence | None = None):
+    """argparse type for a comma-separated list of `kind` values (each one of `choices`, where given)."""
 
     def parse(text: str) -> list:
         try:
-            return [kind(x) for x in text.split(",") if x.strip()]
+            values = [kind(x) for x in text.split(",") if x.strip()]
         except argparse.ArgumentTypeError:
             raise
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {text!r}") from None
+        unknown = [v for v in values if choices is not None and v not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"no kernels for {', '.join(map(str, unknown))}; choose from {', '.join(map(str, choices))}"
+            )
+        return values
 
     return parse
+
+
+def _arch_help() -> str:
+    """The archs of the kernel families table, each with the kernels it gets."""
+    own = [f"{a} ({'the portable kernels and its own, experimental' if f.experimental else 'its own kernels'})"
+           for a in families.ARCH_NAMES if (f := families.native_family(a)) is not None]  # fmt: skip
+    portable = [a for a in families.ARCH_NAMES if families.native_family(a) is None]
+    return f"target archs: {', '.join(own)}, {', '.join(portable)} (the portable kernels only); default: sm_90a"
 
 
 def _heads(text: str) -> tuple[int, int]:
@@ -164,47 +178,12 @@ def _heads(text: str) -> tuple[int, int]:
 
 
 def _kernel_requests(args: argparse.Namespace, masks: list[Mask]) -> list[dict[str, Any]]:
-    """The kernels a training job on `masks` needs, per (arch, head dim, heads, dtype). On an
-    arch with kernels of its own: the forward per GQA strategy (plain, and PackGQA when the
-    heads allow it; the runtime picks per mask) and the backward (softcap is its only feature:
-    sinks and max logits need nothing in it), also without line masks where a mask's backward
-    has no partial block. Elsewhere, or with --portable, the portable forward and backward (no
-    PackGQA or unmasked variants yet). An experimental arch (sm_100a) gets the portable kernels
-    and its own (no PackGQA or unmasked variants yet), marked experimental in the manifest."""
-    from maskc.codegen.variant import BACKWARD_EXTRAS_ARCHS, EXPERIMENTAL_ARCHS, NATIVE_ARCHS
-    from maskc.ir.schedule import backward_has_partial_blocks
-    from maskc.ir.strategy import pack_gqa_supported, select_tiles
+    """The kernels `maskc compile` builds for these options (maskc.codegen.matrix)."""
+    from maskc.codegen.matrix import Features, kernel_requests
 
-    requests = []
-    for arch in args.arch:
-        native, experimental = arch in NATIVE_ARCHS, arch in EXPERIMENTAL_ARCHS
-        for head_dim in args.head_dim:
-            unmasked = (False,)
-            if arch in BACKWARD_EXTRAS_ARCHS:
-                tiles = select_tiles(arch, head_dim, "bwd")
-                if any(not backward_has_partial_blocks(m, tiles.tile_m, tiles.tile_n) for m in masks):
-                    unmasked = (False, True)
-            for hq, hkv in args.heads:
-                for dtype in args.dtype:
-                    base = {"arch": arch, "head_dim": head_dim, "dtype": dtype, "num_heads_q": hq, "num_heads_kv": hkv}
-                    if args.portable or not native or experimental:
-                        requests.append({**base, "direction": "fwd", "has_softcap": args.softcap, "has_sink": args.sink,
-                                         "has_max_logits": args.max_logits, "pack_gqa": False, "portable": True})  # fmt: skip
-                        for deterministic in (False, True) if args.deterministic else (False,):
-                            requests.append({**base, "direction": "bwd", "has_softcap": args.softcap, "has_sink": False,
-                                             "has_max_logits": False, "pack_gqa": False, "deterministic": deterministic,
-                                             "portable": True})  # fmt: skip
-                    if not native:
-                        continue
-                    packs = (False, True) if pack_gqa_supported(hq, hkv) and not experimental else (False,)
-                    for pack in packs:
-                        requests.append({**base, "direction": "fwd", "has_softcap": args.softcap, "has_sink": args.sink,
-                                         "has_max_logits": args.max_logits, "pack_gqa": pack})  # fmt: skip
-                    for deterministic, no_masks in product((False, True) if args.deterministic else (False,), unmasked):
-                        requests.append({**base, "direction": "bwd", "has_softcap": args.softcap, "has_sink": False,
-                                         "has_max_logits": False, "pack_gqa": False, "deterministic": deterministic,
-                                         "unmasked": no_masks})  # fmt: skip
-    return requests
+    features = Features(softcap=args.softcap, sink=args.sink, max_logits=args.max_logits,
+                        deterministic=args.deterministic, portable=args.portable)  # fmt: skip
+    return kernel_requests(args.arch, args.head_dim, args.heads, args.dtype, features, masks)
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -218,8 +197,8 @@ def _compile(args: argparse.Namespace) -> int:
     if not args.ir_only:
         from tqdm import tqdm
 
+        from maskc.artifact.variant import variant_for
         from maskc.codegen.cache import cached_kernel, compressed_runtime_library
-        from maskc.codegen.jit import variant_for
 
         variants = [variant_for(r) for r in _kernel_requests(args, [item.mask for item in lowered])]
         for variant in tqdm(variants, desc="compiling kernels", unit="variant", disable=len(variants) < 2):
@@ -246,7 +225,7 @@ def _verify(args: argparse.Namespace) -> int:
     """Verify an artifact directory as the runtime would, print the digest that pins it, and
     with --rebuild recompile its kernels and compare them byte for byte (status 1 where any
     differs)."""
-    from maskc.runtime.manifest import open_manifest
+    from maskc.artifact.manifest import open_manifest
 
     manifest = open_manifest(args.directory, args.sha256)
     body = manifest.body
@@ -305,14 +284,13 @@ def build_parser() -> argparse.ArgumentParser:
     common(comp)
     comp.add_argument("-o", "--output", required=True, metavar="DIR", help="artifact directory to write")
     kernel = comp.add_argument_group("kernels (compiled ahead of time; no GPU needed)")
-    kernel.add_argument(
-        "--arch", type=_csv(str, "archs"), default=["sm_90a"],
-        help="target archs: sm_90a (its own kernels), sm_80, sm_86, sm_89, sm_100a, sm_120a (the portable kernels); "
-        "default: sm_90a",
-    )
-    kernel.add_argument("--head-dim", type=_csv(int, "ints"), default=[128], help="head dims, e.g. 64,128 (default: 128)")
+    kernel.add_argument("--arch", type=_csv(str, "archs", families.ARCH_NAMES), default=["sm_90a"], help=_arch_help())
+    head_dims, dtypes = ",".join(map(str, families.HEAD_DIMS)), ",".join(families.DTYPE_NAMES)
+    kernel.add_argument("--head-dim", type=_csv(int, "ints", families.HEAD_DIMS), default=[128],
+                        help=f"head dims among {head_dims} (default: 128)")  # fmt: skip
     kernel.add_argument("--heads", type=_csv(_heads, "HQ:HKV pairs"), default=[(64, 8)], help="query:kv heads, e.g. 64:8,8:8 (default: 64:8)")
-    kernel.add_argument("--dtype", type=_csv(str, "dtypes"), default=["bf16"], help="bf16 and/or fp16 (default: bf16)")
+    kernel.add_argument("--dtype", type=_csv(str, "dtypes", families.DTYPE_NAMES), default=["bf16"],
+                        help=f"dtypes among {dtypes} (default: bf16)")  # fmt: skip
     kernel.add_argument("--softcap", action="store_true", help="variants with logit softcapping")
     kernel.add_argument("--sink", action="store_true", help="variants with attention sinks")
     kernel.add_argument("--max-logits", action="store_true", help="variants that also return max logits")
@@ -320,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--deterministic", action="store_true", help="also the deterministic backward (bitwise reproducible gradients)"
     )
     kernel.add_argument(
-        "--portable", action="store_true", help="also the portable kernels where an arch has kernels of its own (sm_90a)"
+        "--portable", action="store_true", help="also the portable kernels where an arch has kernels of its own"
     )
     kernel.add_argument("--bundle-runtime", action="store_true", help="ship libcute_dsl_runtime.so.xz in the artifact directory")
     kernel.add_argument("--ir-only", action="store_true", help="write the IR and manifest only, no kernels")

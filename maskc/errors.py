@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from maskc.version import __version__
+
 
 class MaskcError(Exception):
     """Base class of every error maskc raises on purpose."""
@@ -34,6 +36,10 @@ class ArtifactError(MaskcError):
     """An artifact directory is missing, tampered with, or from an incompatible version."""
 
 
+class VariantError(MaskcError, ValueError):
+    """A kernel variant asks for something no kernel family supports."""
+
+
 class CompilerUnavailableError(MaskcError):
     """Kernels must be compiled but the CUTLASS DSL is not installed here."""
 
@@ -41,8 +47,6 @@ class CompilerUnavailableError(MaskcError):
 def install_compiler_hint() -> str:
     """How to get the kernel compiler, for error messages: maskc is installed from its wheel or
     its source tree, not from a package index, so name both (the DSL itself is on PyPI)."""
-    from maskc import __version__
-
     return (
         f"install maskc's compiler extra from its wheel or source tree: pip install 'maskc-{__version__}-py3-none-any.whl[cutlass]' "
         "or pip install '.[cutlass]' (or the CUTLASS DSL alone: pip install nvidia-cutlass-dsl)"

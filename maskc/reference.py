@@ -348,7 +348,7 @@ def reference_forward(
     return_max_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(out, lse, max_logits or None) of `reference_attention`, with no autograd: the
-    reference side of `maskc.runtime.attention.attention_forward`."""
+    reference side of `maskc.runtime.api.attention_forward`."""
     scale = check_attention_args(q, k, v, mask, softmax_scale=softmax_scale, softcap=softcap, sink=sink)
     cfg = _Config(mask, scale, float(softcap), BLOCK_Q, BLOCK_K, return_max_logits)
     with torch.no_grad():

@@ -1,8 +1,15 @@
-"""Loading and running compiled artifacts; needs torch only (no lark, jinja2 or DSL compiler)."""
+"""Loading and running compiled artifacts; needs torch only (no lark, jinja2 or DSL compiler).
 
-from maskc.runtime.artifact import Artifact, load_artifact
-from maskc.runtime.attention import attention, register_artifact
-from maskc.runtime.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, open_manifest, read_manifest
+`registry` holds the kernels (registered from artifact directories, or compiled on first use
+through the kernel source `import maskc` registers), `plan` decides a call's kernels and
+schedules, `ops` launches them as torch custom ops, `api` is `maskc.attention`; `launch` runs
+exported objects through the DSL's runtime library, `load` reads an artifact's masks.
+"""
+
+from maskc.artifact.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, open_manifest, read_manifest
+from maskc.runtime.api import attention
+from maskc.runtime.load import Artifact, load_artifact
+from maskc.runtime.registry import register_artifact
 
 __all__ = [
     "Artifact",

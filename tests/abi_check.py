@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from maskc.runtime.abi import Arg, TensorArg
+from maskc.artifact.abi import Arg, TensorArg
 
 
 def assert_header_matches_abi(header: str, abi: tuple[Arg, ...]) -> None:

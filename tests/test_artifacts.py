@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from maskc.artifact.abi import FORWARD_ABI, abi_to_json
+from maskc.artifact.manifest import sha256_of, write_manifest
 from maskc.codegen import LoweredMask, write_artifact
 from maskc.errors import ArtifactError
 from maskc.files import write_atomic
 from maskc.ir import Mask
 from maskc.runtime import FORMAT_VERSION, load_artifact, open_manifest, read_manifest, register_artifact
-from maskc.runtime.abi import FORWARD_ABI, abi_to_json
-from maskc.runtime.manifest import sha256_of, write_manifest
 
 
 FIELDS = {"arch": "sm_90a", "direction": "fwd", "head_dim": 128, "dtype": "bf16", "num_heads_q": 8, "num_heads_kv": 8,

@@ -8,7 +8,6 @@ caching allocator, checked) so an element the kernel never writes fails the test
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 import maskc
 from maskc.frontend import load
 from maskc.ir import AttnSlice, Mask
+from maskc.runtime import registry
 
 pytestmark = pytest.mark.gpu
 
@@ -334,12 +334,11 @@ def test_gradients_of_masks_without_partial_blocks(cu_seqlens: list[int]) -> Non
     """Full masks at any length and documents on k tile edges take the backward kernel without
     line masks (the artifacts, compiled from full.mask, ship it); documents that cut a k tile
     ([0, 600, 1000]) the masked one. Gradients within the rule either way, deterministic too."""
-    rt = importlib.import_module("maskc.runtime.attention")
     mask = Mask.from_cu_seqlens(cu_seqlens)
     _check_grads(mask, 8, 2, 128, "bf16", softcap=5.0, sink=True)
     _check_grads(mask, 8, 8, 64, "fp16", deterministic=True)
-    unmasked = {entry for key, entry in rt._KERNELS.items() if key[rt.REQUEST_FIELDS.index("unmasked")]}
-    used = [rt._LOADED[plan[1].launch[0]] for key, plan in mask.memo.items()
+    unmasked = {entry for key, entry in registry.KERNELS.items() if key[registry.REQUEST_FIELDS.index("unmasked")]}
+    used = [registry.loaded(plan[1].launch[0]) for key, plan in mask.memo.items()
             if isinstance(key, tuple) and key[0] == "plan" and plan[1].launch]  # fmt: skip
     assert len(used) == 2 and all((entry in unmasked) == (cu_seqlens != [0, 600, 1000]) for entry in used)
 
@@ -369,7 +368,7 @@ def test_functional_kernels_over_split_keys_give_the_whole_attention() -> None:
     lse, each part's backward against the merged output and lse adding into one float32 dQ;
     with SMs left free (sm_margin). Output and gradients within the 2x-bf16 rule of float64."""
     from maskc.dist.runtime import _merge
-    from maskc.runtime.attention import attention_backward, attention_forward
+    from maskc.runtime.api import attention_backward, attention_forward
 
     tq, tk, split = 1500, 1700, 832
     first = [AttnSlice((0, 1500), (0, 800), "causal")]

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from maskc.artifact.variant import variant_for
 from maskc.codegen import cache
-from maskc.codegen.jit import variant_for
 from maskc.files import make_temporary_dir
 from maskc.runtime import read_manifest
 
@@ -44,10 +44,11 @@ def test_second_compile_is_a_no_op(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_the_address_follows_the_code_generator_not_only_the_templates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Editing a module that shapes the generated code (render.py, variant.py, the ABI), not
-    only a template, gives every variant another address."""
+    """Editing a module that shapes the generated code (render.py, the variants, the kernel
+    families, the ABI), not only a template, gives every variant another address."""
     names = {name for _, name in cache.source_files()}
-    assert {"codegen/render.py", "codegen/variant.py", "codegen/compile.py", "runtime/abi.py", "sm90/host.jinja"} <= names
+    shaping = {"codegen/render.py", "codegen/compile.py", "artifact/variant.py", "artifact/families.py", "artifact/abi.py"}
+    assert shaping | {"sm90/host.jinja"} <= names
     edited = tmp_path / "render.py"
     edited.write_bytes(dict((name, path) for path, name in cache.source_files())["codegen/render.py"].read_bytes())
     files = [(edited if name == "codegen/render.py" else path, name) for path, name in cache.source_files()]
@@ -62,7 +63,7 @@ def test_the_address_follows_the_code_generator_not_only_the_templates(tmp_path:
 
 def test_concurrent_compiles_share_one_entry(tmp_path: Path) -> None:
     code = (
-        "import json, sys; from maskc.codegen.cache import cached_kernel; from maskc.codegen.jit import variant_for; "
+        "import json, sys; from maskc.codegen.cache import cached_kernel; from maskc.artifact.variant import variant_for; "
         "print(cached_kernel(variant_for(json.loads(sys.argv[1]))))"
     )
     env = {**os.environ, cache.ENV_CACHE: str(tmp_path)}

@@ -326,10 +326,10 @@ def test_verify_rebuild_finds_an_object_its_publisher_swapped(tmp_path: Path, mo
     recompiling the recorded variant shows the object is not what maskc builds, and where."""
     pytest.importorskip("cutlass", reason="rebuilding kernels needs the CUTLASS DSL")
     monkeypatch.setenv("MASKC_CACHE", str(tmp_path / "cache"))  # built here, by this Python and DSL
+    from maskc.artifact.manifest import write_manifest
+    from maskc.artifact.variant import variant_for
     from maskc.codegen import LoweredMask, write_artifact
     from maskc.codegen.cache import cached_kernel
-    from maskc.codegen.jit import variant_for
-    from maskc.runtime.manifest import write_manifest
 
     request = {"arch": "sm_90a", "direction": "fwd", "head_dim": 64, "dtype": "fp16", "num_heads_q": 4, "num_heads_kv": 4,
                "has_softcap": False, "has_sink": False, "has_max_logits": False, "pack_gqa": False}  # fmt: skip

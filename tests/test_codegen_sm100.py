@@ -12,11 +12,11 @@ import re
 import pytest
 
 from conftest import compile_variants
+from maskc.artifact.families import FAMILIES, Tiles, native_family, select_tiles
+from maskc.artifact.variant import KernelVariant
 from maskc.codegen.cache import variant_record
 from maskc.codegen.render import render, template_name
-from maskc.codegen.variant import EXPERIMENTAL_ARCHS, NATIVE_ARCHS, KernelVariant, VariantError
-from maskc.errors import MaskcError
-from maskc.ir.strategy import Tiles, select_tiles
+from maskc.errors import MaskcError, VariantError
 
 
 def variant(**overrides) -> KernelVariant:
@@ -33,12 +33,12 @@ def backward(**overrides) -> KernelVariant:
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"pack_gqa": True}, "the sm_100a fwd has no pack_gqa variant yet"),
-        ({"direction": "bwd", "tile_m": 64}, "sm_100a bwd tiles 64 x 128 with 3 stage(s) are not supported; supported: "
+        ({"pack_gqa": True}, "the SM100 forward has no pack_gqa variant"),
+        ({"direction": "bwd", "tile_m": 64}, "SM100 backward tiles 64 x 128 with 3 stage(s) are not supported; supported: "
                                              "128 x 128, 2 stages"),
-        ({"direction": "bwd", "num_stages": 2, "has_sink": True}, "the sm_100a backward has no sink / max_logits / unmasked"),
-        ({"direction": "bwd", "num_stages": 2, "unmasked": True}, "the sm_100a backward has no sink / max_logits / unmasked"),
-        ({"tile_n": 64}, "sm_100a fwd tiles 128 x 64 with 3 stage(s) are not supported; supported: 128 x 128, 3 stages"),
+        ({"direction": "bwd", "num_stages": 2, "has_sink": True}, "the SM100 backward has no sink variant"),
+        ({"direction": "bwd", "num_stages": 2, "unmasked": True}, "the SM100 backward has no unmasked variant"),
+        ({"tile_n": 64}, "SM100 forward tiles 128 x 64 with 3 stage(s) are not supported; supported: 128 x 128, 3 stages"),
         ({"num_stages": 4}, "supported: 128 x 128, 3 stages"),
         ({"head_dim": 64}, "supported: 128 x 128, 4 stages"),
         ({"deterministic": True}, "deterministic is a backward option"),
@@ -50,7 +50,8 @@ def test_bad_sm100_variants_raise_clear_errors(overrides, message):
 
 
 def test_sm100_is_native_and_experimental_in_both_directions():
-    assert "sm_100a" in NATIVE_ARCHS and EXPERIMENTAL_ARCHS == ("sm_100a",)
+    assert native_family("sm_100a") is not None
+    assert [a for f in FAMILIES if f.experimental for a in f.archs] == ["sm_100a"]
     v = variant()
     assert v.experimental and template_name(v) == "attn_fwd_sm100.py.jinja"
     assert v.key().startswith("attn_fwd_sm100_d128_bf16_h8x2_t128x128s3_")
@@ -149,6 +150,14 @@ def sm100_ptx(obj, v: KernelVariant) -> str:
 
 
 MMA_FROM_TMEM = r"tcgen05\.mma\.cta_group::1\.kind::f16\S* \[%r\d+\], \[%r\d+\]"  # A read from TMEM
+
+
+def test_exported_headers_match_the_abis(compiled):
+    from abi_check import assert_header_matches_abi
+    from maskc.artifact.abi import BACKWARD_ABI, FORWARD_ABI
+
+    assert_header_matches_abi(compiled["d128_bf16"].header_path.read_text(), FORWARD_ABI)
+    assert_header_matches_abi(compiled["bwd_d128_bf16"].header_path.read_text(), BACKWARD_ABI)
 
 
 @pytest.mark.parametrize("name", [name for name in sorted(COMPILED) if not name.startswith("bwd")])

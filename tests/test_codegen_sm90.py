@@ -8,9 +8,9 @@ import re
 import pytest
 
 from conftest import compile_variants
+from maskc.artifact.variant import KernelVariant, variant_for
 from maskc.codegen.render import render
-from maskc.codegen.jit import variant_for
-from maskc.codegen.variant import KernelVariant, VariantError
+from maskc.errors import VariantError
 
 
 def variant(**overrides) -> KernelVariant:
@@ -73,8 +73,8 @@ COMPILED = {
         ({"arch": "sm_70"}, "arch 'sm_70' is not supported"),
         ({"arch": "sm_80"}, "arch sm_80 has only the portable kernel (portable=True)"),
         ({"direction": "sideways"}, "direction 'sideways' is not supported"),
-        ({"tile_m": 64}, "tile_m 64 is not supported"),
-        ({"tile_n": 120}, "multiple of 16"),
+        ({"tile_m": 64}, "SM90 forward tile_m 64 is not supported; supported: 128, 192"),
+        ({"tile_n": 120}, "SM90 forward tile_n 120 is not supported; supported: multiples of 16 in [64, 192]"),
         ({"tile_m": 192, "head_dim": 128}, "needs head_dim 64"),
         ({"num_stages": 4}, "shared memory"),
         ({"num_heads_kv": 0}, "positive int"),
@@ -210,6 +210,6 @@ def test_ptx_uses_wgmma_tma_and_setmaxnreg(compiled, name):
 
 def test_exported_structs_match_what_the_runtime_packs(compiled):
     from abi_check import assert_header_matches_abi
-    from maskc.runtime.abi import FORWARD_ABI
+    from maskc.artifact.abi import FORWARD_ABI
 
     assert_header_matches_abi(compiled["d128_bf16_64x8_plain"].header_path.read_text(), FORWARD_ABI)

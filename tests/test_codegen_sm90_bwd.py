@@ -8,8 +8,9 @@ import re
 import pytest
 
 from conftest import compile_variants
+from maskc.artifact.variant import KernelVariant
 from maskc.codegen.render import render
-from maskc.codegen.variant import KernelVariant, VariantError
+from maskc.errors import VariantError
 
 
 def variant(**overrides) -> KernelVariant:
@@ -43,13 +44,13 @@ COMPILED = {
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"tile_m": 128}, "backward tile_m 128 is not supported"),
-        ({"tile_n": 192}, "backward tile_n 192 is not supported"),
-        ({"has_sink": True}, "no pack_gqa / sink / max_logits"),
-        ({"has_max_logits": True}, "no pack_gqa / sink / max_logits"),
-        ({"pack_gqa": True}, "no pack_gqa / sink / max_logits"),
+        ({"tile_m": 128}, "SM90 backward tile_m 128 is not supported; supported: 64"),
+        ({"tile_n": 192}, "SM90 backward tile_n 192 is not supported; supported: 128"),
+        ({"has_sink": True}, "the SM90 backward has no sink variant"),
+        ({"has_max_logits": True}, "the SM90 backward has no max_logits variant"),
+        ({"pack_gqa": True}, "the SM90 backward has no pack_gqa variant"),
         ({"num_stages": 6}, "shared memory"),
-        ({"num_stages": 3}, "must be even"),
+        ({"num_stages": 3}, "SM90 backward num_stages 3 is not supported; supported: 2, 4, 6, 8"),
         ({"head_dim": 96}, "supported head dims: 64, 128"),
     ],
 )
@@ -95,7 +96,7 @@ def test_rendered_source_is_readable_python(name):
 
 
 def test_entry_signature_is_the_backward_abi():
-    from maskc.runtime.abi import BACKWARD_ABI
+    from maskc.artifact.abi import BACKWARD_ABI
 
     tree = ast.parse(render(variant()))
     entry = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "attn_bwd")
@@ -184,6 +185,6 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
 
 def test_exported_structs_match_what_the_runtime_packs(compiled):
     from abi_check import assert_header_matches_abi
-    from maskc.runtime.abi import BACKWARD_ABI
+    from maskc.artifact.abi import BACKWARD_ABI
 
     assert_header_matches_abi(compiled["d128_bf16_8x2"].header_path.read_text(), BACKWARD_ABI)

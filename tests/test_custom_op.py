@@ -10,7 +10,6 @@ arguments, autograd wiring), not the kernels.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,16 +21,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import maskc
 from maskc import reference
+from maskc.artifact.families import select_tiles
 from maskc.ir import AttnSlice, Mask
 from maskc.ir.schedule import build_backward_schedule, build_deterministic_backward_schedule, build_schedule
-from maskc.ir.strategy import select_tiles
+from maskc.runtime import api, ops, plan, registry
 
 HQ, HKV, D = 8, 2, 128
 MASK = Mask.from_cu_seqlens([0, 37, 100, 129], causal=True)
 OTHER_MASK = Mask.from_cu_seqlens([0, 64, 129], causal=True)
 ENTRY_KEYS = (("fwd", False), ("fwd", True), ("bwd", False))
 """(direction, pack_gqa) of the kernels the CPU runs 'have'."""
-rt = importlib.import_module("maskc.runtime.attention")  # the module: maskc.runtime.attention is the function
 
 
 def test_ops_are_registered_with_tensor_and_scalar_arguments_only() -> None:
@@ -94,8 +93,8 @@ def _register(monkeypatch: pytest.MonkeyPatch, direction: str, pack_gqa: bool, *
     fields = {"arch": "sm_90a", "head_dim": D, "dtype": "bf16", "num_heads_q": HQ, "num_heads_kv": HKV,
               "has_softcap": False, "has_sink": False, "has_max_logits": False, **features, "direction": direction,
               "pack_gqa": pack_gqa, "tile_m": tiles.tile_m, "tile_n": tiles.tile_n}  # fmt: skip
-    entry = rt._entry(None, fields)
-    monkeypatch.setitem(rt._KERNELS, rt._request_key(fields), entry)
+    entry = registry.entry_for(None, fields)
+    monkeypatch.setitem(registry.KERNELS, registry.request_key(fields), entry)
     return entry
 
 
@@ -103,12 +102,12 @@ def _register(monkeypatch: pytest.MonkeyPatch, direction: str, pack_gqa: bool, *
 def cpu_ops(monkeypatch: pytest.MonkeyPatch):
     """maskc.attention on CPU tensors: an 'SM90 GPU', kernels registered for 8:2 heads, d=128, bf16
     (both GQA strategies forward, and the backward), and the ops' CPU doubles."""
-    monkeypatch.setattr(rt, "_check_device", lambda name, x: None)
-    monkeypatch.setattr(rt, "_device_info", lambda device: ((9, 0), 132))
-    monkeypatch.setattr(rt, "_LOADED", [])
+    monkeypatch.setattr(api, "_check_device", lambda name, x: None)
+    monkeypatch.setattr(plan, "device_info", lambda device: ((9, 0), 132))
+    monkeypatch.setattr(registry, "LOADED", [])
     doubles = _Doubles(MASK, {key: _register(monkeypatch, *key) for key in ENTRY_KEYS})
-    monkeypatch.setattr(rt, "_attn_fwd_impl", doubles.forward)  # eager mode calls the implementations directly
-    monkeypatch.setattr(rt, "_attn_bwd_impl", doubles.backward)
+    monkeypatch.setattr(ops, "attn_fwd_impl", doubles.forward)  # eager mode calls the implementations directly
+    monkeypatch.setattr(ops, "attn_bwd_impl", doubles.backward)
     with torch.library._scoped_library("maskc", "IMPL") as lib:
         lib.impl("attn_fwd", doubles.forward, "CPU")
         lib.impl("attn_bwd", doubles.backward, "CPU")
@@ -158,12 +157,12 @@ def _targets(gm: torch.fx.GraphModule) -> set[Any]:
 @pytest.mark.parametrize("mask", [MASK, Mask([], 5, 7), Mask([AttnSlice((0, 450), (0, 1500)), AttnSlice((900, 1000), (5, 77))], 1500, 1500)])  # fmt: skip
 def test_a_flat_schedule_cuts_back_into_the_abi_arrays(mask: Mask, build: Any, params: tuple[int, ...]) -> None:
     """One op argument per schedule: the kernel still gets each array, empty ones as a zero row."""
-    flat, rows, _ = rt._schedule_tensors(mask, build, torch.device("cpu"), *params)
-    views = rt._schedule_views(flat, rows)
-    assert rt._schedule_views(flat, rows) is views  # cut once per schedule tensor
+    flat, rows, _ = plan.schedule_tensors(mask, build, torch.device("cpu"), *params)
+    views = plan.schedule_views(flat, rows)
+    assert plan.schedule_views(flat, rows) is views  # cut once per schedule tensor
     arrays = build(mask, *params).arrays()
-    assert flat.dtype == torch.int32 and list(views) == [a.name for a in rt.SCHEDULE_ARGS[: len(arrays)]]
-    for arg, array in zip(rt.SCHEDULE_ARGS, arrays):
+    assert flat.dtype == torch.int32 and list(views) == [a.name for a in plan.SCHEDULE_ARGS[: len(arrays)]]
+    for arg, array in zip(plan.SCHEDULE_ARGS, arrays):
         expected = torch.from_numpy(array) if len(array) else torch.zeros(1, *array.shape[1:], dtype=torch.int32)
         assert torch.equal(views[arg.name], expected), arg.name
 
@@ -206,9 +205,9 @@ def test_no_backward_is_planned_without_grad(cpu_ops: _Doubles) -> None:
     assert out.grad_fn is None and meta.lse.grad_fn is None
     (name, args), = cpu_ops.calls
     assert args["bwd_schedule"] is None and args["bwd_launch"] == []
-    assert rt._LOADED[args["launch"][0]] in (cpu_ops.entries["fwd", False], cpu_ops.entries["fwd", True])
+    assert registry.LOADED[args["launch"][0]] in (cpu_ops.entries["fwd", False], cpu_ops.entries["fwd", True])
     out, _ = maskc.attention(q, k, v, MASK)
-    assert out.grad_fn is not None and rt._LOADED[cpu_ops.calls[-1][1]["bwd_launch"][0]] is cpu_ops.entries["bwd", False]
+    assert out.grad_fn is not None and registry.LOADED[cpu_ops.calls[-1][1]["bwd_launch"][0]] is cpu_ops.entries["bwd", False]
 
 
 @pytest.mark.parametrize("features", [False, True], ids=["plain", "softcap_sink_max_logits"])
@@ -284,5 +283,5 @@ def test_deterministic_selects_the_ordered_backward_kernel_and_schedule(cpu_ops:
         out, meta = maskc.attention(q, k, v, MASK, deterministic=deterministic)
         _loss(out, meta.lse).backward()
         name, args = cpu_ops.calls[-1]
-        assert name == "bwd" and rt._LOADED[args["launch"][0]] is entry
+        assert name == "bwd" and registry.LOADED[args["launch"][0]] is entry
         assert len(args["launch"]) == 3 + arrays and entry.deterministic == deterministic  # kernel, CTAs, split slots, rows

@@ -13,12 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from maskc.artifact.manifest import write_manifest
 from maskc.codegen import LoweredMask, write_artifact
 from maskc.errors import ArtifactError, MaskcError
 from maskc.frontend import load
 from maskc.ir import AttnSlice, Mask
 from maskc.runtime import load_artifact, open_manifest, register_artifact
-from maskc.runtime.manifest import write_manifest
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[1]

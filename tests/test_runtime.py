@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib
 import json
 import lzma
 import stat
@@ -16,12 +15,13 @@ import pytest
 import torch
 
 import maskc
+from maskc.artifact import source, toolchain
+from maskc.artifact.abi import BACKWARD_ABI, FORWARD_ABI, TensorArg, abi_to_json
+from maskc.artifact.manifest import write_manifest
 from maskc.codegen import LoweredMask, write_artifact
 from maskc.errors import ArtifactError
 from maskc.ir import Mask
-from maskc.runtime import launch, register_artifact
-from maskc.runtime.abi import BACKWARD_ABI, FORWARD_ABI, TensorArg, abi_to_json
-from maskc.runtime.manifest import write_manifest
+from maskc.runtime import launch, plan, register_artifact, registry
 
 
 FIELDS = {"arch": "sm_90a", "direction": "fwd", "head_dim": 128, "dtype": "bf16", "num_heads_q": 8, "num_heads_kv": 8,
@@ -42,22 +42,21 @@ def kernel_artifact(directory: Path, extra: dict[str, bytes] | None = None, tool
 @pytest.fixture
 def runtimes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object]]:
     """Which runtime library each registration loads: ("installed", path) or ("shipped", its bytes)."""
-    rt = importlib.import_module("maskc.runtime.attention")
     loaded: list[tuple[str, object]] = []
-    monkeypatch.setattr(rt, "runtime_at", lambda path: loaded.append(("installed", path)))
-    monkeypatch.setattr(rt, "runtime_of", lambda data, name: loaded.append(("shipped", data)))
-    monkeypatch.setattr(rt, "_KERNELS", {})
-    monkeypatch.setattr(rt, "_LOADED", [])
-    monkeypatch.setattr(launch, "installed_library", lambda: Path("/installed/libcute_dsl_runtime.so"))
-    monkeypatch.delenv(launch.ENV_LIBRARY, raising=False)
+    monkeypatch.setattr(registry, "runtime_at", lambda path: loaded.append(("installed", path)))
+    monkeypatch.setattr(registry, "runtime_of", lambda data, name: loaded.append(("shipped", data)))
+    monkeypatch.setattr(registry, "KERNELS", {})
+    monkeypatch.setattr(registry, "LOADED", [])
+    monkeypatch.setattr(toolchain, "installed_library", lambda: Path("/installed/libcute_dsl_runtime.so"))
+    monkeypatch.delenv(toolchain.ENV_LIBRARY, raising=False)
     return loaded
 
 
 def test_a_shipped_library_is_used_from_the_bytes_its_manifest_hashed(tmp_path: Path, runtimes: list) -> None:
-    register_artifact(kernel_artifact(tmp_path / "plain", {launch.LIBRARY: b"\x7fELF plain"}))
-    register_artifact(kernel_artifact(tmp_path / "packed", {launch.LIBRARY + ".xz": lzma.compress(b"\x7fELF packed")}))
+    register_artifact(kernel_artifact(tmp_path / "plain", {toolchain.LIBRARY: b"\x7fELF plain"}))
+    register_artifact(kernel_artifact(tmp_path / "packed", {toolchain.LIBRARY + ".xz": lzma.compress(b"\x7fELF packed")}))
     assert runtimes == [("shipped", b"\x7fELF plain"), ("shipped", b"\x7fELF packed")]
-    kernel_artifact(tmp_path / "bad", {launch.LIBRARY + ".xz": b"not xz"})
+    kernel_artifact(tmp_path / "bad", {toolchain.LIBRARY + ".xz": b"not xz"})
     with pytest.raises(ArtifactError, match="libcute_dsl_runtime.so.xz is not a valid xz archive"):
         register_artifact(tmp_path / "bad")
 
@@ -65,38 +64,37 @@ def test_a_shipped_library_is_used_from_the_bytes_its_manifest_hashed(tmp_path: 
 def test_a_library_the_manifest_does_not_hash_is_never_loaded(tmp_path: Path, runtimes: list) -> None:
     """A shared library dropped into an artifact directory would run its code in the training process."""
     art = kernel_artifact(tmp_path / "art")
-    (art / launch.LIBRARY).write_bytes(b"\x7fELF dropped in")
-    (art / (launch.LIBRARY + ".xz")).write_bytes(lzma.compress(b"\x7fELF dropped in"))
+    (art / toolchain.LIBRARY).write_bytes(b"\x7fELF dropped in")
+    (art / (toolchain.LIBRARY + ".xz")).write_bytes(lzma.compress(b"\x7fELF dropped in"))
     assert register_artifact(art) == ["k"]
     assert runtimes == [("installed", Path("/installed/libcute_dsl_runtime.so"))]
 
 
 def test_kernel_objects_run_as_the_bytes_that_were_verified(tmp_path: Path, runtimes: list, monkeypatch: pytest.MonkeyPatch) -> None:
     """The object is read once, hashed and kept: a file swapped on disk after registration is never used."""
-    rt = importlib.import_module("maskc.runtime.attention")
     built = []
-    monkeypatch.setattr(rt, "Kernel", lambda runtime, data, function, abi: built.append(data))
+    monkeypatch.setattr(registry, "Kernel", lambda runtime, data, function, abi: built.append(data))
     art = kernel_artifact(tmp_path / "art")
     register_artifact(art)
     (art / "k.o").write_bytes(b"swapped in later")
-    rt._KERNELS[rt._request_key(FIELDS)].kernel
+    registry.KERNELS[registry.request_key(FIELDS)].kernel
     assert built == [b"object bytes"]
 
 
 def test_library_missing_everywhere_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(launch.ENV_LIBRARY, raising=False)
-    monkeypatch.setattr(launch, "installed_library", lambda: None)
+    monkeypatch.delenv(toolchain.ENV_LIBRARY, raising=False)
+    monkeypatch.setattr(toolchain, "installed_library", lambda: None)
     with pytest.raises(ArtifactError, match=r"libcute_dsl_runtime.so not found; looked in: the nvidia-cutlass-dsl package"):
-        launch.find_runtime_library()
-    monkeypatch.setenv(launch.ENV_LIBRARY, str(tmp_path / "lib.so.xz"))
+        toolchain.find_runtime_library()
+    monkeypatch.setenv(toolchain.ENV_LIBRARY, str(tmp_path / "lib.so.xz"))
     (tmp_path / "lib.so.xz").write_bytes(lzma.compress(b"\x7fELF"))
-    assert launch.find_runtime_library() == tmp_path / "lib.so.xz"
-    assert launch.library_bytes(tmp_path / "lib.so.xz") == b"\x7fELF"
+    assert toolchain.find_runtime_library() == tmp_path / "lib.so.xz"
+    assert toolchain.library_bytes(tmp_path / "lib.so.xz") == b"\x7fELF"
 
 
 def test_a_library_loads_from_exactly_the_bytes_given() -> None:
     """No path on disk that could be swapped between the check and the load: an in-memory file."""
-    installed = launch.installed_library()
+    installed = toolchain.installed_library()
     if installed is None:
         pytest.skip("the CUTLASS DSL wheel is not installed")
     runtime = launch.runtime_of(installed.read_bytes(), "a test")
@@ -107,8 +105,8 @@ def test_a_library_loads_from_exactly_the_bytes_given() -> None:
 
 def test_installed_wheel_library_is_found_without_importing_cutlass() -> None:
     pytest.importorskip("nvidia_cutlass_dsl", reason="the CUTLASS DSL wheel is not installed")
-    path = launch.installed_library()
-    assert path is not None and path.name == launch.LIBRARY
+    path = toolchain.installed_library()
+    assert path is not None and path.name == toolchain.LIBRARY
 
 
 def test_abi_structs_hold_only_dynamic_extents() -> None:
@@ -150,7 +148,7 @@ def test_attention_refuses_cpu_tensors_and_non_tensors() -> None:
 def test_kernels_built_with_another_dsl_release_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With no runtime shipped beside them, objects must match the installed DSL's runtime library."""
     pytest.importorskip("nvidia_cutlass_dsl", reason="the CUTLASS DSL wheel is not installed")
-    monkeypatch.delenv(launch.ENV_LIBRARY, raising=False)
+    monkeypatch.delenv(toolchain.ENV_LIBRARY, raising=False)
     kernel_artifact(tmp_path, toolchain={"nvidia-cutlass-dsl": "0.0.1"})
     with pytest.raises(ArtifactError, match=r"built with nvidia-cutlass-dsl 0.0.1, but the runtime library found is"):
         register_artifact(tmp_path)
@@ -160,94 +158,91 @@ def test_the_unmasked_backward_serves_only_masks_without_partial_blocks(monkeypa
     """The kernel without line masks for a full mask (any length: blocks past the last query
     count as full); the masked kernel for the rest, and for a full mask when only it is
     registered (never a compile while a registered kernel can serve the call)."""
-    rt = importlib.import_module("maskc.runtime.attention")  # the module: maskc.runtime.attention is the function
-
     def compile_refused(request):
         raise ArtifactError(f"would compile {request}")
 
-    monkeypatch.setattr(rt, "_KERNELS", {})
-    monkeypatch.setattr(rt, "_LOADED", [])
-    monkeypatch.setattr(rt, "_jit", compile_refused)
+    monkeypatch.setattr(registry, "KERNELS", {})
+    monkeypatch.setattr(registry, "LOADED", [])
+    monkeypatch.setattr(source, "_source", compile_refused)
     request = {"arch": "sm_90a", "direction": "bwd", "head_dim": 128, "dtype": "bf16", "num_heads_q": 8,
                "num_heads_kv": 2, "has_softcap": False, "has_sink": False, "has_max_logits": False}  # fmt: skip
     entries = {}
     for unmasked in (False, True):
         fields = {**request, "unmasked": unmasked, "tile_m": 64, "tile_n": 128}
-        entries[unmasked] = rt._KERNELS[rt._request_key(fields)] = rt._entry(None, fields)
+        entries[unmasked] = registry.KERNELS[registry.request_key(fields)] = registry.entry_for(None, fields)
     full, causal = Mask.from_cu_seqlens([0, 1000]), Mask.from_cu_seqlens([0, 1000], causal=True)
-    assert rt._backward_kernel(full, request) is entries[True]
-    assert rt._backward_kernel(causal, request) is entries[False]
-    assert rt._backward_kernel(Mask.from_cu_seqlens([0, 1000, 1100]), request) is entries[False]  # a boundary mid-block
-    assert rt._backward_kernel(Mask.from_cu_seqlens([0, 1024, 1100]), request) is entries[True]  # at a k tile edge
-    del rt._KERNELS[rt._request_key({**request, "unmasked": True})]
-    assert rt._backward_kernel(full, request) is entries[False]
-    del rt._KERNELS[rt._request_key(request)]
+    assert plan.backward_kernel(full, request) is entries[True]
+    assert plan.backward_kernel(causal, request) is entries[False]
+    assert plan.backward_kernel(Mask.from_cu_seqlens([0, 1000, 1100]), request) is entries[False]  # a boundary mid-block
+    assert plan.backward_kernel(Mask.from_cu_seqlens([0, 1024, 1100]), request) is entries[True]  # at a k tile edge
+    del registry.KERNELS[registry.request_key({**request, "unmasked": True})]
+    assert plan.backward_kernel(full, request) is entries[False]
+    del registry.KERNELS[registry.request_key(request)]
     with pytest.raises(ArtifactError, match="'unmasked': True"):
-        rt._backward_kernel(full, request)  # neither registered: compile the unmasked one
+        plan.backward_kernel(full, request)  # neither registered: compile the unmasked one
 
 
 def fake_gpu_without_compiler(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], num_sms: int):
     """The runtime on a fake GPU with no kernel registered and a compiler that refuses (recording
-    each request in `asked`); `plan` plans a causal 1000-token call, 8:2 heads, d=128, bf16."""
-    rt = importlib.import_module("maskc.runtime.attention")
-    monkeypatch.setattr(rt, "_KERNELS", {})
-    monkeypatch.setattr(rt, "_LOADED", [])
-    monkeypatch.setattr(rt, "_device_info", lambda device: (capability, num_sms))
-    monkeypatch.setattr(rt, "_schedule_tensors", lambda mask, build, device, *params: (None, [1000, 0, 0, 0, 0], 0))
+    each request in `asked`); `plan_call` plans a causal 1000-token call, 8:2 heads, d=128, bf16."""
+    monkeypatch.setattr(registry, "KERNELS", {})
+    monkeypatch.setattr(registry, "LOADED", [])
+    monkeypatch.setattr(plan, "device_info", lambda device: (capability, num_sms))
+    monkeypatch.setattr(plan, "schedule_tensors", lambda mask, build, device, *params: (None, [1000, 0, 0, 0, 0], 0))
     asked = []
 
     def compile_refused(request):
         asked.append(request)
         raise ArtifactError("no compiler here")
 
-    monkeypatch.setattr(rt, "_jit", compile_refused)
+    monkeypatch.setattr(source, "_source", compile_refused)
     mask = Mask.from_cu_seqlens([0, 1000], causal=True)
-    plan = functools.partial(rt._plan, mask, torch.device("cuda"), torch.bfloat16, 8, 2, 128, False, False, False)
-    return rt, asked, plan
+    plan_call = functools.partial(plan.plan_launches, mask, torch.device("cuda"), torch.bfloat16, 8, 2, 128, False, False, False)
+    return asked, plan_call
 
 
 def test_the_portable_kernel_serves_gpus_without_kernels_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """On an sm_86 GPU the runtime asks for the portable kernels (PackGQA off; the backward
     deterministic or not), runs two CTAs per SM, and refuses the native kernels and PackGQA
     with clear errors."""
-    rt, asked, plan = fake_gpu_without_compiler(monkeypatch, (8, 6), 84)
+    asked, plan_call = fake_gpu_without_compiler(monkeypatch, (8, 6), 84)
     with pytest.raises(ArtifactError):
-        plan(None, False, False)
+        plan_call(None, False, False)
     assert asked[-1]["arch"] == "sm_86" and asked[-1]["portable"] and not asked[-1]["pack_gqa"]
     fields = {**asked[-1], "tile_m": 64, "tile_n": 64}
-    entry = rt._KERNELS[rt._request_key(fields)] = rt._entry(None, fields)
-    forward, _ = plan(None, False, False)
+    entry = registry.KERNELS[registry.request_key(fields)] = registry.entry_for(None, fields)
+    forward, _ = plan_call(None, False, False)
     assert forward.launch[:2] == [entry.index, 2 * 84]
     with pytest.raises(maskc.MaskcError, match="sm_86 has only the portable kernel"):
-        plan(None, False, False, 0, False)
+        plan_call(None, False, False, 0, False)
     for deterministic in (False, True):
         with pytest.raises(ArtifactError):
-            plan(None, True, deterministic)
+            plan_call(None, True, deterministic)
         assert asked[-1]["direction"] == "bwd" and asked[-1]["portable"] and asked[-1]["deterministic"] == deterministic
     with pytest.raises(maskc.MaskcError, match="has no PackGQA yet"):
-        plan(True, False, False)
+        plan_call(True, False, False)
 
 
 def test_blackwell_runs_the_portable_kernels_unless_its_own_are_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
     """On sm_100 the default is the portable family (verified on real hardware); portable=False
     asks for the experimental SM100 forward (no PackGQA) and backward (never split)."""
-    rt, asked, plan = fake_gpu_without_compiler(monkeypatch, (10, 0), 148)
+    asked, plan_call = fake_gpu_without_compiler(monkeypatch, (10, 0), 148)
     for portable, native_forward in ((None, False), (True, False), (False, True)):
         with pytest.raises(ArtifactError):
-            plan(None, False, False, 0, portable)
+            plan_call(None, False, False, 0, portable)
         assert asked[-1]["arch"] == "sm_100a" and asked[-1].get("portable", False) != native_forward
         assert not asked[-1]["pack_gqa"]
     fields = {**asked[-1], "tile_m": 128, "tile_n": 128, "num_stages": 3}
-    rt._KERNELS[rt._request_key(fields)] = rt._entry(None, fields)
+    registry.KERNELS[registry.request_key(fields)] = registry.entry_for(None, fields)
     for deterministic in (True, False):
         with pytest.raises(ArtifactError):
-            plan(None, True, deterministic, 0, False)  # the forward is registered; the backward is compiled
+            plan_call(None, True, deterministic, 0, False)  # the forward is registered; the backward is compiled
         assert asked[-1]["direction"] == "bwd" and not asked[-1]["portable"] and not asked[-1].get("unmasked", False)
         assert asked[-1]["arch"] == "sm_100a" and asked[-1]["deterministic"] == deterministic
     backward = {**asked[-1], "tile_m": 128, "tile_n": 128, "num_stages": 2}
-    assert rt._entry(None, backward).pieces == 1 and rt._entry(None, {**backward, "arch": "sm_90a"}).pieces == 4
+    assert registry.entry_for(None, backward).pieces == 1 and registry.entry_for(None, {**backward, "arch": "sm_90a"}).pieces == 4
     with pytest.raises(maskc.MaskcError, match="has no PackGQA yet"):
-        plan(True, False, False)
+        plan_call(True, False, False)
 
 
 # Audits every write a process attempts under a directory (argv[1]), then registers that
@@ -286,7 +281,7 @@ def test_a_read_only_artifact_directory_registers_without_a_write(tmp_path: Path
     (art / "k.o").write_bytes(b"object bytes, loaded on first use")
     body = json.loads((art / "manifest.json").read_text())
     body["variants"] = [{"key": "k", "object": "k.o", "function": "attn_fwd", "abi": abi_to_json(FORWARD_ABI), "fields": FIELDS}]
-    body["toolchain"]["nvidia-cutlass-dsl"] = launch.installed_dsl_version()
+    body["toolchain"]["nvidia-cutlass-dsl"] = toolchain.installed_dsl_version()
     write_manifest(art, {**body, "files": [*body["files"], "k.o"]})
     for path in [art, *art.iterdir()]:
         path.chmod(stat.S_IMODE(path.stat().st_mode) & ~0o222)

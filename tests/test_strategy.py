@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from maskc.artifact.families import pack_gqa_supported
 from maskc.ir import AttnSlice, Mask
 from maskc.ir.schedule import build_schedule
-from maskc.ir.strategy import estimated_time, pack_gqa_supported, select_pack_gqa
+from maskc.ir.strategy import estimated_time, select_pack_gqa
 
 
 def _docs(total: int, count: int, seed: int = 0) -> Mask:

@@ -1,7 +1,8 @@
 """Content-addressed kernel cache: compiling the same variant twice is a no-op.
 
 An entry's address hashes the variant, the maskc and DSL versions and the sources that
-shape the generated code (the templates, the code generator's modules, the ABI), so editing
+shape the generated code (the templates, the code generator's modules, the kernel families,
+variants and ABI of maskc.artifact), so editing
 any of them or upgrading the DSL never serves a stale object. Each
 entry is a one-kernel artifact directory (manifest + object + header + PTX) that the
 runtime registers as it is. Compiles go to a temporary directory and are renamed into place
@@ -20,20 +21,20 @@ import hashlib
 import json
 import lzma
 import os
-import platform
 import shutil
 import time
 from importlib import resources
 from pathlib import Path
 from typing import Iterator
 
-import maskc
-import maskc.runtime.abi as abi_module
-from maskc.codegen.variant import KernelVariant
+import maskc.artifact.abi
+import maskc.artifact.families
+import maskc.artifact.variant
+from maskc.artifact.abi import ENTRY_POINTS, abi_to_json
+from maskc.artifact.manifest import MANIFEST_NAME, write_manifest
+from maskc.artifact.toolchain import LIBRARY, find_runtime_library, library_bytes, toolchain
+from maskc.artifact.variant import KernelVariant
 from maskc.files import make_temporary_dir, temporaries, write_atomic
-from maskc.runtime.abi import ABIS, abi_to_json
-from maskc.runtime.launch import installed_dsl_version
-from maskc.runtime.manifest import MANIFEST_NAME, write_manifest
 
 ENV_CACHE = "MASKC_CACHE"
 
@@ -43,20 +44,14 @@ def cache_root() -> Path:
     return Path(os.environ.get(ENV_CACHE, default))
 
 
-def toolchain() -> dict[str, str | None]:
-    """Versions an object depends on, recorded in every manifest entry. Python is one: the DSL
-    embeds the kernel function's signature in the object, pickled, and pickles of the standard
-    library's enums differ between Python releases (3.11.2 and 3.11.7, seen here)."""
-    return {"maskc": maskc.__version__, "nvidia-cutlass-dsl": installed_dsl_version(), "python": platform.python_version()}
-
-
 def source_files() -> list[tuple[Path, str]]:
     """What a kernel's source and exported interface come from besides its variant, by name:
-    the templates, maskc/codegen's modules and the ABI module."""
+    the templates, maskc/codegen's modules, and the kernel families, variants and ABI."""
     templates = Path(str(resources.files("maskc.templates")))
     files = [(p, p.relative_to(templates).as_posix()) for p in sorted(templates.rglob("*.jinja"))]
     files += [(p, f"codegen/{p.name}") for p in sorted(Path(__file__).parent.glob("*.py"))]
-    return files + [(Path(abi_module.__file__), "runtime/abi.py")]
+    contract = (maskc.artifact.abi, maskc.artifact.families, maskc.artifact.variant)
+    return files + [(Path(m.__file__), f"artifact/{Path(m.__file__).name}") for m in contract]
 
 
 @functools.lru_cache(maxsize=1)
@@ -80,7 +75,7 @@ def variant_record(variant: KernelVariant, object_name: str, function: str) -> d
         "fields": dataclasses.asdict(variant),
         "object": object_name,
         "function": function,
-        "abi": abi_to_json(ABIS[variant.direction]),
+        "abi": abi_to_json(ENTRY_POINTS[variant.direction].args),
         "experimental": variant.experimental,
         "sources": sources_digest(),
     }
@@ -154,8 +149,6 @@ def _sweep_dead_builds(root: Path, held: str) -> None:
 
 def compressed_runtime_library() -> Path:
     """libcute_dsl_runtime.so of the installed DSL, xz-compressed once (43 MB -> about 13 MB) for shipping."""
-    from maskc.runtime.launch import LIBRARY, find_runtime_library, library_bytes
-
     data = library_bytes(find_runtime_library())
     target = cache_root() / "runtime" / hashlib.sha256(data).hexdigest()[:16] / f"{LIBRARY}.xz"
     if not target.is_file():

@@ -4,9 +4,9 @@ Works on a machine with no GPU (the CUTLASS DSL compiles for a named arch and th
 needs only its runtime libraries loaded). The CUTLASS DSL is imported lazily here, never
 by the runtime.
 
-The argument ABI is `maskc.runtime.abi.FORWARD_ABI` (`BACKWARD_ABI` for direction "bwd"):
-the fake compile-time arguments below are derived from it, so the object and the runtime can
-never disagree.
+The argument ABI is `maskc.artifact.abi.FORWARD_ABI` (`BACKWARD_ABI` for direction "bwd"):
+the fake compile-time arguments below are derived from it, and so is the kernel's signature
+(templates/common/abi.jinja), so the object and the runtime can never disagree.
 """
 
 from __future__ import annotations
@@ -19,17 +19,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from maskc.artifact.abi import ENTRY_POINTS, STATIC_DIMS, ScalarArg, TensorArg
+from maskc.artifact.variant import KernelVariant
 from maskc.codegen.render import render
-from maskc.codegen.variant import KernelVariant
 from maskc.errors import CompilerUnavailableError, install_compiler_hint
-from maskc.runtime.abi import ABIS, STATIC_DIMS, Arg, ScalarArg, TensorArg
-
-#: The exported C symbol prefix of every forward kernel object.
-FWD_FUNCTION_PREFIX = "attn_fwd"
-#: The exported C symbol prefix of every backward kernel object.
-BWD_FUNCTION_PREFIX = "attn_bwd"
-
-_PREFIXES = {"fwd": FWD_FUNCTION_PREFIX, "bwd": BWD_FUNCTION_PREFIX}
 
 _RUNTIME_LIBS_LOADED = False
 
@@ -82,7 +75,6 @@ def _import_source(path: Path, module_name: str):
 def fake_arguments(variant: KernelVariant) -> list:
     """Compile-time stand-ins for the ABI of the variant's direction: one symbolic extent per
     dynamic dim name."""
-    abi: tuple[Arg, ...] = ABIS[variant.direction]
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -95,7 +87,7 @@ def fake_arguments(variant: KernelVariant) -> list:
     static = {"Hq": variant.num_heads_q, "Hkv": variant.num_heads_kv, "D": variant.head_dim}
     symbols: dict[str, object] = {}
     args: list = []
-    for arg in abi:
+    for arg in ENTRY_POINTS[variant.direction].args:
         if isinstance(arg, TensorArg):
             shape = tuple(
                 d if isinstance(d, int) else static[d] if d in STATIC_DIMS else symbols.setdefault(d, cute.sym_int())
@@ -144,7 +136,7 @@ def compile_variant(variant: KernelVariant, out_dir: str | Path, *, keep_ptx: bo
         dump_dir.mkdir(exist_ok=True)
         options += f" --keep-ptx --dump-dir={dump_dir}"
     try:
-        prefix = _PREFIXES[variant.direction]
+        prefix = ENTRY_POINTS[variant.direction].name
         compiled = cute.compile(getattr(module, prefix), *fake_arguments(variant), options=options)
         _load_runtime_libraries()
         compiled.export_to_c(file_path=str(out), file_name=key, function_prefix=prefix)
@@ -162,6 +154,6 @@ def compile_variant(variant: KernelVariant, out_dir: str | Path, *, keep_ptx: bo
         object_path=out / f"{key}.o",
         header_path=out / f"{key}.h",
         ptx_path=ptx_path,
-        function_prefix=_PREFIXES[variant.direction],
+        function_prefix=ENTRY_POINTS[variant.direction].name,
         seconds=time.perf_counter() - start,
     )

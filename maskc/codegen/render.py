@@ -13,10 +13,11 @@ import re
 
 import jinja2
 
-from maskc.codegen.variant import WARPGROUP_ROWS, KernelVariant
+from maskc.artifact.abi import ENTRY_POINTS
+from maskc.artifact.families import DTYPES, SM100, WARPGROUP_ROWS
+from maskc.artifact.variant import KernelVariant
 
-_CUTLASS_DTYPES = {"bf16": "cutlass.BFloat16", "fp16": "cutlass.Float16"}
-_TORCH_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
+_DTYPES = {d.name: d for d in DTYPES}
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,17 +35,22 @@ def environment() -> jinja2.Environment:
 
 
 def template_name(variant: KernelVariant) -> str:
-    """The top-level template: the arch's own (sm_90a -> sm90), or the portable one (sm80)."""
-    family = "sm80" if variant.portable else variant.arch.replace("_", "").rstrip("a")
-    return f"attn_{variant.direction}_{family}.py.jinja"
+    """The top-level template of the variant's kernel family and direction."""
+    return f"attn_{variant.direction}_{variant.family.templates}.py.jinja"
 
 
 def context(variant: KernelVariant) -> dict:
-    """Everything a template may read: the variant's fields plus derived static values."""
-    base = {"v": variant, "key": variant.key(), "dtype_cutlass": _CUTLASS_DTYPES[variant.dtype]}
+    """Everything a template may read: the variant's fields, the argument ABIs its signature is
+    rendered from (`entry_points`), plus derived static values."""
+    base = {
+        "v": variant,
+        "key": variant.key(),
+        "dtype_cutlass": f"cutlass.{_DTYPES[variant.dtype].cutlass}",
+        "entry_points": ENTRY_POINTS,
+    }
     if variant.portable:
         return {**base, "num_threads": 128}
-    if variant.arch == "sm_100a":
+    if variant.family is SM100:
         # TMEM-owning warps (forward: 4 softmax; backward: 8 computing P and dS, 4 reducing dQ),
         # one MMA warp, one TMA warp.
         return {**base, "num_threads": 448 if variant.direction == "bwd" else 192}
@@ -53,7 +59,7 @@ def context(variant: KernelVariant) -> dict:
     producer_regs, consumer_regs = {2: (24, 240), 3: (32, 160)}[num_wg]
     return {
         **base,
-        "dtype_torch": _TORCH_DTYPES[variant.dtype],
+        "dtype_torch": f"torch.{_DTYPES[variant.dtype].torch}",
         "wg_rows": WARPGROUP_ROWS,
         "num_mma_wg": num_wg,
         "q_stages": variant.q_stages,
@@ -70,5 +76,5 @@ def _tidy(source: str) -> str:
 
 
 def render(variant: KernelVariant) -> str:
-    """The CuTe-DSL source of `variant` (a Python module defining `attn_fwd`)."""
+    """The CuTe-DSL source of `variant` (a Python module defining its entry point, `attn_fwd` or `attn_bwd`)."""
     return _tidy(environment().get_template(template_name(variant)).render(**context(variant)))

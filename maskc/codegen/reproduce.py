@@ -14,9 +14,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from maskc.codegen.cache import sources_digest, toolchain
-from maskc.codegen.variant import KernelVariant, VariantError
-from maskc.runtime.manifest import Manifest
+from maskc.artifact.manifest import Manifest
+from maskc.artifact.toolchain import toolchain
+from maskc.artifact.variant import KernelVariant
+from maskc.codegen.cache import sources_digest
+from maskc.errors import VariantError
 
 #: Files that `compile_variant` writes next to an object, by suffix; the PTX dump is left out
 #: (it records the path it was written to).

@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-import maskc
 from maskc.dist.assign import ALGORITHMS, imbalance, lower_bound, pad, padded_length, solve
 from maskc.dist.comm import CommTables, build_comm_tables, remote_keys
 from maskc.dist.pieces import Pieces, areas_by_chunk, chunk_areas, cut
@@ -25,6 +24,7 @@ from maskc.dist.stages import CostModel, StagePlan, plan_stages
 from maskc.errors import MaskError, MaskParamError
 from maskc.ir.mask import Mask
 from maskc.limits import MAX_CP, MAX_ROWS, check_count
+from maskc.version import __version__
 
 FORMAT = 2  # 2: the stage model with call overheads and local fusion
 #: chunk_size=None picks the largest power of two in [MIN_CHUNK, MAX_CHUNK] that still gives
@@ -118,7 +118,7 @@ class Plan:
         """The plan's inputs and its summary, as one JSON object (see `Plan.from_json`)."""
         doc = {
             "format": FORMAT,
-            "maskc": maskc.__version__,
+            "maskc": __version__,
             **self.summary(),
             "mask": json.loads(self.mask.to_json()),
             "rank_of_chunk": self.rank_of_chunk.tolist(),

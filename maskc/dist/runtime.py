@@ -36,7 +36,7 @@ from maskc.errors import MaskcError
 from maskc.ir.mask import Mask
 from maskc.ir.slices import RowLines, expand_spans
 from maskc.reference import AttentionMeta, reference_backward, reference_forward
-from maskc.runtime.attention import attention_backward, attention_forward
+from maskc.runtime.api import attention_backward, attention_forward
 
 
 _PER_PLAN: weakref.WeakKeyDictionary[Plan, dict[Any, Any]] = weakref.WeakKeyDictionary()

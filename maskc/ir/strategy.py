@@ -1,69 +1,15 @@
-"""Kernel strategy choices that depend on the problem: the tile shape, and PackGQA.
-
-Measured on an H200 (heads 64:8, bf16, 8k-16k tokens): at d=128, 128x128 tiles with two
-K/V stages (two consumer warpgroups) reach 600-690 TFLOP/s on full/causal masks, while
-128x176 spills registers and drops to about 420; at d=64, 192x128 (three consumer
-warpgroups) beats 128x128 by about 15% on full masks.
+"""The GQA strategy pass: per mask, plain kernels or PackGQA, by comparing the estimated time
+of both schedules. (The tile shapes it compares are the kernel families',
+maskc/artifact/families.py.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from maskc.errors import MaskcError
+from maskc.artifact.families import pack_gqa_supported
 from maskc.ir.mask import Mask
 from maskc.ir.schedule import Schedule, build_schedule
-
-SUPPORTED_HEAD_DIMS = (64, 128)
-
-
-@dataclass(frozen=True)
-class Tiles:
-    tile_m: int
-    tile_n: int
-    num_stages: int
-
-
-_SM90 = {64: Tiles(192, 128, 2), 128: Tiles(128, 128, 2)}
-# Backward: k tiles of 128 keys (two consumer warpgroups, dK and dV in registers) against q
-# blocks of 64 queries, two (Q, dO) stages.
-_SM90_BACKWARD = Tiles(64, 128, 2)
-
-
-# The SM100 kernels (experimental, never run: no Blackwell GPU here). Forward: 128 query rows
-# (one TMEM lane each) against 128-key blocks; K and V share the stages (P lives in tensor
-# memory). Backward: k tiles of 128 keys (TMEM lanes) against q blocks of 128 queries, two
-# (Q, dO) stages; dK, dV, S^T, dP^T / dQ fill the 512 TMEM columns at d=128.
-_SM100 = {64: Tiles(128, 128, 4), 128: Tiles(128, 128, 3)}
-_SM100_BACKWARD = Tiles(128, 128, 2)
-
-
-# The portable kernel (four warps of 16 rows): 64-key blocks at d=128 (S and O in registers
-# side by side), 128 at d=64.
-PORTABLE_TILE_M = 64
-_PORTABLE = {64: Tiles(PORTABLE_TILE_M, 128, 2), 128: Tiles(PORTABLE_TILE_M, 64, 2)}
-# Its backward: k tiles of 64 keys (four warps of 16, dK and dV in registers) against q blocks of
-# 64 queries, one (Q, dO) stage.
-PORTABLE_BACKWARD = Tiles(64, 64, 1)
-
-
-def select_tiles(arch: str, head_dim: int, direction: str = "fwd", portable: bool = False) -> Tiles:
-    """Tile shape of the `direction` kernel for `arch` and `head_dim` (backward: tile_m is the
-    q block, tile_n the k tile), the arch's own kernel or the portable one."""
-    if head_dim not in _SM90:
-        raise MaskcError(f"head_dim {head_dim} is not supported; supported head dims: {SUPPORTED_HEAD_DIMS}")
-    if portable:
-        return PORTABLE_BACKWARD if direction == "bwd" else _PORTABLE[head_dim]
-    if arch == "sm_90a":
-        return _SM90_BACKWARD if direction == "bwd" else _SM90[head_dim]
-    if arch == "sm_100a":
-        return _SM100_BACKWARD if direction == "bwd" else _SM100[head_dim]
-    raise MaskcError(f"no kernel of its own for arch {arch!r} (sm_90a and sm_100a have them); use the portable kernel")
-
-
-# ---- GQA strategy selection (PackGQA) ---------------------------------------------------------
 
 #: Cost model of one work item, in units of one full (TILE_M x TILE_N) k block: a partial
 #: block also pays its line mask, and every item pays its Q load, pipeline fill and epilogue.
@@ -75,14 +21,6 @@ PACK_GQA_MARGIN = 0.9
 PACK_GQA_TIE = 1.02
 #: SMs of the GPU the estimate assumes when the caller does not say (H100 / H200 SXM).
 DEFAULT_NUM_SMS = 132
-
-
-def pack_gqa_supported(num_heads_q: int, num_heads_kv: int, warpgroup_rows: int = 64) -> bool:
-    """Whether a PackGQA kernel exists for these heads: G = Hq / Hkv a power of two in [2, 64]."""
-    if num_heads_kv <= 0 or num_heads_q % num_heads_kv:
-        return False
-    g = num_heads_q // num_heads_kv
-    return 2 <= g <= warpgroup_rows and not g & (g - 1)
 
 
 def estimated_time(schedule: Schedule, items_per_tile: int, num_sms: int) -> float:

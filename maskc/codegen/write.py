@@ -9,12 +9,12 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-import maskc
-from maskc.codegen.cache import toolchain
+from maskc.artifact.manifest import open_manifest, write_manifest
+from maskc.artifact.toolchain import toolchain
 from maskc.errors import ArtifactError
 from maskc.files import copy_atomic, write_atomic
 from maskc.ir import Mask
-from maskc.runtime.manifest import open_manifest, write_manifest
+from maskc.version import __version__
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def write_artifact(
             files.append(plan_name)
             masks[item.name]["plan"] = plan_name
     body = {
-        "maskc_version": maskc.__version__,
+        "maskc_version": __version__,
         "toolchain": {"torch": torch.__version__, **toolchain()},
         "source": f"source{source.suffix}" if source is not None else None,
         "masks": masks,

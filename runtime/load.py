@@ -8,7 +8,7 @@ from typing import Any
 
 from maskc.errors import ArtifactError, MaskError
 from maskc.ir import Mask
-from maskc.runtime.manifest import open_manifest
+from maskc.artifact.manifest import open_manifest
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The artifact manifest: the one definition of its format, read here and written by codegen.
+"""The artifact manifest: its format's one definition, written by codegen, verified by the runtime.
 
 A manifest lists every file of its directory with a sha256. Reading an artifact directory
 verifies it as a whole and keeps the bytes it hashed (`Manifest.files`), so what a runtime
@@ -17,6 +17,7 @@ from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
+from maskc.artifact.families import FLAGS
 from maskc.errors import ArtifactError
 from maskc.files import write_atomic
 
@@ -161,8 +162,7 @@ _INT, _STR, _BOOL = _of(int, "an integer"), _of(str, "a string"), _of(bool, "tru
 _FIELDS = _record(
     {name: _STR for name in ("arch", "direction", "dtype")}
     | {name: _INT for name in ("head_dim", "num_heads_q", "num_heads_kv", "tile_m", "tile_n")},
-    {name: _BOOL for name in ("has_softcap", "has_sink", "has_max_logits", "pack_gqa", "deterministic", "unmasked",
-                              "portable")} | {"num_stages": _INT},  # fmt: skip
+    {name: _BOOL for name in (*FLAGS, "portable")} | {"num_stages": _INT},
 )
 _VARIANT = _record(
     {"key": _STR, "object": _STR, "function": _STR, "abi": _list(_of(dict, "an object")), "fields": _FIELDS},

@@ -1,0 +1,363 @@
+"""The kernel families: which kernels maskc has, for which GPUs, in what shapes, with what options.
+
+This table is the one place these facts are written. `KernelVariant` validates against it, a
+compile takes its tile shapes from it, the renderer picks a family's templates by it, the
+runtime chooses between the GPU's own kernels and the portable ones with it, `maskc compile`
+offers its archs, head dims and dtypes, and docs/support.md's tables are generated from it
+(`support_table`; tests/test_families.py checks the committed copy).
+
+Tile shapes were measured on an H200 (heads 64:8, bf16, 8k-16k tokens): at d=128, 128x128 tiles
+with two K/V stages (two consumer warpgroups) reach 600-690 TFLOP/s on full and causal masks,
+while 128x176 spills registers and drops to about 420; at d=64, 192x128 (three consumer
+warpgroups) beats 128x128 by about 15% on full masks.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Callable, Mapping
+
+from maskc.errors import VariantError
+
+#: Rows of the query tile owned by one consumer warpgroup (one wgmma M extent); the backward's
+#: per-warpgroup counters (dQ semaphores, split-item counts) count in blocks of as many keys.
+WARPGROUP_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A compile target (the DSL's --gpu-arch and `maskc compile --arch`)."""
+
+    name: str
+    #: The CUDA compute capability of its GPUs, which the runtime maps back to this arch.
+    capability: tuple[int, int]
+    #: Shared memory one CTA may use.
+    smem_bytes: int
+    #: Example GPUs, for the docs.
+    gpus: str
+    #: maskc's GPU test suite has run on one of its GPUs.
+    tested: bool = False
+
+
+ARCHS: tuple[Arch, ...] = (
+    Arch("sm_80", (8, 0), 163 * 1024, "A100, A800"),
+    Arch("sm_86", (8, 6), 99 * 1024, "A10, A40, RTX 30xx"),
+    Arch("sm_89", (8, 9), 99 * 1024, "L4, L40S, RTX 40xx"),
+    Arch("sm_90a", (9, 0), 227 * 1024, "H100, H200, GH200", tested=True),
+    Arch("sm_100a", (10, 0), 227 * 1024, "B200, GB200"),
+    Arch("sm_120a", (12, 0), 99 * 1024, "RTX 50xx, RTX PRO 6000"),
+)
+ARCH_NAMES = tuple(a.name for a in ARCHS)
+
+
+@dataclass(frozen=True)
+class Dtype:
+    """An input dtype, by the names each layer knows it by."""
+
+    name: str
+    torch: str  # torch.<torch>
+    cutlass: str  # cutlass.<cutlass>
+
+
+DTYPES: tuple[Dtype, ...] = (Dtype("bf16", "bfloat16", "BFloat16"), Dtype("fp16", "float16", "Float16"))
+DTYPE_NAMES = tuple(d.name for d in DTYPES)
+
+DIRECTIONS = ("fwd", "bwd")
+
+#: The optional features a kernel may be specialised for: KernelVariant's flag -> the option's name.
+FLAGS = {
+    "has_softcap": "softcap",
+    "has_sink": "sink",
+    "has_max_logits": "max_logits",
+    "pack_gqa": "pack_gqa",
+    "deterministic": "deterministic",
+    "unmasked": "unmasked",
+}
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A kernel's tile shape (backward: tile_m is the q block, tile_n the k tile) and pipeline depth."""
+
+    tile_m: int
+    tile_n: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class TileChoices:
+    """The tile shapes a kernel's templates are written for (its default ones among them): each
+    extent one of these, and `fits` naming what a shape lacks (registers, mostly), or None."""
+
+    tile_m: tuple[int, ...]
+    tile_n: tuple[int, ...]
+    num_stages: tuple[int, ...]
+    fits: Callable[[int, Tiles], str | None] = lambda head_dim, tiles: None
+
+
+@dataclass(frozen=True, eq=False)
+class Kernel:
+    """One direction of a kernel family."""
+
+    #: The tile shape compiled for each head dim (the head dims the kernel supports).
+    tiles: Mapping[int, Tiles]
+    #: Its optional features (keys of FLAGS).
+    flags: frozenset[str]
+    #: Other tile shapes it accepts; None: only `tiles`.
+    choices: TileChoices | None
+    #: How it works, for the docs.
+    summary: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tiles", MappingProxyType(dict(self.tiles)))
+        assert self.flags <= FLAGS.keys(), self.flags - FLAGS.keys()
+
+
+@dataclass(frozen=True, eq=False)
+class KernelFamily:
+    """Kernels written for one kind of GPU (or, portable, for every one since SM80)."""
+
+    name: str
+    #: How docs and messages name it.
+    title: str
+    #: The archs it compiles for.
+    archs: tuple[str, ...]
+    #: Its top-level templates: templates/attn_{direction}_{templates}.py.jinja.
+    templates: str
+    forward: Kernel
+    backward: Kernel
+    #: The portable kernels: every arch has them, and they are the only ones of an arch no other family serves.
+    portable: bool = False
+    #: Compiled (and checked at the PTX level) but never run: no such GPU was available. The
+    #: manifest marks its kernels experimental and the runtime uses them only when asked.
+    experimental: bool = False
+    #: Backward items may be split into pieces, one per query head of their K/V head.
+    split_backward: bool = False
+    #: Persistent CTAs per SM.
+    ctas_per_sm: int = 1
+    dtypes: tuple[str, ...] = DTYPE_NAMES
+
+    def __post_init__(self) -> None:
+        assert self.forward.tiles.keys() == self.backward.tiles.keys(), self.name
+        assert set(self.archs) <= set(ARCH_NAMES), self.name
+
+    @property
+    def head_dims(self) -> tuple[int, ...]:
+        return tuple(sorted(self.forward.tiles))
+
+    def kernel(self, direction: str) -> Kernel:
+        return self.forward if direction == "fwd" else self.backward
+
+    def has(self, direction: str, flag: str) -> bool:
+        """Whether the `direction` kernel has the optional feature `flag` (a key of FLAGS)."""
+        return flag in self.kernel(direction).flags
+
+
+def _sm90_forward_fits(head_dim: int, tiles: Tiles) -> str | None:
+    """O and S of a consumer warpgroup's 64 rows live in its registers."""
+    if tiles.tile_m == 192 and (head_dim != 64 or tiles.tile_n > 128):
+        return "tile_m 192 (3 consumer warpgroups) needs head_dim 64 and tile_n <= 128 (registers)"
+    if head_dim == 128 and tiles.tile_n > 176:
+        return f"tile_n {tiles.tile_n} with head_dim 128 does not fit in registers; use <= 176"
+    return None
+
+
+SM90 = KernelFamily(
+    name="sm90",
+    title="SM90",
+    archs=("sm_90a",),
+    templates="sm90",
+    forward=Kernel(
+        tiles={64: Tiles(192, 128, 2), 128: Tiles(128, 128, 2)},
+        flags=frozenset({"has_softcap", "has_sink", "has_max_logits", "pack_gqa"}),
+        # q tiles of 64 rows per consumer warpgroup (two or three), O in registers.
+        choices=TileChoices(tile_m=(128, 192), tile_n=tuple(range(64, 193, 16)), num_stages=tuple(range(1, 9)),
+                            fits=_sm90_forward_fits),  # fmt: skip
+        summary="TMA, wgmma, warp-specialised: a producer warpgroup and two or three consumer warpgroups",
+    ),
+    backward=Kernel(
+        # k tiles of 128 keys (two consumer warpgroups, dK and dV in registers) against q blocks
+        # of 64 queries; blocks alternate two dS buffers, so the (Q, dO) stages come in pairs.
+        tiles={64: Tiles(64, 128, 2), 128: Tiles(64, 128, 2)},
+        flags=frozenset({"has_softcap", "deterministic", "unmasked"}),
+        choices=TileChoices(tile_m=(64,), tile_n=(128,), num_stages=(2, 4, 6, 8)),
+        summary="TMA, wgmma, warp-specialised; long items split by query head",
+    ),
+    split_backward=True,
+)
+
+# Never run: no Blackwell GPU here. Forward: 128 query rows (one TMEM lane each) against 128-key
+# blocks; K and V share the stages (P lives in tensor memory). Backward: k tiles of 128 keys
+# (TMEM lanes) against q blocks of 128 queries, two (Q, dO) stages; dK, dV, S^T, dP^T / dQ fill
+# the 512 TMEM columns at d=128.
+SM100 = KernelFamily(
+    name="sm100",
+    title="SM100",
+    archs=("sm_100a",),
+    templates="sm100",
+    forward=Kernel(
+        tiles={64: Tiles(128, 128, 4), 128: Tiles(128, 128, 3)},
+        flags=frozenset({"has_softcap", "has_sink", "has_max_logits"}),
+        choices=None,
+        summary="tcgen05 MMA, S / O / P in tensor memory, TMA, warp-specialised",
+    ),
+    backward=Kernel(
+        tiles={64: Tiles(128, 128, 2), 128: Tiles(128, 128, 2)},
+        flags=frozenset({"has_softcap", "deterministic"}),
+        choices=None,
+        summary="tcgen05 MMA, S^T / P^T / dP^T / dQ / dK / dV in tensor memory, TMA, warp-specialised",
+    ),
+    experimental=True,
+)
+
+# Four warps of 16 rows (query rows forward, keys backward). Forward: 64-key blocks at d=128
+# (S and O in registers side by side), 128 at d=64. Backward: k tiles of 64 keys (dK and dV in
+# registers) against q blocks of 64 queries, one (Q, dO) stage.
+PORTABLE = KernelFamily(
+    name="portable",
+    title="portable",
+    archs=ARCH_NAMES,
+    templates="sm80",
+    forward=Kernel(
+        tiles={64: Tiles(64, 128, 2), 128: Tiles(64, 64, 2)},
+        flags=frozenset({"has_softcap", "has_sink", "has_max_logits"}),
+        choices=TileChoices(tile_m=(64,), tile_n=(64, 128), num_stages=(2,)),
+        summary="warp MMA, cp.async, ldmatrix",
+    ),
+    backward=Kernel(
+        tiles={64: Tiles(64, 64, 1), 128: Tiles(64, 64, 1)},
+        flags=frozenset({"has_softcap", "deterministic"}),
+        choices=None,
+        summary="warp MMA, dQ by L2 reductions",
+    ),
+    portable=True,
+    # 128 threads of at most 255 registers and 80 KiB of shared memory at d=128: two fit an
+    # SM80 or SM90 SM (each also runs alone).
+    ctas_per_sm=2,
+)
+
+FAMILIES: tuple[KernelFamily, ...] = (SM90, SM100, PORTABLE)
+HEAD_DIMS = tuple(sorted({d for f in FAMILIES for d in f.head_dims}))
+
+
+def arch(name: str) -> Arch:
+    for a in ARCHS:
+        if a.name == name:
+            return a
+    raise VariantError(f"arch {name!r} is not supported; supported: {', '.join(ARCH_NAMES)}")
+
+
+def arch_of_capability(capability: tuple[int, int]) -> Arch | None:
+    """The arch of a GPU of this compute capability, or None where maskc has no kernel for it."""
+    return next((a for a in ARCHS if a.capability == capability), None)
+
+
+def native_family(arch_name: str) -> KernelFamily | None:
+    """The family written for `arch_name` itself, or None where only the portable kernels serve it."""
+    return next((f for f in FAMILIES if not f.portable and arch_name in f.archs), None)
+
+
+def default_family(arch_name: str) -> KernelFamily:
+    """The family the runtime uses on `arch_name` unless told otherwise: the arch's own where it
+    has run, else the portable one."""
+    native = native_family(arch_name)
+    return native if native is not None and not native.experimental else PORTABLE
+
+
+def family_of(arch_name: str, portable: bool = False) -> KernelFamily:
+    """The family of a kernel for `arch_name`: the portable one, or the arch's own."""
+    if portable:
+        return PORTABLE
+    family = native_family(arch_name)
+    if family is None:
+        raise VariantError(f"arch {arch_name} has only the portable kernel (portable=True)")
+    return family
+
+
+def select_tiles(arch_name: str, head_dim: int, direction: str = "fwd", portable: bool = False) -> Tiles:
+    """Tile shape of the `direction` kernel for `arch_name` and `head_dim` (backward: tile_m is
+    the q block, tile_n the k tile), the arch's own kernel or the portable one."""
+    if head_dim not in HEAD_DIMS:
+        raise VariantError(f"head_dim {head_dim} is not supported; supported head dims: {_listed(HEAD_DIMS)}")
+    if not portable and native_family(arch_name) is None:
+        raise VariantError(f"no kernel of its own for arch {arch_name!r} ({_native_archs()} have them); use the portable kernel")
+    return family_of(arch_name, portable).kernel(direction).tiles[head_dim]
+
+
+def pack_gqa_supported(num_heads_q: int, num_heads_kv: int) -> bool:
+    """Whether a PackGQA kernel exists for these heads: G = Hq / Hkv a power of two in [2, 64]
+    (the G heads of a packed row group share one warpgroup's rows)."""
+    if num_heads_kv <= 0 or num_heads_q % num_heads_kv:
+        return False
+    g = num_heads_q // num_heads_kv
+    return 2 <= g <= WARPGROUP_ROWS and not g & (g - 1)
+
+
+def _listed(values: tuple) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def _native_archs() -> str:
+    return " and ".join(a for f in FAMILIES if not f.portable for a in f.archs)
+
+
+# ---- docs ----------------------------------------------------------------------------------------
+
+
+def _options(kernel: Kernel) -> str:
+    return ", ".join(FLAGS[f] for f in FLAGS if f in kernel.flags) or "none"
+
+
+def _tiles(kernel: Kernel) -> str:
+    shapes = {}
+    for head_dim, t in kernel.tiles.items():
+        shapes.setdefault(f"{t.tile_m} x {t.tile_n}, {t.num_stages} stage{'s' if t.num_stages > 1 else ''}", []).append(head_dim)
+    if len(shapes) == 1:
+        return next(iter(shapes))
+    return "; ".join(f"d={_listed(tuple(ds))}: {shape}" for shape, ds in shapes.items())
+
+
+def support_table() -> str:
+    """The tables of docs/support.md: the kernels each arch gets, then what each family supports."""
+    lines = [
+        "| arch (`--arch`) | GPUs | kernels (the default first) | maskc has run on its GPUs |",
+        "|---|---|---|---|",
+    ]
+    for a in ARCHS:
+        default = default_family(a.name)
+        others = [f for f in (native_family(a.name), PORTABLE) if f is not None and f is not default]
+        kernels = [f"{default.title}"] + [f"{f.title} (`portable={f.portable}`)" for f in others]
+        lines.append(f"| `{a.name}` | {a.gpus} | {', '.join(kernels)} | {'yes' if a.tested else 'no: compiled only'} |")
+    lines += [
+        "",
+        "| kernels | archs | status | head dims | dtypes | forward | backward |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for family in FAMILIES:
+        archs = "every arch" if family.portable else ", ".join(f"`{a}`" for a in family.archs)
+        status = "**experimental**: compiled, never run" if family.experimental else "verified"
+        cells = [family.title, archs, status, _listed(family.head_dims), ", ".join(family.dtypes)]
+        for kernel in (family.forward, family.backward):
+            cells.append(f"{kernel.summary}; tiles {_tiles(kernel)}; options: {_options(kernel)}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+_BEGIN, _END = "<!-- begin generated tables -->\n", "<!-- end generated tables -->\n"
+
+
+def with_support_table(doc: str) -> str:
+    """`doc` (docs/support.md) with the tables between its markers made from this table."""
+    head, begin, rest = doc.partition(_BEGIN)
+    _, end, tail = rest.partition(_END)
+    if not begin or not end:
+        raise ValueError(f"no {_BEGIN.strip()} ... {_END.strip()} block")
+    return head + _BEGIN + support_table() + _END + tail
+
+
+if __name__ == "__main__":  # python -m maskc.artifact.families docs/support.md
+    doc = Path(sys.argv[1])
+    doc.write_text(with_support_table(doc.read_text()))

@@ -1,0 +1,252 @@
+"""Kernel variants: the static choices one compiled attention kernel is specialised for.
+
+A `KernelVariant` names everything that is baked into a kernel's code (architecture,
+direction, head dim, dtype, head counts, tile shape, pipeline depth and the optional
+softcap / sink / max-logits features). Everything else (sequence lengths, the mask's
+tile schedule, the scale, the softcap value) is a runtime argument, so one variant
+serves every training step of a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+from maskc.artifact.families import (
+    ARCH_NAMES,
+    DIRECTIONS,
+    DTYPE_NAMES,
+    FLAGS,
+    SM90,
+    SM100,
+    WARPGROUP_ROWS,
+    KernelFamily,
+    Tiles,
+    arch,
+    family_of,
+    pack_gqa_supported,
+    select_tiles,
+)
+from maskc.errors import VariantError
+
+#: Shared memory a kernel keeps for its barriers.
+_SMEM_RESERVE = 1024
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One compiled kernel: see the module docstring. Construction validates."""
+
+    arch: str
+    direction: str
+    head_dim: int
+    dtype: str
+    num_heads_q: int
+    num_heads_kv: int
+    tile_m: int
+    tile_n: int
+    num_stages: int
+    has_softcap: bool = False
+    has_sink: bool = False
+    has_max_logits: bool = False
+    #: PackGQA: the M tile holds the G = num_heads_q / num_heads_kv query heads of one K/V head
+    #: for TILE_M / G consecutive tokens (packed row p = token * G + g), so each K/V block
+    #: serves G heads; work items walk K/V heads. See maskc.ir.strategy.select_pack_gqa.
+    pack_gqa: bool = False
+    #: Backward only: dQ additions in a fixed order (k tiles in ascending order per q block,
+    #: through semaphores), so gradients are bitwise identical from run to run.
+    deterministic: bool = False
+    #: Backward only: no line masks, so the runtime gives it only schedules without a partial
+    #: block (a full mask). The masked kernel's line state spills registers in its block loop.
+    unmasked: bool = False
+    #: The portable kernel (warp MMA, cp.async, ldmatrix: every GPU since SM80) instead of the
+    #: arch's own; the only kernel of an arch no other family serves.
+    portable: bool = False
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCH_NAMES:
+            raise VariantError(f"arch {self.arch!r} is not supported; supported: {', '.join(ARCH_NAMES)}")
+        if self.direction not in DIRECTIONS:
+            raise VariantError(f"direction {self.direction!r} is not supported; supported: {', '.join(DIRECTIONS)}")
+        if self.dtype not in DTYPE_NAMES:
+            raise VariantError(f"dtype {self.dtype!r} is not supported; supported: {', '.join(DTYPE_NAMES)}")
+        for name in ("head_dim", "num_heads_q", "num_heads_kv", "tile_m", "tile_n", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise VariantError(f"{name} must be a positive int, got {value!r}")
+        for name in (*FLAGS, "portable"):
+            if not isinstance(getattr(self, name), bool):
+                raise VariantError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        family = family_of(self.arch, self.portable)
+        if self.head_dim not in family.head_dims:
+            raise VariantError(
+                f"head_dim {self.head_dim} is not supported; supported head dims: {', '.join(map(str, family.head_dims))}"
+            )
+        if self.num_heads_q % self.num_heads_kv:
+            raise VariantError(
+                f"num_heads_q ({self.num_heads_q}) must be a multiple of num_heads_kv ({self.num_heads_kv})"
+            )
+        if self.pack_gqa and not pack_gqa_supported(self.num_heads_q, self.num_heads_kv):
+            raise VariantError(
+                f"pack_gqa needs num_heads_q / num_heads_kv to be a power of two in [2, {WARPGROUP_ROWS}], "
+                f"got {self.num_heads_q} / {self.num_heads_kv} = {self.num_heads_q // self.num_heads_kv}"
+            )
+        if self.direction == "fwd":
+            if self.deterministic:
+                raise VariantError("deterministic is a backward option (the forward is deterministic already)")
+            if self.unmasked:
+                raise VariantError("unmasked is a backward option (the forward masks only its partial blocks already)")
+        self._check_flags(family)
+        self._check_tiles(family)
+        if self.smem_bytes() > self._smem_available():
+            raise VariantError(
+                f"variant needs {self.smem_bytes()} bytes of shared memory, more than the "
+                f"{self._smem_available()} a CTA has on {self.arch}; use fewer stages or a smaller tile"
+            )
+
+    def _check_flags(self, family: KernelFamily) -> None:
+        kernel = family.kernel(self.direction)
+        for flag, option in FLAGS.items():
+            if getattr(self, flag) and flag not in kernel.flags:
+                why = (
+                    " (the runtime computes the sinks' gradient, and lse already includes them)"
+                    if self.direction == "bwd" and flag in ("has_sink", "has_max_logits")
+                    else ""
+                )
+                options = ", ".join(FLAGS[f] for f in FLAGS if f in kernel.flags)
+                raise VariantError(f"the {self._kernel_name(family)} has no {option} variant{why}; its options: {options}")
+
+    def _check_tiles(self, family: KernelFamily) -> None:
+        """A tile shape the family's templates are written for: its default one for the head
+        dim, or one of its other choices where it has them."""
+        kernel = family.kernel(self.direction)
+        tiles = Tiles(self.tile_m, self.tile_n, self.num_stages)
+        choices = kernel.choices
+        if choices is None:
+            default = kernel.tiles[self.head_dim]
+            if tiles != default:
+                raise VariantError(
+                    f"{self._kernel_name(family)} tiles {self.tile_m} x {self.tile_n} with {self.num_stages} stage(s) are "
+                    f"not supported; supported: {default.tile_m} x {default.tile_n}, {default.num_stages} "
+                    f"stage{'s' if default.num_stages > 1 else ''}"
+                )
+            return
+        for name, allowed in (("tile_m", choices.tile_m), ("tile_n", choices.tile_n), ("num_stages", choices.num_stages)):
+            if getattr(self, name) not in allowed:
+                raise VariantError(
+                    f"{self._kernel_name(family)} {name} {getattr(self, name)} is not supported; supported: {_span(allowed)}"
+                )
+        problem = choices.fits(self.head_dim, tiles)
+        if problem is not None:
+            raise VariantError(f"{self._kernel_name(family)}: {problem}")
+
+    def _kernel_name(self, family: KernelFamily) -> str:
+        return f"{family.title} {'forward' if self.direction == 'fwd' else 'backward'}"
+
+    # ---- derived properties ---------------------------------------------------------------
+
+    @property
+    def num_mma_warpgroups(self) -> int:
+        """Consumer warpgroups: each owns 64 rows of the query tile (backward: 64 keys of the k tile)."""
+        return (self.tile_n if self.direction == "bwd" else self.tile_m) // WARPGROUP_ROWS
+
+    @property
+    def family(self) -> KernelFamily:
+        """The kernel family whose templates render this variant."""
+        return family_of(self.arch, self.portable)
+
+    @property
+    def experimental(self) -> bool:
+        """Compiled but never run on its GPU (see KernelFamily.experimental)."""
+        return self.family.experimental
+
+    @property
+    def qheads_per_kvhead(self) -> int:
+        return self.num_heads_q // self.num_heads_kv
+
+    @property
+    def tile_tokens(self) -> int:
+        """Query tokens of one M tile: the rows of the schedule's q tiles (TILE_M / G packed)."""
+        return self.tile_m // self.qheads_per_kvhead if self.pack_gqa else self.tile_m
+
+    @property
+    def element_bytes(self) -> int:
+        return 2
+
+    def smem_bytes(self, q_stages: int = 1) -> int:
+        """Shared memory for the Q buffers (each also stages O) and the K and V stages.
+
+        Backward: the K and V tile and `num_stages` (Q, dO) blocks; then SM90's two dS^T blocks
+        of the k tile, fp32 lse / delta rows and the fp32 dQ staging tile, or one dS^T block for
+        the portable and SM100 backwards. SM100's forward: the Q tile and the K/V stages (P
+        stays in tensor memory)."""
+        if self.direction == "bwd":
+            kv = 2 * self.tile_n * self.head_dim
+            qdo = 2 * self.num_stages * self.tile_m * self.head_dim
+            if self.family is not SM90:
+                return (kv + qdo + self.tile_n * self.tile_m) * self.element_bytes
+            fp32 = self.tile_m * self.head_dim + 2 * self.num_stages * self.tile_m
+            return (kv + qdo + 2 * self.tile_n * self.tile_m) * self.element_bytes + 4 * fp32
+        if self.family is SM100:
+            return (self.tile_m + self.num_stages * self.tile_n) * self.head_dim * self.element_bytes
+        q = q_stages * self.tile_m * self.head_dim
+        kv = 2 * self.num_stages * self.tile_n * self.head_dim
+        return (q + kv) * self.element_bytes
+
+    @property
+    def q_stages(self) -> int:
+        """Q buffers: two when they fit, so the next work item's Q loads while this one's
+        softmax tail and epilogue run (and its O tile leaves through the other buffer). The
+        portable kernel has one."""
+        if self.portable:
+            return 1
+        return 2 if self.smem_bytes(2) <= self._smem_available() else 1
+
+    def _smem_available(self) -> int:
+        return arch(self.arch).smem_bytes - _SMEM_RESERVE
+
+    # ---- naming ----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def digest(self) -> str:
+        """A short hash of every field (stable across runs and machines)."""
+        body = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(body.encode()).hexdigest()[:10]
+
+    def key(self) -> str:
+        """A stable short name, usable as a file name and a C symbol prefix."""
+        arch = self.arch.replace("_", "").rstrip("a")
+        flags = "".join(
+            letter
+            for letter, on in (
+                ("c", self.has_softcap), ("s", self.has_sink), ("m", self.has_max_logits), ("p", self.pack_gqa),
+                ("d", self.deterministic), ("u", self.unmasked),
+            )
+            if on
+        )
+        if self.portable:
+            arch += "_portable"
+        return (
+            f"attn_{self.direction}_{arch}_d{self.head_dim}_{self.dtype}_h{self.num_heads_q}x{self.num_heads_kv}"
+            f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}{('_' + flags) if flags else ''}_{self.digest()}"
+        )
+
+
+def variant_for(request: Mapping[str, Any]) -> KernelVariant:
+    """The variant serving a runtime request (a kernel's fields but its tile shape): the
+    request plus the tile shape its kernel family compiles for the head dim."""
+    tiles = select_tiles(request["arch"], request["head_dim"], request["direction"], request.get("portable", False))
+    return KernelVariant(**request, tile_m=tiles.tile_m, tile_n=tiles.tile_n, num_stages=tiles.num_stages)
+
+
+def _span(values: tuple[int, ...]) -> str:
+    """Allowed values for a message: a long evenly spaced run as a range, else listed."""
+    steps = {b - a for a, b in zip(values, values[1:])}
+    if len(values) > 4 and len(steps) == 1:
+        step = steps.pop()
+        return f"{values[0]} to {values[-1]}" if step == 1 else f"multiples of {step} in [{values[0]}, {values[-1]}]"
+    return ", ".join(map(str, values))

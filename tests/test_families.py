@@ -1,0 +1,94 @@
+"""The kernel families table (maskc/artifact/families.py) is the one place the archs, head
+dims, dtypes, tile shapes and options are written: variants validate against it, compiles take
+their tiles from it, the command line offers what it lists, and the docs say what it says."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from maskc.artifact.families import (
+    ARCH_NAMES,
+    DIRECTIONS,
+    DTYPE_NAMES,
+    FAMILIES,
+    FLAGS,
+    HEAD_DIMS,
+    PORTABLE,
+    default_family,
+    native_family,
+    select_tiles,
+    with_support_table,
+)
+from maskc.artifact.variant import variant_for
+from maskc.cli import build_parser
+from maskc.codegen.render import template_name
+from maskc.errors import VariantError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _request(family, direction, head_dim=128, dtype="bf16", **flags) -> dict:
+    return {"arch": family.archs[0], "direction": direction, "head_dim": head_dim, "dtype": dtype, "num_heads_q": 8,
+            "num_heads_kv": 2, "portable": family.portable, **flags}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_a_variant_has_exactly_the_options_its_family_lists(family, direction) -> None:
+    for head_dim in family.head_dims:
+        for dtype in family.dtypes:
+            v = variant_for(_request(family, direction, head_dim, dtype))
+            tiles = family.kernel(direction).tiles[head_dim]
+            assert (v.tile_m, v.tile_n, v.num_stages) == (tiles.tile_m, tiles.tile_n, tiles.num_stages)
+            assert v.family is family and template_name(v) == f"attn_{direction}_{family.templates}.py.jinja"
+    for flag in FLAGS:
+        if family.has(direction, flag):
+            assert getattr(variant_for(_request(family, direction, **{flag: True})), flag)
+        else:
+            with pytest.raises(VariantError, match=f"no {FLAGS[flag]} variant|{flag} is a backward option"):
+                variant_for(_request(family, direction, **{flag: True}))
+
+
+def test_every_arch_has_the_portable_kernels_and_at_most_one_family_of_its_own() -> None:
+    assert set(PORTABLE.archs) == set(ARCH_NAMES)
+    for arch in ARCH_NAMES:
+        own = [f for f in FAMILIES if not f.portable and arch in f.archs]
+        assert len(own) <= 1 and native_family(arch) is (own[0] if own else None)
+        assert default_family(arch) is (own[0] if own and not own[0].experimental else PORTABLE)
+    with pytest.raises(VariantError, match="no kernel of its own for arch 'sm_86'"):
+        select_tiles("sm_86", 128)
+    with pytest.raises(VariantError, match="supported head dims: 64, 128"):
+        select_tiles("sm_90a", 96)
+
+
+def test_the_command_line_offers_what_the_table_lists(capsys) -> None:
+    compile_args = ["compile", "x.mask", "-o", "out"]
+    args = build_parser().parse_args([*compile_args, "--arch", ",".join(ARCH_NAMES), "--head-dim",
+                                      ",".join(map(str, HEAD_DIMS)), "--dtype", ",".join(DTYPE_NAMES)])  # fmt: skip
+    assert (args.arch, args.head_dim, args.dtype) == (list(ARCH_NAMES), list(HEAD_DIMS), list(DTYPE_NAMES))
+    for option, value in (("--arch", "sm_70"), ("--head-dim", "96"), ("--dtype", "fp32")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*compile_args, option, value])
+        assert f"no kernels for {value}; choose from" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["compile", "--help"])
+    help_text = capsys.readouterr().out
+    assert all(arch in help_text for arch in ARCH_NAMES)
+
+
+def test_docs_support_tables_are_generated_from_the_table() -> None:
+    doc = (ROOT / "docs" / "support.md").read_text()
+    assert doc == with_support_table(doc), "run: python -m maskc.artifact.families docs/support.md"
+
+
+def test_the_readme_lists_the_archs_head_dims_and_dtypes_of_the_table() -> None:
+    readme = (ROOT / "README.md").read_text()
+    arch_line = next(line for line in readme.splitlines() if "(`--arch`:" in line)
+    assert set(re.findall(r"`(sm_\d+a?)`", arch_line)) == set(ARCH_NAMES)
+    head_dims = re.search(r"\(`--head-dim`: ([\d, ]+)\)", readme)
+    assert head_dims and tuple(int(d) for d in head_dims.group(1).split(",")) == HEAD_DIMS
+    dtypes = re.search(r"\(`--dtype`: ([\w, ]+)\)", readme)
+    assert dtypes and tuple(d.strip() for d in dtypes.group(1).split(",")) == DTYPE_NAMES
