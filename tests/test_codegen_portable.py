@@ -4,12 +4,18 @@ CUTLASS DSL)."""
 
 from __future__ import annotations
 
-import ast
 import re
 
 import pytest
-
 from conftest import compile_variants
+from generated_source import (
+    abi_kinds,
+    assert_reads_top_to_bottom,
+    entry_params,
+    header_arg_kinds,
+    module_constants,
+)
+
 from maskc.artifact.families import ARCH_NAMES, native_family
 from maskc.artifact.variant import KernelVariant
 from maskc.codegen.render import render, template_name
@@ -65,45 +71,38 @@ def test_every_arch_has_the_portable_kernel_and_sm90a_its_own_too():
 # ---- rendering -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "kernel, features",
-    [
-        ("fwd", {}),
-        ("fwd", {"has_softcap": True, "has_sink": True, "has_max_logits": True}),
-        ("bwd", {}),
-        ("bwd", {"has_softcap": True}),
-    ],
-)
-def test_rendered_source_is_readable_python_without_hopper_instructions(kernel, features):
-    source = render(variant(**features) if kernel == "fwd" else backward(**features))
-    tree = ast.parse(source)
-    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    # The shared macros (schedule, line mask, softmax, row statistics, preprocess) and the portable pieces.
-    shared = {"load_line_bounds", "line_mask_bits", "gemm_rs", "gemm_ss", "load_rows", "store_tile", "make_row_copy",
-              "transposed_view"}  # fmt: skip
-    own = {"decode_item", "online_softmax", "finalize_rows", "store_row_stats", "walk_block", "attn_fwd_kernel", "attn_fwd"}
-    if kernel == "bwd":
-        own = {"attn_bwd_prep_kernel", "red_add_f32", "bwd_step", "attn_bwd_kernel", "attn_bwd"}
-    assert shared | own <= names
-    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    assert {"MmaF16BF16Op", "LdMatrix8x8x16bOp", "CopyG2SOp"} <= used
-    assert not used & {"warpgroup", "setmaxregister_increase", "make_tiled_tma_atom", "PipelineTmaAsync", "StMatrix8x8x16bOp"}
-    assert "\n\n\n\n" not in source and "{{" not in source and "{%" not in source
-    assert max(len(line) for line in source.splitlines()) <= 130
-    assert ("tanh" in source) == bool(features)
+FEATURES = [
+    ("fwd", {}),
+    ("fwd", {"has_softcap": True, "has_sink": True, "has_max_logits": True}),
+    ("fwd", {"has_sink": True}),
+    ("bwd", {}),
+    ("bwd", {"has_softcap": True}),
+    ("bwd", {"has_softcap": True, "deterministic": True}),
+]
 
 
-def test_entry_signatures_are_the_abis():
-    """The portable entries take the same arguments, in the same order, as the SM90 ones."""
-    for make in (variant, backward):
-        v = make()
-        native = KernelVariant(**{**v.to_dict(), "arch": "sm_90a", "portable": False, "tile_n": 128,
-                                  "tile_m": 64 if v.direction == "bwd" else 128, "num_stages": 2})  # fmt: skip
-        args = [
-            [a.arg for a in next(n for n in ast.parse(render(x)).body if getattr(n, "name", "") == f"attn_{x.direction}").args.args]
-            for x in (v, native)
-        ]
-        assert args[0] == args[1] and len(args[0]) >= 16
+@pytest.mark.parametrize("kernel, features", FEATURES)
+def test_rendered_source_reads_top_to_bottom_with_the_variant_as_module_constants(kernel, features):
+    """The variant's shape and optional features are module constants, which the kernel code
+    branches on at compile time (const_expr)."""
+    v = variant(**features) if kernel == "fwd" else backward(**features)
+    source = render(v)
+    assert_reads_top_to_bottom(source, v.key())
+    constants = module_constants(source)
+    assert {name: constants[name] for name in ("HEAD_DIM", "NUM_HEADS_Q", "NUM_HEADS_KV", "NUM_THREADS")} == {
+        "HEAD_DIM": 128, "NUM_HEADS_Q": 8, "NUM_HEADS_KV": 2, "NUM_THREADS": 128}  # fmt: skip
+    tiles = ("TILE_M", "TILE_N", "NUM_STAGES") if kernel == "fwd" else ("TILE_Q", "TILE_K")
+    assert [constants[name] for name in tiles] == [v.tile_m, v.tile_n, v.num_stages][: len(tiles)]
+    flags = {"HAS_SOFTCAP": v.has_softcap, "HAS_SINK": v.has_sink, "HAS_MAX_LOGITS": v.has_max_logits,
+             "PACK_GQA": v.pack_gqa, "DETERMINISTIC": v.deterministic, "UNMASKED": v.unmasked}  # fmt: skip
+    assert {name: constants[name] for name in flags} == flags
+
+
+def test_the_source_check_finds_a_function_used_before_its_definition():
+    late = '"""variant k"""\n\n\ndef f():\n    return g()\n\n\ndef g():\n    return 1\n'
+    with pytest.raises(AssertionError, match="used before their definition"):
+        assert_reads_top_to_bottom(late, "k")
+    assert_reads_top_to_bottom(late.replace("return g()", "return 2"), "k")
 
 
 # ---- compiling (CUTLASS DSL, no GPU) ------------------------------------------------------------
@@ -115,6 +114,7 @@ COMPILED["sm_80_d64_fp16_features"] = variant(
 COMPILED.update({f"{arch}_bwd": backward(arch=arch) for arch in ("sm_80", "sm_90a", "sm_120a")})
 COMPILED["sm_90a_bwd_deterministic"] = backward(arch="sm_90a", deterministic=True)
 COMPILED["sm_86_bwd_d64_fp16_softcap"] = backward(arch="sm_86", head_dim=64, dtype="fp16", num_heads_kv=8, has_softcap=True)
+COMPILED["sm_80_bwd_d64_deterministic_softcap"] = backward(head_dim=64, num_heads_kv=1, deterministic=True, has_softcap=True)
 
 
 @pytest.fixture(scope="module")
@@ -142,11 +142,28 @@ def test_compiles_for_every_arch_with_warp_mma_cp_async_and_ldmatrix(compiled, n
     # Deterministic: each q block's semaphore, waited on with acquire and counted with release.
     deterministic = COMPILED[name].deterministic
     assert ("ld.global.acquire.gpu" in ptx and "red.release.gpu.global.add.s32" in ptx) == deterministic
+    # The kernel takes the arguments of its variant's features only (the others are None).
+    v = COMPILED[name]
+    params = entry_params(ptx, f"attn_{v.direction}_kernel")
+    if v.direction == "fwd":
+        # Global tensors: Q, K, V, O, the LSE and the five schedule tensors; the row max, the sinks.
+        assert params[".align 8 .b8"] == 10 + v.has_max_logits + v.has_sink
+        # Scalars: the exponent's scale; the max logits' scale, the softcap's two.
+        assert params[".f32"] == 1 + v.has_max_logits + 2 * v.has_softcap
+    else:
+        # Q, K, V, dO, lse, delta, dQ, dK, dV, the items, their CSR and the five schedule tensors;
+        # the semaphores, work blocks and block ranks of the deterministic dQ.
+        assert params[".align 8 .b8"] == 16 + 3 * deterministic
+        assert params[".f32"] == 2 + 2 * v.has_softcap
 
 
 def test_exported_headers_match_the_abis(compiled):
+    """The exported functions take the ABI's arguments, in its order, with its tensor extents."""
     from abi_check import assert_header_matches_abi
+
     from maskc.artifact.abi import BACKWARD_ABI, FORWARD_ABI
 
-    assert_header_matches_abi(compiled["sm_80"].header_path.read_text(), FORWARD_ABI)
-    assert_header_matches_abi(compiled["sm_80_bwd"].header_path.read_text(), BACKWARD_ABI)
+    for name, abi in (("sm_80", FORWARD_ABI), ("sm_80_bwd", BACKWARD_ABI)):
+        header = compiled[name].header_path.read_text()
+        assert_header_matches_abi(header, abi)
+        assert header_arg_kinds(header, f"attn_{COMPILED[name].direction}") == abi_kinds(abi)

@@ -10,8 +10,15 @@ import json
 import re
 
 import pytest
-
 from conftest import compile_variants
+from generated_source import (
+    abi_kinds,
+    assert_reads_top_to_bottom,
+    entry_params,
+    header_arg_kinds,
+    module_constants,
+)
+
 from maskc.artifact.families import FAMILIES, Tiles, native_family, select_tiles
 from maskc.artifact.variant import KernelVariant
 from maskc.codegen.cache import variant_record
@@ -70,51 +77,35 @@ def test_sm100_is_native_and_experimental_in_both_directions():
         select_tiles("sm_80", 128, "bwd")
 
 
-@pytest.mark.parametrize("features", [{}, {"has_softcap": True, "has_sink": True, "has_max_logits": True}])
-def test_rendered_source_uses_tcgen05_tmem_and_the_shared_macros(features):
-    source = render(variant(**features))
-    tree = ast.parse(source)
-    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    shared = {"decode_item", "block_range", "load_line_bounds", "line_mask_bits", "apply_line_mask", "online_softmax",
-              "finalize_rows", "store_row_stats", "store_o_zero", "make_row_copy"}  # fmt: skip
-    own = {"make_umma", "tmem_tensor", "row_copy", "loader", "mma_warp", "softmax_block", "softmax_warps",
-           "attn_fwd_kernel", "attn_fwd"}  # fmt: skip
-    assert shared | own <= names
-    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    assert {"TmemAllocator", "Ld32x32bOp", "St32x32bOp", "PipelineTmaUmma", "PipelineUmmaAsync", "PipelineAsyncUmma"} <= used
-    assert not used & {"warpgroup", "LdMatrix8x8x16bOp", "CopyG2SOp", "warp_reduction_max"}
-    assert "EXPERIMENTAL" in source and "\n\n\n\n" not in source and "{{" not in source and "{%" not in source
-    assert max(len(line) for line in source.splitlines()) <= 130
-    assert ("tanh" in source) == bool(features)
-
-
-@pytest.mark.parametrize("features", [{}, {"has_softcap": True, "deterministic": True}])
-def test_rendered_backward_uses_tcgen05_tmem_and_the_shared_macros(features):
-    source = render(backward(**features))
-    tree = ast.parse(source)
-    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    shared = {"load_line_bounds", "line_mask_bits", "apply_line_mask", "store_o_zero", "red_add_v4_f32",
-              "attn_bwd_prep_kernel", "launch_bwd_prep", "make_umma", "tmem_tensor", "row_copy", "load_stage"}  # fmt: skip
-    own = {"loader", "issue_scores", "issue_dp_dv", "finish_block", "mma_warp", "compute_block", "compute_warps",
-           "dq_warps", "attn_bwd_kernel", "attn_bwd"}  # fmt: skip
-    assert shared | own <= names
-    assert ("softcap_with_grad" in names) == ("load_acquire" in names) == bool(features)
-    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    assert {"TmemAllocator", "Ld32x32bOp", "St32x32bOp", "PipelineTmaUmma", "PipelineUmmaAsync", "PipelineAsyncUmma"} <= used
-    assert not used & {"warpgroup", "LdMatrix8x8x16bOp", "CopyG2SOp"}
-    assert "EXPERIMENTAL" in source and "\n\n\n\n" not in source and "{{" not in source and "{%" not in source
-    assert max(len(line) for line in source.splitlines()) <= 130
-
-
-@pytest.mark.parametrize("direction", ["fwd", "bwd"])
-def test_entry_signature_is_the_abi_of_its_direction(direction):
-    hopper = KernelVariant("sm_90a", direction, 128, "bf16", 8, 2, 128 if direction == "fwd" else 64, 128, 2)
-    own = variant() if direction == "fwd" else backward()
-    args = [
-        [a.arg for a in next(n for n in ast.parse(render(x)).body if getattr(n, "name", "") == f"attn_{direction}").args.args]
-        for x in (own, hopper)
-    ]
-    assert args[0] == args[1]
+@pytest.mark.parametrize(
+    "direction, features",
+    [
+        ("fwd", {}),
+        ("fwd", {"has_softcap": True, "has_sink": True, "has_max_logits": True}),
+        ("bwd", {}),
+        ("bwd", {"has_softcap": True, "deterministic": True}),
+    ],
+)
+def test_rendered_source_reads_top_to_bottom_with_the_variant_as_module_constants(direction, features):
+    """The variant's shape, its threads (TMEM-owning warps, one MMA warp, one TMA warp) and its
+    optional features are module constants, which the kernel code branches on at compile time
+    (const_expr); the docstring says the kernel is experimental."""
+    v = variant(**features) if direction == "fwd" else backward(**features)
+    source = render(v)
+    tree = assert_reads_top_to_bottom(source, v.key())
+    assert "EXPERIMENTAL" in ast.get_docstring(tree)
+    constants = module_constants(source)
+    shape = {"HEAD_DIM": 128, "NUM_HEADS_Q": 8, "NUM_HEADS_KV": 2, "NUM_STAGES": v.num_stages, "TMEM_COLS": 512}
+    if direction == "fwd":
+        shape.update(TILE_M=128, TILE_N=128, NUM_THREADS=192, SOFTMAX_THREADS=128, MMA_WARP=4, LOAD_WARP=5)
+    else:
+        shape.update(TILE_Q=128, TILE_K=128, NUM_THREADS=448, COMPUTE_THREADS=256, REDUCE_THREADS=128, MMA_WARP=12,
+                     LOAD_WARP=13)  # fmt: skip
+    assert {name: constants[name] for name in shape} == shape
+    assert 32 * (max(constants["MMA_WARP"], constants["LOAD_WARP"]) + 1) == constants["NUM_THREADS"]
+    flags = {"HAS_SOFTCAP": v.has_softcap, "HAS_SINK": v.has_sink, "HAS_MAX_LOGITS": v.has_max_logits,
+             "PACK_GQA": v.pack_gqa, "DETERMINISTIC": v.deterministic, "UNMASKED": v.unmasked}  # fmt: skip
+    assert {name: constants[name] for name in flags} == flags
 
 
 COMPILED = {
@@ -134,7 +125,8 @@ def compiled(tmp_path_factory):
 def sm100_ptx(obj, v: KernelVariant) -> str:
     """The PTX of a compiled SM100 kernel, after the checks both directions share: an ELF object
     for sm_100a, one tensor-memory allocation and free, 32x32b TMEM loads and stores with their
-    waits, commits, 3-D TMA loads, no older MMA or copy, tanh exactly with softcap."""
+    waits, 3-D TMA loads, the pipelines' mbarriers (TMA byte counts, MMA commits, waits), no
+    older MMA or copy, tanh exactly with softcap."""
     assert obj.object_path.read_bytes()[:4] == b"\x7fELF"
     ptx = obj.ptx_text
     assert ".target sm_100a" in ptx
@@ -143,6 +135,8 @@ def sm100_ptx(obj, v: KernelVariant) -> str:
     assert "tcgen05.ld.sync.aligned.32x32b" in ptx and "tcgen05.st.sync.aligned.32x32b" in ptx
     assert "tcgen05.commit" in ptx and "tcgen05.wait::ld" in ptx and "tcgen05.wait::st" in ptx
     assert "cp.async.bulk.tensor.3d" in ptx
+    assert "mbarrier.arrive.expect_tx.shared.b64" in ptx and "mbarrier.try_wait.parity.shared.b64" in ptx
+    assert "tcgen05.commit.cta_group::1.mbarrier::arrive::one" in ptx
     for older in ("wgmma", "mma.sync", "ldmatrix", "cp.async.cg"):
         assert older not in ptx
     assert ("tanh.approx" in ptx) == v.has_softcap
@@ -152,14 +146,6 @@ def sm100_ptx(obj, v: KernelVariant) -> str:
 MMA_FROM_TMEM = r"tcgen05\.mma\.cta_group::1\.kind::f16\S* \[%r\d+\], \[%r\d+\]"  # A read from TMEM
 
 
-def test_exported_headers_match_the_abis(compiled):
-    from abi_check import assert_header_matches_abi
-    from maskc.artifact.abi import BACKWARD_ABI, FORWARD_ABI
-
-    assert_header_matches_abi(compiled["d128_bf16"].header_path.read_text(), FORWARD_ABI)
-    assert_header_matches_abi(compiled["bwd_d128_bf16"].header_path.read_text(), BACKWARD_ABI)
-
-
 @pytest.mark.parametrize("name", [name for name in sorted(COMPILED) if not name.startswith("bwd")])
 def test_compiles_for_sm100a_with_tcgen05_mma_tensor_memory_and_tma(compiled, name):
     v = COMPILED[name]
@@ -167,6 +153,13 @@ def test_compiles_for_sm100a_with_tcgen05_mma_tensor_memory_and_tma(compiled, na
     # S = Q K^T (HEAD_DIM / 16 k steps) and O += P V (TILE_N / 16), each issued at two places.
     assert ptx.count("tcgen05.mma.cta_group::1.kind::f16") == 2 * (v.head_dim // 16 + v.tile_n // 16)
     assert re.search(MMA_FROM_TMEM, ptx)  # P read from TMEM
+    assert "shfl.sync.bfly" not in ptx  # one TMEM row per thread: no row reduction across threads
+    # The kernel takes the arguments of its variant's features only (the others are None).
+    params = entry_params(ptx, "attn_fwd_kernel")
+    # Global tensors: O, the LSE and the five schedule tensors (Q, K, V come as TMA atoms); the
+    # row max, the sinks. Scalars: the exponent's scale; the max logits' scale, the softcap's two.
+    assert params[".align 8 .b8"] == 7 + v.has_max_logits + v.has_sink
+    assert params[".f32"] == 1 + v.has_max_logits + 2 * v.has_softcap
 
 
 @pytest.mark.parametrize("name", [name for name in sorted(COMPILED) if name.startswith("bwd")])
@@ -180,6 +173,24 @@ def test_backward_compiles_for_sm100a_with_tcgen05_mma_tensor_memory_and_tma(com
     assert len(re.findall(MMA_FROM_TMEM, ptx)) == v.tile_m // 16  # dV's P^T
     assert ptx.count("red.global.add.v4.f32") == v.head_dim // 4  # a dQ row by 16-byte L2 reductions
     assert ("ld.global.acquire.gpu" in ptx) == v.deterministic  # the dQ semaphore
+    # Global tensors: lse, delta, dQ, dK, dV, the items, their CSR and the five schedule tensors;
+    # the semaphores, work blocks and block ranks of the deterministic dQ. Scalars: the two
+    # scales; the softcap's two.
+    params = entry_params(ptx, "attn_bwd_kernel")
+    assert params[".align 8 .b8"] == 12 + 3 * v.deterministic
+    assert params[".f32"] == 2 + 2 * v.has_softcap
+
+
+def test_exported_headers_match_the_abis(compiled):
+    """The exported functions take the ABI's arguments, in its order, with its tensor extents."""
+    from abi_check import assert_header_matches_abi
+
+    from maskc.artifact.abi import BACKWARD_ABI, FORWARD_ABI
+
+    for name, abi in (("d128_bf16", FORWARD_ABI), ("bwd_d128_bf16", BACKWARD_ABI)):
+        header = compiled[name].header_path.read_text()
+        assert_header_matches_abi(header, abi)
+        assert header_arg_kinds(header, f"attn_{COMPILED[name].direction}") == abi_kinds(abi)
 
 
 def test_an_artifact_marks_the_sm100_kernels_experimental(tmp_path, monkeypatch):
