@@ -1,5 +1,5 @@
-"""Suite-wide settings (tests marked `gpu` skip cleanly on machines without CUDA) and the
-compile helper of the codegen tests."""
+"""Suite-wide settings (tests marked `gpu` skip cleanly on machines without CUDA; tests that
+compile kernels join the `slow` tier) and the compile helper of the codegen tests."""
 
 from __future__ import annotations
 
@@ -7,12 +7,16 @@ import pytest
 import torch
 
 
+#: Fixtures that compile kernels: every test using one is in the slow tier.
+COMPILING_FIXTURES = {"compiled"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if COMPILING_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
 
 

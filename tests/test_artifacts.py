@@ -89,6 +89,7 @@ def test_corrupted_manifest_is_refused(artifact: Path) -> None:
         read_manifest(artifact)
 
 
+@pytest.mark.slow
 def test_runtime_imports_without_the_compiler_stack() -> None:
     code = (
         "import sys, maskc.runtime\n"

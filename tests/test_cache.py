@@ -26,6 +26,7 @@ REQUEST = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_second_compile_is_a_no_op(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cache.ENV_CACHE, str(tmp_path))
     first = cache.cached_kernel(variant_for(REQUEST))
@@ -61,6 +62,7 @@ def test_the_address_follows_the_code_generator_not_only_the_templates(tmp_path:
     cache.sources_digest.cache_clear()
 
 
+@pytest.mark.slow
 def test_concurrent_compiles_share_one_entry(tmp_path: Path) -> None:
     code = (
         "import json, sys; from maskc.codegen.cache import cached_kernel; from maskc.artifact.variant import variant_for; "

@@ -32,6 +32,7 @@ def assert_user_error(result: subprocess.CompletedProcess, message: str) -> None
     assert len(result.stderr.splitlines()) == 1 and re.search(message, result.stderr), result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_every_example_shows_with_its_defaults(example: Path, tmp_path: Path) -> None:
     result = maskc("show", str(example), "--png-dir", str(tmp_path))
@@ -50,6 +51,7 @@ def test_show_reports_exact_numbers(tmp_path: Path) -> None:
     assert re.search(r"seqlen\s+10 x 10", result.stdout)
 
 
+@pytest.mark.slow
 def test_compile_writes_a_loadable_artifact(tmp_path: Path) -> None:
     pytest.importorskip("cutlass", reason="compiling kernels needs the CUTLASS DSL")
     lengths = tmp_path / "lengths.txt"
@@ -67,6 +69,7 @@ def test_compile_writes_a_loadable_artifact(tmp_path: Path) -> None:
     assert manifest["masks"][name]["params"]["block"] == 64
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -97,12 +100,14 @@ def test_bad_input_is_one_clear_line_with_exit_code_2(args: list[str], message: 
     assert_user_error(maskc(*args), message)
 
 
+@pytest.mark.slow
 def test_a_file_that_is_not_text_is_a_clear_error(tmp_path: Path) -> None:
     binary = tmp_path / "model.mask"
     binary.write_bytes(b"mask m(n: int = 4):\n\x00\xff\xfe\x80")
     assert_user_error(maskc("show", str(binary)), rf"{re.escape(str(binary))}:2:2: .*not UTF-8")
 
 
+@pytest.mark.slow
 def test_an_unwritable_output_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     assert_user_error(maskc("show", "examples/causal.mask", "--png-dir", str(tmp_path / "file" / "sub")), "file/sub")
@@ -120,6 +125,7 @@ def test_a_bug_shows_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
         cli.main(["show", "examples/causal.mask"])
 
 
+@pytest.mark.slow
 def test_syntax_error_names_file_line_and_column(tmp_path: Path) -> None:
     bad = tmp_path / "bad.mask"
     bad.write_text("mask m(n: int = 4):\n    seqlen(n)\n    full(q=0:n k=0:n)\n")
@@ -137,6 +143,7 @@ def test_help_documents_every_option() -> None:
             assert option in result.stdout
 
 
+@pytest.mark.slow
 def test_readme_main_job_works(tmp_path: Path) -> None:
     """The README's first command, minus the environment set-up this test already runs in."""
     pytest.importorskip("cutlass", reason="the README's set-up installs the CUTLASS DSL")
@@ -168,6 +175,7 @@ def test_compile_without_the_dsl_is_a_clear_error(tmp_path: Path, monkeypatch: p
     assert not (tmp_path / "ir" / "kernels").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_every_example_compiles_to_sm90_kernels_using_wgmma_and_tma(example: Path, tmp_path: Path) -> None:
     pytest.importorskip("cutlass", reason="compiling kernels needs the CUTLASS DSL")
@@ -220,6 +228,7 @@ def test_an_arch_without_kernels_of_its_own_gets_the_portable_kernels() -> None:
     assert requests("--arch", "sm_100a") == [r for r in blackwell if not r[3]]
 
 
+@pytest.mark.slow
 def test_python_dash_m_maskc_is_the_maskc_command(tmp_path: Path) -> None:
     """`python -m maskc` and the installed `maskc` script run the same command line."""
     script = Path(sys.executable).with_name("maskc")
@@ -251,6 +260,7 @@ def test_help_and_version_import_neither_torch_nor_the_compiler(args: list[str])
     assert "usage: maskc" in result.stdout or result.stdout.startswith("maskc ")
 
 
+@pytest.mark.slow
 def test_plan_skips_what_context_parallelism_cannot_take_and_plans_the_rest(tmp_path: Path) -> None:
     """examples/primitives.mask holds a non-square family and a square one."""
     result = maskc("plan", "examples/primitives.mask", "--cp", "2")
@@ -265,6 +275,7 @@ def test_plan_skips_what_context_parallelism_cannot_take_and_plans_the_rest(tmp_
     assert_user_error(only, "cannot plan mask primitives: .*must be square")
 
 
+@pytest.mark.slow
 def test_plan_png_writes_exactly_the_path_given(tmp_path: Path) -> None:
     target = tmp_path / "pictures" / "my plan.image"
     result = maskc("plan", str(ROOT / "examples" / "primitives.mask"), "--cp", "2", "--png", str(target), cwd=tmp_path)
@@ -279,6 +290,7 @@ def test_plan_png_writes_exactly_the_path_given(tmp_path: Path) -> None:
     assert (tmp_path / "p.png").is_file() and not list(tmp_path.glob("*_p.png"))
 
 
+@pytest.mark.slow
 def test_show_writes_pictures_only_where_asked_and_says_where(tmp_path: Path) -> None:
     example = str(ROOT / "examples" / "causal.mask")
     default = maskc("show", example, cwd=tmp_path)
@@ -293,6 +305,7 @@ def test_show_writes_pictures_only_where_asked_and_says_where(tmp_path: Path) ->
     assert sorted(p.name for p in (tmp_path / "pics").iterdir()) == ["causal.png"]
 
 
+@pytest.mark.slow
 def test_output_into_a_closed_pipe_ends_quietly() -> None:
     """`maskc ... | head`: the reader is gone before maskc writes; no traceback, no message."""
     read, write = os.pipe()
@@ -308,6 +321,7 @@ def test_output_into_a_closed_pipe_ends_quietly() -> None:
     assert result.stderr == ""
 
 
+@pytest.mark.slow
 def test_verify_prints_the_digest_that_pins_a_directory(tmp_path: Path) -> None:
     out = tmp_path / "art"
     assert maskc("compile", "examples/causal.mask", "-o", str(out), "--ir-only").returncode == 0
@@ -321,6 +335,7 @@ def test_verify_prints_the_digest_that_pins_a_directory(tmp_path: Path) -> None:
     assert_user_error(maskc("verify", str(tmp_path / "none")), "is not a directory")
 
 
+@pytest.mark.slow
 def test_verify_rebuild_finds_an_object_its_publisher_swapped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A publisher who replaces an object and rehashes the manifest passes the hash check;
     recompiling the recorded variant shows the object is not what maskc builds, and where."""

@@ -193,6 +193,7 @@ def test_exported_headers_match_the_abis(compiled):
         assert header_arg_kinds(header, f"attn_{COMPILED[name].direction}") == abi_kinds(abi)
 
 
+@pytest.mark.slow
 def test_an_artifact_marks_the_sm100_kernels_experimental(tmp_path, monkeypatch):
     pytest.importorskip("cutlass.cute")
     from maskc.codegen import write_artifact
@@ -205,6 +206,7 @@ def test_an_artifact_marks_the_sm100_kernels_experimental(tmp_path, monkeypatch)
     assert records == [("bwd", "sm_100a", True), ("fwd", "sm_100a", True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_backward_operand_layouts_agree_with_their_transposed_views(head_dim):
     """The SM100 backward reads each shared-memory tile as two tcgen05 operands (K and K^T, Q and

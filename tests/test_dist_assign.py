@@ -37,6 +37,7 @@ def optimum(areas: np.ndarray, cp: int) -> int:
     return int(areas[perms].reshape(len(perms), cp, -1).sum(-1).max(-1).min())
 
 
+@pytest.mark.slow
 @given(problems())
 @settings(max_examples=300, deadline=None)
 def test_every_algorithm_gives_a_balanced_deterministic_assignment(problem: tuple[np.ndarray, int]) -> None:
@@ -67,6 +68,7 @@ def test_bounds_hold_against_brute_force(problem: tuple[np.ndarray, int]) -> Non
         assert max_load(areas, solve(areas, cp, algorithm), cp) >= best
 
 
+@pytest.mark.slow
 def test_swap_often_reaches_the_optimum_on_tiny_cases() -> None:
     rng = np.random.default_rng(0)
     cases = [(cp, n) for n in (4, 6, 8) for cp in (2, n // 2) if n % cp == 0]

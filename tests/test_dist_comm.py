@@ -43,6 +43,7 @@ def assert_canonical(ranges: np.ndarray) -> None:
     assert (ranges[1:, 0] > ranges[:-1, 1]).all()
 
 
+@pytest.mark.slow
 @given(setups())
 @settings(max_examples=300, deadline=None)
 def test_tables_match_the_dense_mask(setup: tuple[Mask, int, np.ndarray, int]) -> None:

@@ -30,6 +30,7 @@ def square(mask: Mask) -> Mask:
     return Mask(mask.slices, n, n)
 
 
+@pytest.mark.slow
 @given(masks(max_len=40, max_slices=6), st.sampled_from([1, 2, 3, 5, 8, 16, 33, 64]), st.sampled_from([1, 2, 5]))
 @settings(max_examples=80, deadline=None)
 def test_plans_deal_every_chunk_once_and_round_trip(mask: Mask, cp: int, chunk: int) -> None:
@@ -126,6 +127,7 @@ def maskc_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "maskc.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_plan_command_json_png_and_report(tmp_path: Path) -> None:
     docs = "--param", "docs=3000,1000,5000,2000,1192"
     result = maskc_cli("plan", "examples/varlen_causal.mask", *docs, "--cp", "4", "--json", "--png", str(tmp_path / "p.png"))
@@ -147,6 +149,7 @@ def test_plan_command_json_png_and_report(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "unknown dispatch algorithm" in bad.stderr
 
 
+@pytest.mark.slow
 def test_compile_writes_the_plan_into_the_artifact(tmp_path: Path) -> None:
     result = maskc_cli("compile", "examples/varlen_causal.mask", "-o", str(tmp_path), "--ir-only", "--cp", "2")
     assert result.returncode == 0, result.stderr

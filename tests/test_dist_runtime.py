@@ -135,6 +135,7 @@ def _worker(rank: int, world: int, port: int, name: str, algorithm: str, stages:
         raise
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name,algorithm,stages", [("varlen_causal", "swap", (2, True)), ("sliding_window_and_globals", "greedy", (None, None)),
                                                    ("random", "local", (3, False)), ("random", "swap", (1, True))])  # fmt: skip
@@ -169,6 +170,7 @@ def _disagreeing_worker(rank: int, world: int, port: int, errors: mp.Queue) -> N
         raise
 
 
+@pytest.mark.slow
 def test_ranks_with_different_plans_all_raise_naming_them() -> None:
     run_ranks(_disagreeing_worker, 3, timeout=120)
 
@@ -208,6 +210,7 @@ def _counting_worker(rank: int, world: int, port: int, store: str, errors: mp.Qu
         raise
 
 
+@pytest.mark.slow
 def test_the_plan_check_runs_once_per_plan_and_group(tmp_path) -> None:
     run_ranks(_counting_worker, 2, str(tmp_path / "store"), timeout=120)
 
@@ -244,6 +247,7 @@ def _absent_worker(rank: int, port: int, rank1_does: str, timeouts: tuple, resul
     os._exit(0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank1_does,timeouts,step", [
     ("nothing", (2.0, 60), "plan check"),
     ("dispatch", (2.0, 60), r"stage 1/\d keys"),

@@ -91,6 +91,7 @@ def test_multiline_arguments_and_trailing_commas():
     assert (mask.seqlen_q, mask.seqlen_k) == (3, 2)
 
 
+@pytest.mark.slow
 def test_frontend_import_does_not_pull_lark():
     code = (
         "import sys\n"

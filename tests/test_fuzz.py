@@ -118,6 +118,7 @@ def programs(draw: st.DrawFn) -> tuple[str, dict]:
     return "\n".join(lines) + "\n", {"n": draw(INTS), "docs": lengths}
 
 
+@pytest.mark.slow
 @FUZZ
 @given(programs())
 def test_generated_programs_lower_exactly_or_are_a_maskc_error(program: tuple[str, dict]) -> None:
@@ -137,6 +138,7 @@ ANY = st.recursive(
 )
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.lists(INTS, max_size=6) | ANY, st.booleans())
 def test_from_cu_seqlens_builds_exact_masks_or_raises_a_maskc_error(cu: Any, causal: bool) -> None:

@@ -40,11 +40,13 @@ def test_longer_sequences_are_refused(length: int) -> None:
         lower(WHOLE, n=length)
 
 
+@pytest.mark.slow
 def test_a_mask_of_too_many_slices_is_refused() -> None:
     with pytest.raises(MaskError, match="documents in cu_seqlens_q: 16,777,217 is more than maskc supports"):
         Mask.from_cu_seqlens(range(MAX_ROWS + 2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("source", "params", "message"),
     [
@@ -67,6 +69,7 @@ def test_oversized_or_overflowing_programs_are_one_clear_error(source: str, para
         lower(source, **params)
 
 
+@pytest.mark.slow
 def test_the_slices_a_program_emits_are_bounded() -> None:
     """The loop is within the limit; the slices its three statements emit are not."""
     body = "".join(f"        full(q=i:i+1, k={j}:{j + 1})\n" for j in range(3))

@@ -26,6 +26,7 @@ def test_every_package_of_the_tree_is_listed() -> None:
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
 
 
+@pytest.mark.slow
 def test_every_public_name_and_subpackage_loads_on_first_use() -> None:
     """`import maskc` imports little (tests/test_cli.py checks that --help needs no torch); the
     public names and the subpackages (`maskc.runtime.register_artifact` after a plain `import

@@ -180,6 +180,7 @@ def test_kernel_benchmark_rows_with_fake_timings(tmp_path: Path) -> None:
     assert "| 16k | 1360 | — |" in table
 
 
+@pytest.mark.slow
 def test_dist_benchmark_rows_with_fake_timings(tmp_path: Path) -> None:
     dist = load_script("dist")
     run = scratch_run(tmp_path, bench="dist")

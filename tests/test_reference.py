@@ -151,6 +151,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> No
         assert (a[fin] - e[fin]).abs().max() <= bound
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None, derandomize=True)
 @given(cases())
 def test_float64_matches_naive(case: Case) -> None:

@@ -273,6 +273,7 @@ assert not writes, writes
 """
 
 
+@pytest.mark.slow
 def test_a_read_only_artifact_directory_registers_without_a_write(tmp_path: Path) -> None:
     """What a training job does with a model repo's artifact directory it may not write to."""
     pytest.importorskip("nvidia_cutlass_dsl", reason="registering needs the runtime library of the DSL wheel")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny.py"
@@ -17,6 +18,7 @@ def _example():
     return module
 
 
+@pytest.mark.slow
 def test_tiny_model_learns_on_cpu_with_the_reference_attention() -> None:
     losses = _example().train("reference", "cpu", steps=40, seqlen=256, seed=0, dtype=torch.float32)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
