@@ -97,7 +97,7 @@ def test_rendered_backward_uses_tcgen05_tmem_and_the_shared_macros(features):
     own = {"loader", "issue_scores", "issue_dp_dv", "finish_block", "mma_warp", "compute_block", "compute_warps",
            "dq_warps", "attn_bwd_kernel", "attn_bwd"}  # fmt: skip
     assert shared | own <= names
-    assert ("softcap_with_grad" in names) == ("load_acquire" in names) == bool(features)
+    assert {"softcap_with_grad", "load_acquire"} <= names  # traced only where used: tanh and acquire in the PTX tests
     used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     assert {"TmemAllocator", "Ld32x32bOp", "St32x32bOp", "PipelineTmaUmma", "PipelineUmmaAsync", "PipelineAsyncUmma"} <= used
     assert not used & {"warpgroup", "LdMatrix8x8x16bOp", "CopyG2SOp"}
