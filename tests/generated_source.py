@@ -48,16 +48,18 @@ def assert_reads_top_to_bottom(source: str, key: str) -> ast.Module:
     return tree
 
 
-def module_constants(source: str) -> dict:
-    """The module's top-level NAME = <literal> assignments (the variant's static values and flags)."""
-    found = {}
+def module_constants(source: str) -> dict[str, object]:
+    """The module's constants that plain Python values determine (NAME = 64, NAME = OTHER // 4,
+    NAME = A if FLAG else B), evaluated in order: the variant's static values and flags. Others
+    (DSL types) are left out."""
+    values: dict[str, object] = {}
     for node in ast.parse(source).body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             try:
-                found[node.targets[0].id] = ast.literal_eval(node.value)
-            except ValueError:
-                pass
-    return found
+                values[node.targets[0].id] = eval(compile(ast.Expression(node.value), "<constant>", "eval"), {}, dict(values))
+            except (NameError, AttributeError):
+                continue
+    return values
 
 
 def entry_params(ptx: str, kernel: str) -> Counter:

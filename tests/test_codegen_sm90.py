@@ -8,6 +8,7 @@ import re
 import pytest
 
 from conftest import compile_variants
+from generated_source import assert_reads_top_to_bottom, entry_params, module_constants
 from maskc.artifact.variant import KernelVariant, variant_for
 from maskc.codegen.render import render
 from maskc.errors import VariantError
@@ -121,30 +122,6 @@ def test_q_buffers_double_when_they_fit():
 # ---- rendering ---------------------------------------------------------------------------------
 
 
-def _outside_entry_signature(source: str) -> str:
-    """The source without the parameter list of `attn_fwd` (the fixed ABI names every argument)."""
-    start = source.index("def attn_fwd(")
-    end = source.index("):\n", start)
-    return source[:start] + source[end:]
-
-
-DISABLED_MARKERS = {
-    "has_softcap": ("softcap", "tanh"),
-    "has_sink": ("sink", "Sink"),
-    "has_max_logits": ("RowMax", "max_logits", "logit_scale"),
-    "pack_gqa": ("PACK_G", "packed_row", "row_heads"),
-}
-
-
-@pytest.mark.parametrize("flag", sorted(DISABLED_MARKERS))
-def test_disabled_features_are_not_rendered(flag):
-    off = _outside_entry_signature(render(variant()))
-    on = render(variant(**{flag: True}))
-    for marker in DISABLED_MARKERS[flag]:
-        assert marker not in off, f"{marker!r} rendered in a variant without {flag}"
-    assert any(marker in _outside_entry_signature(on) for marker in DISABLED_MARKERS[flag])
-
-
 @pytest.mark.parametrize("name", sorted(COMPILED))
 def test_rendered_source_is_readable_python(name):
     source = render(COMPILED[name])
@@ -152,9 +129,7 @@ def test_rendered_source_is_readable_python(name):
     names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert {"attn_fwd", "attn_fwd_kernel", "producer", "consumer", "apply_line_mask", "online_softmax"} <= names
     assert source == render(COMPILED[name])  # deterministic
-    assert COMPILED[name].key() in source
-    assert "\n\n\n\n" not in source and "{{" not in source and "{%" not in source
-    assert max(len(line) for line in source.splitlines()) <= 130
+    assert_reads_top_to_bottom(source, COMPILED[name].key())
 
 
 def test_entry_signature_is_the_forward_abi():
@@ -166,14 +141,23 @@ def test_entry_signature_is_the_forward_abi():
     ]  # fmt: skip
 
 
-def test_mask_code_only_on_partial_blocks():
-    source = render(variant())
-    consumer = source[source.index("def consumer(") : source.index("def attn_fwd_kernel(")]
-    # One masked and one unmasked call of the block step; the first block masks only if partial.
-    assert consumer.count("consume_block(") == 2
-    assert "if partial != 0:" in consumer and "if mRanges[r_first, 2] != 0:" in consumer
-    step = source[source.index("def consume_block(") : source.index("def consumer(")]
-    assert "if const_expr(mLines is not None):" in step
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_module_constants_describe_the_variant(name):
+    """The variant's shape and optional features reach the kernel as module constants, which its
+    const_expr branches read: PackGQA packs PACK_G query heads per K/V head and repeats each work
+    item over the K/V heads only."""
+    v = COMPILED[name]
+    c = module_constants(render(v))
+    features = {"HAS_SOFTCAP": v.has_softcap, "HAS_SINK": v.has_sink, "HAS_MAX_LOGITS": v.has_max_logits,
+                "PACK_GQA": v.pack_gqa, "DETERMINISTIC": False, "UNMASKED": False}  # fmt: skip
+    assert {k: c[k] for k in features} == features
+    shape = {"HEAD_DIM": v.head_dim, "TILE_M": v.tile_m, "TILE_N": v.tile_n, "NUM_STAGES": v.num_stages,
+             "Q_STAGES": v.q_stages, "NUM_MMA_WG": v.num_mma_warpgroups, "NUM_THREADS": 128 * (v.num_mma_warpgroups + 1),
+             "COLS_PER_THREAD": v.tile_n // 4, "MASK_SLOTS": 2 if v.num_mma_warpgroups == 2 else 0}  # fmt: skip
+    assert {k: c[k] for k in shape} == shape
+    assert c["PACK_G"] == (v.qheads_per_kvhead if v.pack_gqa else 1) and 2 ** c["PACK_G_LOG2"] == c["PACK_G"]
+    assert c["ITEM_HEADS"] == (v.num_heads_kv if v.pack_gqa else v.num_heads_q)
+    assert c["TILE_M"] // c["PACK_G"] == v.tile_tokens
 
 
 # ---- compiling (CUTLASS DSL, no GPU) ------------------------------------------------------------
@@ -206,6 +190,27 @@ def test_ptx_uses_wgmma_tma_and_setmaxnreg(compiled, name):
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert "ex2.approx" in ptx
     assert ("tanh.approx" in ptx) == v.has_softcap
+    assert ".local" not in ptx  # register tensors stay in registers (no local-memory arrays)
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_the_kernel_takes_only_what_its_features_use(compiled, name):
+    """A feature that is off reaches the kernel as None: no parameter, no code. PackGQA loads
+    and stores Q and O as (query heads x tokens) boxes of a K/V head, 4-D TMA (3-D where there
+    is one K/V head: its mode drops); other variants use 3-D TMA only."""
+    ptx = compiled[name].ptx_text
+    v = COMPILED[name]
+    assert sum(entry_params(ptx, "attn_fwd_kernel").values()) == 18 + v.has_sink + 2 * v.has_max_logits + 2 * v.has_softcap
+    assert ("cp.async.bulk.tensor.4d" in ptx) == (v.pack_gqa and v.num_heads_kv > 1)
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_partial_and_full_blocks_take_separate_paths(compiled, name):
+    """The line mask runs on partial blocks only: besides the first block (S alone) and the last
+    P V, the block step is compiled twice, with and without the mask, so the kernel issues
+    S = Q K^T (HEAD_DIM / 16 wgmma) and O += P V (TILE_N / 16) three times each."""
+    v = COMPILED[name]
+    assert compiled[name].ptx_text.count("wgmma.mma_async") == 3 * (v.head_dim // 16 + v.tile_n // 16)
 
 
 def test_exported_structs_match_what_the_runtime_packs(compiled):

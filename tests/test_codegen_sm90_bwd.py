@@ -8,6 +8,7 @@ import re
 import pytest
 
 from conftest import compile_variants
+from generated_source import assert_reads_top_to_bottom, entry_params, module_constants
 from maskc.artifact.variant import KernelVariant
 from maskc.codegen.render import render
 from maskc.errors import VariantError
@@ -74,12 +75,6 @@ def test_deterministic_is_a_backward_option():
         variant(direction="fwd", tile_m=128, deterministic=True)
 
 
-def test_semaphores_only_in_deterministic_kernels():
-    plain, ordered = render(variant()), render(variant(deterministic=True))
-    assert "load_acquire" not in plain and "signal_landed" not in plain
-    assert ordered.count("signal_landed(mSemaphore, pending)") == 2  # before each wait, at each item's end
-
-
 # ---- rendering ---------------------------------------------------------------------------------
 
 
@@ -90,9 +85,7 @@ def test_rendered_source_is_readable_python(name):
     names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert {"attn_bwd", "attn_bwd_kernel", "bwd_producer", "bwd_consumer", "bwd_block", "apply_line_mask"} <= names
     assert source == render(COMPILED[name])
-    assert COMPILED[name].key() in source
-    assert "\n\n\n\n" not in source and "{{" not in source and "{%" not in source
-    assert max(len(line) for line in source.splitlines()) <= 130
+    assert_reads_top_to_bottom(source, COMPILED[name].key())
 
 
 def test_entry_signature_is_the_backward_abi():
@@ -110,31 +103,26 @@ def test_entry_signature_is_the_backward_abi():
     assert params == expected
 
 
-def test_softcap_only_rendered_when_enabled():
-    off = render(variant())
-    on = render(variant(has_softcap=True))
-    assert "tanh" not in off and "dtanh" not in off
-    assert "dtanh" in on
-
-
-def test_mask_code_only_on_partial_blocks():
-    source = render(variant())
-    consumer = source[source.index("def bwd_consumer(") : source.index("def attn_bwd_kernel(")]
-    assert consumer.count("bwd_block(") == 2
-    assert "if partial != 0:" in consumer
-    block = source[source.index("def bwd_block(") : source.index("def bwd_consumer(")]
-    assert block.count("if const_expr(masked):") == 2
-    # The unmasked kernel: one block path and no line state (the runtime gives it no partial block).
-    unmasked = render(variant(unmasked=True))
-    consumer = unmasked[unmasked.index("def bwd_consumer(") : unmasked.index("def attn_bwd_kernel(")]
-    assert consumer.count("bwd_block(") == 1 and "partial != 0" not in consumer and "load_line_bounds" not in consumer
-    assert variant(unmasked=True).key() != variant().key()
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_module_constants_describe_the_variant(name):
+    """The variant's shape and options reach the kernel as module constants, which its
+    const_expr branches read."""
+    v = COMPILED[name]
+    c = module_constants(render(v))
+    features = {"HAS_SOFTCAP": v.has_softcap, "HAS_SINK": False, "HAS_MAX_LOGITS": False, "PACK_GQA": False,
+                "DETERMINISTIC": v.deterministic, "UNMASKED": v.unmasked}  # fmt: skip
+    assert {k: c[k] for k in features} == features
+    shape = {"HEAD_DIM": v.head_dim, "TILE_Q": v.tile_m, "TILE_K": v.tile_n, "TILE_N": v.tile_m, "NUM_STAGES": v.num_stages,
+             "NUM_MMA_WG": v.num_mma_warpgroups, "DQ_COLS": v.head_dim // v.num_mma_warpgroups,
+             "COLS_PER_THREAD": v.tile_m // 4, "MASK_SLOTS": 2 if v.head_dim == 64 else 0}  # fmt: skip
+    assert {k: c[k] for k in shape} == shape
 
 
 def test_unmasked_is_a_backward_option():
     fields = {f: getattr(variant(), f) for f in ("arch", "head_dim", "dtype", "num_heads_q", "num_heads_kv")}
     with pytest.raises(VariantError, match="unmasked is a backward option"):
         KernelVariant(**fields, direction="fwd", tile_m=128, tile_n=128, num_stages=2, unmasked=True)
+    assert variant(unmasked=True).key() != variant().key()
 
 
 # ---- compiling (CUTLASS DSL, no GPU) ------------------------------------------------------------
@@ -178,9 +166,13 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     assert "ld.global.v4" in ptx and "shfl.sync.bfly" in ptx
     assert ("tanh.approx" in ptx) == v.has_softcap
     assert ("ld.global.acquire.gpu" in ptx and "red.release.gpu.global.add" in ptx) == v.deterministic
-    # One block path without line masks, or a masked and a full one: each has head_dim / 16 wgmma
-    # for S^T and for dP^T, 4 for dV and for dK (64 queries), 8 for dQ (128 keys).
+    # The line mask runs on partial blocks only: one block path without line masks (unmasked),
+    # or a masked and a full one; each has head_dim / 16 wgmma for S^T and for dP^T, 4 for dV
+    # and for dK (64 queries), 8 for dQ (128 keys).
     assert ptx.count("wgmma.mma_async") == (1 if v.unmasked else 2) * (v.head_dim // 8 + 16)
+    # Softcap's scale pair is the only optional argument: off, it reaches the kernel as None.
+    assert sum(entry_params(ptx, "attn_bwd_kernel").values()) == 37 + 2 * v.has_softcap
+    assert ".local" not in ptx  # register tensors stay in registers (no local-memory arrays)
 
 
 def test_exported_structs_match_what_the_runtime_packs(compiled):
