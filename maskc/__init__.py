@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from maskc.artifact.source import set_kernel_source
 from maskc.errors import ArtifactError, MaskcError, MaskError, MaskParamError, MaskSemanticError, MaskSyntaxError
 from maskc.lazy import lazy_attributes
-from maskc.version import __version__
+from maskc.version import __version__ as __version__  # re-exported: maskc.__version__
 
 # The public names that need torch (or the grammar) are imported on first use, so `import
 # maskc` (and with it the `maskc` command's --help and --version) stays fast.
