@@ -136,6 +136,52 @@ class Mask:
         q, k, t = band_slices(cu[:-1], cu[1:], cu[:-1], cu[1:], left, right)
         return cls.from_arrays(q, k, t, int(cu[-1]), int(cu[-1]))
 
+    @classmethod
+    def from_document_ids(cls, document_ids: Any, *, causal: bool, window: tuple[int, int] | None = None) -> Mask:
+        """Packed documents given one id per token, as a data loader's document or sequence ids:
+        each run of one id is a document whose queries attend its own keys (see `_documents` for
+        `causal` and `window`). A document is one run: an id that comes back after another id is
+        an error, not a document in two pieces."""
+        ids = _token_row(document_ids, "document_ids")
+        starts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+        run_ids = ids[np.r_[0, starts]]
+        order = np.argsort(run_ids, kind="stable")
+        again = np.flatnonzero(run_ids[order][1:] == run_ids[order][:-1])
+        if again.size:
+            first, second = np.r_[0, starts][np.sort(order[again[0] : again[0] + 2])]
+            raise MaskError(
+                f"document_ids: document {run_ids[order][again[0]]} is split: it runs from token {first} and again from "
+                f"token {second}; a document must be one run of tokens"
+            )
+        return cls._documents(np.r_[0, starts, ids.size], causal, window)
+
+    @classmethod
+    def from_position_ids(cls, position_ids: Any, *, causal: bool, window: tuple[int, int] | None = None) -> Mask:
+        """Packed documents as Hugging Face marks them: positions restart at 0 where a document
+        begins (shape [S] or [1, S]); the first token begins one whatever its position. See
+        `_documents` for `causal` and `window`."""
+        positions = _token_row(position_ids, "position_ids")
+        if positions.min(initial=0) < 0:
+            raise MaskError(f"position_ids must be >= 0, got {int(positions.min())} at token {int(positions.argmin())}")
+        starts = np.flatnonzero(positions[1:] == 0) + 1
+        return cls._documents(np.r_[0, starts, positions.size], causal, window)
+
+    @classmethod
+    def _documents(cls, cu_seqlens: np.ndarray, causal: bool, window: tuple[int, int] | None) -> Mask:
+        """Documents at `cu_seqlens`, each attending its own keys: all of them, or with `causal`
+        those up to the query; with `window=(left, right)`, only the keys from `left` before to
+        `right` after the query (right is 0 when causal)."""
+        if not isinstance(causal, bool):
+            raise MaskError(f"causal must be True or False, got {causal!r}")
+        if window is None:
+            return cls.from_cu_seqlens(cu_seqlens, causal=causal)
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise MaskError(f"window must be a pair (left, right) of key counts, got {window!r}")
+        left, right = _seqlen(window[0], "window left"), _seqlen(window[1], "window right")
+        if causal and right:
+            raise MaskError(f"a causal mask sees no key after its query: window right must be 0, got {right}")
+        return cls.sliding_window(cu_seqlens, left, right)
+
     def with_global_tokens(self, count: int) -> Mask:
         """Add `count` global tokens at the start: every query sees them and they see every key."""
         count = _seqlen(count, "global token count")
@@ -322,6 +368,17 @@ class Mask:
             raise
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             raise MaskError(f"malformed mask JSON: {exc}") from None
+
+
+def _token_row(value: Any, what: str) -> np.ndarray:
+    """One value per token of one packed row: shape [S], or [1, S] as models pass it."""
+    arr = _int_array(value, what)
+    if arr.ndim == 2 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 1 or arr.size == 0:
+        raise MaskError(f"{what} must hold one value per token of one packed row, shape [S] or [1, S]; got shape {arr.shape}")
+    _seqlen(arr.size, f"the length of {what}")
+    return arr
 
 
 def _cu_seqlens(value: Any, what: str) -> np.ndarray:
