@@ -301,23 +301,26 @@ def describe(rows: Sequence[dict], run: str) -> str:
     return f"{first['device']}, {first['date']}, commit `{first['commit']}`"
 
 
+def plotted_runs(rows: Sequence[dict], plots: dict[str, str], plot: str, caption: str, kind: str, impls,
+                 tables: Callable[[list[dict]], list[str]]) -> list[str]:
+    """A section's figure (where `plot` was drawn) and one heading and its tables per current run of `kind`."""
+    out = []
+    if plot in plots:
+        out += [f"![{caption}](img/{plot})", "", f"The figure shows the run of {describe(rows, plots[plot])}.", ""]
+    for run in current_runs(rows, kind, impls):
+        mine = [row for row in rows if row["run"] == run]
+        out += [*run_heading(mine), *tables(mine), ""]
+    return out
+
+
 def render(rows: Sequence[dict]) -> str:
     """docs/performance.md for `rows` (read_results' order)."""
     plots = plot_runs(rows)
     out = [INTRO, ONE_GPU]
-    if KERNEL_PLOT in plots:
-        out += [f"![TFLOP/s per mask, forward and backward, at 16k and 64k tokens](img/{KERNEL_PLOT})", "",
-                f"The figure shows the run of {describe(rows, plots[KERNEL_PLOT])}.", ""]
-    for run in current_runs(rows, "kernel", KERNEL_IMPLS):
-        mine = [row for row in rows if row["run"] == run]
-        out += [*run_heading(mine), *kernel_tables(mine), ""]
+    out += plotted_runs(rows, plots, KERNEL_PLOT, "TFLOP/s per mask, forward and backward, at 16k and 64k tokens", "kernel",
+                        KERNEL_IMPLS, kernel_tables)  # fmt: skip
     out.append(SEVERAL_GPUS)
-    if DIST_PLOT in plots:
-        out += [f"![per-GPU TFLOP/s against the number of GPUs](img/{DIST_PLOT})", "",
-                f"The figure shows the run of {describe(rows, plots[DIST_PLOT])}.", ""]
-    for run in current_runs(rows, "dist", DIST_IMPLS):
-        mine = [row for row in rows if row["run"] == run]
-        out += [*run_heading(mine), *dist_tables(mine), ""]
+    out += plotted_runs(rows, plots, DIST_PLOT, "per-GPU TFLOP/s against the number of GPUs", "dist", DIST_IMPLS, dist_tables)
     lines = [[row["step"], number(row["ms"]), row["device"], row["date"], f"`{row['commit']}`", f"`bench/{row['bench']}.py`"]
              for row in latest(rows, "host").values()]
     out += [HOST, *markdown_table(["step", "ms", "device", "date", "commit", "benchmark"], lines, [1]), "", PLANS]
