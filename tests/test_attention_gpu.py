@@ -19,7 +19,7 @@ import torch
 import maskc
 from maskc.frontend import load
 from maskc.ir import AttnSlice, Mask
-from maskc.runtime import registry
+from maskc.runtime import plan, registry
 
 pytestmark = pytest.mark.gpu
 
@@ -338,9 +338,11 @@ def test_gradients_of_masks_without_partial_blocks(cu_seqlens: list[int]) -> Non
     _check_grads(mask, 8, 2, 128, "bf16", softcap=5.0, sink=True)
     _check_grads(mask, 8, 8, 64, "fp16", deterministic=True)
     unmasked = {entry for key, entry in registry.KERNELS.items() if key[registry.REQUEST_FIELDS.index("unmasked")]}
-    used = [registry.loaded(plan[1].launch[0]) for key, plan in mask.memo.items()
-            if isinstance(key, tuple) and key[0] == "plan" and plan[1].launch]  # fmt: skip
-    assert len(used) == 2 and all((entry in unmasked) == (cu_seqlens != [0, 600, 1000]) for entry in used)
+    capability, num_sms = plan.device_info(torch.device("cuda"))
+    targets = [plan.make_target(capability, num_sms, torch.bfloat16, 8, 2, 128, True, True, False, None, False),
+               plan.make_target(capability, num_sms, torch.float16, 8, 8, 64, False, False, False, None, True)]  # fmt: skip
+    used = [plan.backward_kernel(mask, target) for target in targets]
+    assert all((entry in unmasked) == (cu_seqlens != [0, 600, 1000]) for entry in used)
 
 
 @pytest.mark.parametrize("name,hq,hkv,d,dtype", [

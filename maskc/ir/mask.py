@@ -3,6 +3,10 @@
 Masks of long sequences hold thousands of slices and are rebuilt every training step, so a
 Mask keeps its slices as read-only numpy arrays and builds AttnSlice objects only when
 asked for them. It is immutable: every transformation returns a new Mask.
+
+Each Mask also holds itself as one tensor, `Mask.table`, which is what reaches the attention
+ops: under torch.compile a mask is then data (a graph input), not a constant the graph is
+specialised to, so a new mask every step compiles nothing.
 """
 
 from __future__ import annotations
@@ -73,6 +77,11 @@ class Mask:
         check_count(t.shape[0], MAX_ROWS, "slices of a mask")
         _validate(q, k, t, self._sq, self._sk)
         self._q, self._k, self._t = _frozen(q), _frozen(k), _frozen(t)
+        header = np.array([[self._sq, self._sk, 0, 0, 0]], np.int32)
+        self.table = torch.from_numpy(np.concatenate([header, np.c_[q, k, t].astype(np.int32)]))
+        """The mask as one int32 CPU tensor `[N + 1, 5]`: row 0 holds (seqlen_q, seqlen_k, 0, 0,
+        0), row i + 1 slice i as (q start, q end, k start, k end, type id) (`from_table`)."""
+        self.table._maskc_mask = self  # the ops find this Mask, and the plans in its memo, again
 
     # ---- construction -------------------------------------------------------------------
 
@@ -92,6 +101,21 @@ class Mask:
         return mask
 
     from_tensors = from_arrays
+
+    @classmethod
+    def from_table(cls, table: torch.Tensor) -> Mask:
+        """The Mask a `Mask.table` tensor holds (validated), on any device; the new Mask keeps
+        `table` itself as its table when it is an int32 CPU tensor."""
+        if not isinstance(table, torch.Tensor) or table.dtype != torch.int32 or table.ndim != 2 or table.shape[1:] != (5,) \
+                or table.shape[0] < 1:  # fmt: skip
+            what = f"{table.dtype} tensor of shape {tuple(table.shape)}" if isinstance(table, torch.Tensor) else type(table).__name__
+            raise MaskError(f"a mask table is an int32 tensor [N + 1, 5] (Mask.table), got a {what}")
+        rows = table.detach().cpu().numpy().astype(np.int64)
+        mask = cls.from_arrays(rows[1:, 0:2], rows[1:, 2:4], rows[1:, 4], int(rows[0, 0]), int(rows[0, 1]))
+        if table.device.type == "cpu":
+            mask.table = table
+            table._maskc_mask = mask
+        return mask
 
     @classmethod
     def from_magi(
