@@ -107,8 +107,9 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     # The preprocess kernel fills the statistics (head-major, padded to whole q blocks).
     delta = torch.empty(hq, padded, dtype=torch.float32, device=q.device)
+    # Autograd hands over broadcast gradients (that of lse.sum() has stride 0): the kernels read dense rows.
     tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout.contiguous(), "lse": lse,
-               "dlse": dlse if dlse is not None else lse[:0], "lse_log2": torch.empty_like(delta).view(-1),
+               "dlse": dlse.contiguous() if dlse is not None else lse[:0], "lse_log2": torch.empty_like(delta).view(-1),
                "delta": delta.view(-1), "dq_accum": dq_rows, "dk": dk, "dv": dv}  # fmt: skip
     if entry.deterministic:  # one counter per (head, q block, consumer warpgroup)
         semaphores = hq * padded // entry.tile_m * (entry.tile_n // WARPGROUP_ROWS)

@@ -314,6 +314,23 @@ def test_gradients_without_lse_gradient(d: int, dtype: str, portable: bool | Non
         _check_grads(MASKS[name](), 8, 8, d, dtype, lse_grad=False, portable=portable)
 
 
+@KERNELS
+def test_gradients_through_a_broadcast_lse_gradient(portable: bool | None) -> None:
+    """`lse.sum()` in the loss hands the backward a broadcast dlse (stride 0): the kernels must
+    get it as dense rows."""
+    mask = MASKS["varlen_causal"]()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(mask.seqlen_q, 8, 128), (mask.seqlen_k, 2, 128), (mask.seqlen_k, 2, 128)]
+    leaves = [torch.randn(s, device="cuda", generator=g).to(torch.bfloat16).requires_grad_() for s in shapes]
+    exact = [x.detach().double().requires_grad_() for x in leaves]
+    for fn, xs, kwargs in ((maskc.attention, leaves, {"portable": portable}), (maskc.reference_attention, exact, {})):
+        out, meta = fn(*xs, mask, **kwargs)
+        (out.double().square().sum() + meta.lse.sum()).backward()
+    for ours, theirs in zip(leaves, exact):
+        rel = torch.linalg.vector_norm(ours.grad.double() - theirs.grad) / torch.linalg.vector_norm(theirs.grad)
+        assert rel < 2e-2, f"relative gradient error {float(rel):.2e}"
+
+
 @pytest.mark.parametrize("name,hq,hkv,d,dtype,extras", [
     ("full", 8, 2, 128, "bf16", True), ("causal", 64, 8, 128, "bf16", False), ("varlen_causal", 8, 1, 64, "fp16", False),
     ("rows_without_keys", 8, 2, 128, "bf16", False),

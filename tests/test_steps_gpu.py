@@ -37,7 +37,8 @@ def _inputs(shape_q: tuple[int, ...], shape_k: tuple[int, ...], seed: int) -> li
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(a.float() - b.float()) / torch.linalg.vector_norm(b.float()).clamp_min(1e-30))
+    a, b = a.detach().float(), b.detach().float()
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
 
 
 def _step(q, k, v, mask):
