@@ -314,10 +314,11 @@ def check_attention_tensors(
             raise ValueError(f"sink must have shape [num_sinks, {hq}], got {tuple(sink.shape)}")
         if sink.device != q.device:
             raise ValueError(f"sink is on {sink.device} but q is on {q.device}")
-    if not math.isfinite(softcap) or softcap < 0:
+    # Comparisons rather than math.isfinite, which torch.compile cannot trace (NaN fails both).
+    if not 0 <= softcap < math.inf:
         raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    if not math.isfinite(scale):
+    if not -math.inf < scale < math.inf:
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     return scale
 

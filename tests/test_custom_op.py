@@ -185,7 +185,8 @@ def _packed_documents(rng: np.random.Generator) -> Mask:
     return Mask.from_cu_seqlens(np.r_[0, cuts, total], causal=True)
 
 
-def test_a_new_mask_every_step_compiles_nothing_after_the_second_step() -> None:
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+def test_a_new_mask_every_step_compiles_nothing_after_the_second_step(dynamic: bool | None) -> None:
     """20 compiled training steps (forward and backward), each with another packed-document mask
     (other document counts and lengths, so other sequence lengths and slice counts): one
     compilation, a second when the lengths first turn dynamic, then none; gradients equal the
@@ -198,7 +199,7 @@ def test_a_new_mask_every_step_compiles_nothing_after_the_second_step() -> None:
         out, meta = maskc.attention(q, k, v, mask)
         return _loss(out, meta.lse)
 
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=dynamic)
     graphs = []
     for i in range(20):
         mask = _packed_documents(rng)
