@@ -17,7 +17,7 @@ import torch
 from maskc.errors import MaskError
 from maskc.limits import MAX_ROWS, MAX_TOKENS, check_count
 from maskc.ir.normalize import normalize_arrays
-from maskc.ir.slices import FULL, TYPE_NAMES, AttnSlice, RowLines, band_slices, slice_areas, type_id
+from maskc.ir.slices import FULL, TYPE_NAMES, AttnSlice, RowLines, _range_pair, band_slices, slice_areas, type_id
 
 JSON_FORMAT = "maskc.mask/1"
 
@@ -190,6 +190,21 @@ class Mask:
         extra = [AttnSlice(q=(0, count), k=(0, self._sk)), AttnSlice(q=(0, self._sq), k=(0, count))]
         return self | Mask(extra, self._sq, self._sk)
 
+    def crop(self, q_range: tuple[int, int], k_range: tuple[int, int]) -> Mask:
+        """Only the pairs whose query is in `q_range` and key in `k_range`, over the same shape:
+        what drops a batch row's padding (its queries see nothing, its keys are seen by nothing).
+        Built from the normalised slices, each cut into at most three that stay disjoint, so the
+        result is normalised too (free for a document mask, whose slices are already)."""
+        q0, q1 = _range_pair(q_range, "crop q")
+        k0, k1 = _range_pair(k_range, "crop k")
+        for side, end, seqlen in (("q", q1, self._sq), ("k", k1, self._sk)):
+            if end > seqlen:
+                raise MaskError(f"crop {side} range ends at {end}, past seqlen_{side}={seqlen}")
+        norm = self._normalized
+        lines, _ = RowLines.of(norm._q, norm._k, norm._t).cropped(q0, q1, k0, k1)
+        q, k, t = lines.to_slices()
+        return Mask.from_arrays(q, k, t, self._sq, self._sk)._as_normal()
+
     def __or__(self, other: Mask) -> Mask:
         """Union of two masks over the same sequence lengths."""
         if not isinstance(other, Mask):
@@ -284,6 +299,12 @@ class Mask:
         """Equivalent mask with no empty slice and no two slices sharing a (query, key) pair."""
         return self._normalized
 
+    def _as_normal(self) -> Mask:
+        """This mask, recorded as its own normal form: for masks built disjoint and without empty
+        slices, which every schedule would otherwise normalise again."""
+        self.__dict__["_normalized"] = self
+        return self
+
     def transpose(self) -> Mask:
         """The mask of keys attending queries (seqlen_k x seqlen_q): the backward's k-tile view.
 
@@ -293,9 +314,7 @@ class Mask:
         norm = self._normalized
         lines = RowLines.of(norm._q, norm._k, norm._t).transposed()
         q, k, t = lines.to_slices()
-        transposed = Mask.from_arrays(q, k, t, self._sk, self._sq)
-        transposed.__dict__["_normalized"] = transposed
-        return transposed
+        return Mask.from_arrays(q, k, t, self._sk, self._sq)._as_normal()
 
     def area(self) -> int:
         """Exact number of allowed (query, key) pairs; overlapping slices count once."""

@@ -8,7 +8,8 @@ here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import numpy as np
@@ -126,6 +127,11 @@ class RowLines:
     def nonempty(self) -> np.ndarray:
         return self.r1 > self.r0
 
+    @staticmethod
+    def join(parts: Sequence[RowLines]) -> RowLines:
+        """The lines of every part, in order."""
+        return RowLines(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(RowLines)))
+
     def take(self, index: np.ndarray) -> RowLines:
         return RowLines(*(x[index] for x in (self.r0, self.r1, self.lo_a, self.lo_s, self.hi_a, self.hi_s)))
 
@@ -157,6 +163,38 @@ class RowLines:
             hi_moves.astype(np.int64),
         )
         return lines.take(np.flatnonzero(lines.nonempty()))
+
+    def cropped(self, q0, q1, k0, k1) -> tuple[RowLines, np.ndarray]:
+        """The same pairs restricted to rows [q0, q1) and keys [k0, k1) (ints, or one bound per
+        line), at most 3 pieces per line, with the index of the line each piece comes from.
+
+        A moving lo end is held at k0 on the rows before k0 - lo_a, a moving hi end at k1 - 1
+        from row k1 - hi_a on; cut there, both ends are again lines in each piece, and the rows
+        where lo > hi (a prefix or a suffix of the piece) are trimmed away.
+        """
+        k0, k1 = np.broadcast_to(k0, self.r0.shape), np.broadcast_to(k1, self.r0.shape)
+        r0 = np.maximum(self.r0, q0)
+        r1 = np.maximum(np.minimum(self.r1, q1), r0)
+        s1 = np.where(self.lo_s == 1, k0 - self.lo_a, r0)
+        s2 = np.where(self.hi_s == 1, k1 - self.hi_a, r1)
+        cuts = np.sort(np.stack([np.clip(s1, r0, r1), np.clip(s2, r0, r1)]), axis=0)
+        # Piece p of line i at 3 * i + p, so each line's pieces stay together, in line order.
+        starts = np.stack([r0, cuts[0], cuts[1]], 1).ravel()
+        ends = np.stack([cuts[0], cuts[1], r1], 1).ravel()
+        lo_a, lo_s, hi_a, hi_s, k0, k1, s1, s2 = (
+            np.repeat(x, 3) for x in (self.lo_a, self.lo_s, self.hi_a, self.hi_s, k0, k1, s1, s2)
+        )
+        lo_moves = (lo_s == 1) & (starts >= s1)
+        hi_moves = (hi_s == 1) & (starts < s2)
+        lo_a = np.where(lo_moves, lo_a, np.maximum(lo_a + lo_s * starts, k0))
+        hi_a = np.where(hi_moves, hi_a, np.minimum(hi_a + hi_s * starts, k1 - 1))
+        # hi - lo on row r is width + slope * r.
+        width, slope = hi_a - lo_a, hi_moves.astype(np.int64) - lo_moves
+        starts = np.where(slope == 1, np.maximum(starts, -width), starts)
+        ends = np.where(slope == -1, np.minimum(ends, width + 1), np.where((slope == 0) & (width < 0), starts, ends))
+        lines = RowLines(starts, ends, lo_a, lo_moves.astype(np.int64), hi_a, hi_moves.astype(np.int64))
+        kept = np.flatnonzero(lines.nonempty())
+        return lines.take(kept), kept // 3
 
     def to_slices(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Slices (q_ranges, k_ranges, types) exactly covering these (non-empty) row lines.
