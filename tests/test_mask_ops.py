@@ -1,4 +1,4 @@
-"""Mask.crop against dense masks built slice by slice from DESIGN.md's rules."""
+"""Mask.crop and Mask.stack against dense masks built slice by slice from DESIGN.md's rules."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from test_ir import dense_of, masks
 
 from maskc.errors import MaskError
-from maskc.ir import Mask, slice_areas
+from maskc.ir import AttnSlice, Mask, slice_areas
 
 
 def is_normal(mask: Mask) -> bool:
@@ -71,3 +71,43 @@ def test_cropping_a_padded_row_is_the_row_without_its_padding() -> None:
 def test_crop_refuses_ranges_outside_the_mask(q_range, k_range, message: str) -> None:
     with pytest.raises(MaskError, match=message):
         Mask.from_cu_seqlens([0, 8], causal=True).crop(q_range, k_range)
+
+
+@given(st.lists(masks(max_len=12, max_slices=4), min_size=1, max_size=4))
+@settings(max_examples=200, deadline=None)
+def test_stack_puts_masks_on_the_diagonal(parts: list[Mask]) -> None:
+    stacked = Mask.stack(parts)
+    expected = torch.zeros(sum(m.seqlen_q for m in parts), sum(m.seqlen_k for m in parts), dtype=torch.bool)
+    q0 = k0 = 0
+    for m in parts:
+        expected[q0 : q0 + m.seqlen_q, k0 : k0 + m.seqlen_k] = dense_of(list(m.slices), *m.shape)
+        q0, k0 = q0 + m.seqlen_q, k0 + m.seqlen_k
+    assert stacked.shape == tuple(expected.shape)
+    assert torch.equal(stacked.to_dense(), expected)
+    assert len(stacked) == sum(len(m) for m in parts)
+
+
+def test_stack_of_one_mask_is_that_mask() -> None:
+    mask = Mask([AttnSlice(q=(1, 4), k=(0, 6), type="bi_causal")], 5, 7)
+    assert Mask.stack([mask]) == mask
+    assert Mask.stack((mask, mask)).slices[1] == AttnSlice(q=(6, 9), k=(7, 13), type="bi_causal")
+
+
+@pytest.mark.parametrize(
+    "masks_,message",
+    [
+        ([], "needs at least one mask, got none"),
+        ([Mask.from_cu_seqlens([0, 4]), "mask"], "item 1 is a str, not a Mask"),
+        (Mask.from_cu_seqlens([0, 4]), "takes a sequence of masks, got Mask"),
+        (3, "takes a sequence of masks, got int"),
+    ],
+)
+def test_stack_refuses_what_is_not_a_list_of_masks(masks_, message: str) -> None:
+    with pytest.raises(MaskError, match=message):
+        Mask.stack(masks_)
+
+
+def test_stack_refuses_a_batch_longer_than_the_kernels_index() -> None:
+    huge = Mask.from_cu_seqlens([0, 2**30])
+    with pytest.raises(MaskError, match="seqlen_q = 3,221,225,472 is more than maskc supports"):
+        Mask.stack([huge] * 3)

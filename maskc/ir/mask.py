@@ -182,6 +182,29 @@ class Mask:
             raise MaskError(f"a causal mask sees no key after its query: window right must be 0, got {right}")
         return cls.sliding_window(cu_seqlens, left, right)
 
+    @classmethod
+    def stack(cls, masks: Sequence[Mask]) -> Mask:
+        """Block-diagonal union: mask i over the queries and keys that follow those of masks
+        0..i-1, so that one kernel launch runs a packed batch of masks of any shapes."""
+        if isinstance(masks, Mask) or not isinstance(masks, Iterable):
+            raise MaskError(f"Mask.stack takes a sequence of masks, got {type(masks).__name__}")
+        masks = list(masks)
+        if not masks:
+            raise MaskError("Mask.stack needs at least one mask, got none")
+        for i, m in enumerate(masks):
+            if not isinstance(m, Mask):
+                raise MaskError(f"Mask.stack: item {i} is a {type(m).__name__}, not a Mask")
+        counts = [len(m) for m in masks]
+        shift_q = np.repeat(np.cumsum([0] + [m.seqlen_q for m in masks[:-1]]), counts)[:, None]
+        shift_k = np.repeat(np.cumsum([0] + [m.seqlen_k for m in masks[:-1]]), counts)[:, None]
+        return cls.from_arrays(
+            np.concatenate([m._q for m in masks]) + shift_q,
+            np.concatenate([m._k for m in masks]) + shift_k,
+            np.concatenate([m._t for m in masks]),
+            sum(m.seqlen_q for m in masks),
+            sum(m.seqlen_k for m in masks),
+        )
+
     def with_global_tokens(self, count: int) -> Mask:
         """Add `count` global tokens at the start: every query sees them and they see every key."""
         count = _seqlen(count, "global token count")
