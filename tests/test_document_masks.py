@@ -1,25 +1,47 @@
 """Masks from what a data loader already has: one document id per token, or Hugging Face's
-position ids that restart at 0 per document; checked against a dense reference."""
+position ids that restart at 0 per document, with prefix keys; checked against a dense reference."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from test_mask_ops import is_normal
 
 from maskc.errors import MaskError
 from maskc.ir import Mask
 
 
-def _reference(ids: np.ndarray, causal: bool, window: tuple[int, int] | None) -> torch.Tensor:
-    """Query i sees key j of its own document, j <= i when causal, i - left <= j <= i + right."""
-    i, j = np.arange(ids.size)[:, None], np.arange(ids.size)[None, :]
-    allowed = ids[:, None] == ids[None, :]
+def _places(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's index in its document and its document's length (tokens of one id, padding too)."""
+    place, length = np.zeros(ids.size, np.int64), np.zeros(ids.size, np.int64)
+    for d in set(ids.tolist()):
+        tokens = np.flatnonzero(ids == d)
+        place[tokens], length[tokens] = np.arange(tokens.size), tokens.size
+    return place, length
+
+
+def _reference(
+    ids: np.ndarray,
+    causal: bool,
+    window: tuple[int, int] | None,
+    prefix: int = 0,
+    key_ids: np.ndarray | None = None,
+) -> torch.Tensor:
+    """Query i sees key j of its own document (same id >= 0) where, with i' and j' their places
+    in it and diagonal d = i' + Lk - Lq: j' <= d when causal, d - left <= j' <= d + right in a
+    window; or else j' < prefix."""
+    key_ids = ids if key_ids is None else key_ids
+    (i, lq), (j, lk) = _places(ids), _places(key_ids)
+    i, lq, j, lk = i[:, None], lq[:, None], j[None, :], lk[None, :]
+    diag = i + lk - lq
+    allowed = np.ones((ids.size, key_ids.size), bool)
     if causal:
-        allowed &= j <= i
+        allowed &= j <= diag
     if window is not None:
-        allowed &= (j >= i - window[0]) & (j <= i + window[1])
-    return torch.from_numpy(allowed)
+        allowed &= (j >= diag - window[0]) & (j <= diag + window[1])
+    same = (ids[:, None] == key_ids[None, :]) & (ids[:, None] >= 0)
+    return torch.from_numpy(same & (allowed | (j < prefix)))
 
 
 def _documents(seed: int) -> np.ndarray:
@@ -62,6 +84,48 @@ def test_they_agree_with_cu_seqlens() -> None:
     assert Mask.from_document_ids(ids, causal=True, window=(64, 0)).equivalent(Mask.sliding_window(cu, 64))
 
 
+PREFIX_CASES = [(c, w, p) for c, w in CASES for p in (1, 4, 100)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("causal,window,prefix", PREFIX_CASES)
+def test_prefix_keys_give_the_dense_mask(seed: int, causal: bool, window, prefix: int) -> None:
+    lengths = _documents(seed)
+    ids = np.repeat(np.random.default_rng(seed).permutation(lengths.size) * 3, lengths)
+    expected = _reference(ids, causal, window, prefix)
+    mask = Mask.from_document_ids(ids, causal=causal, window=window, prefix=prefix)
+    assert torch.equal(mask.to_dense(), expected)
+    assert mask.normalize() is mask and is_normal(mask)  # built normalised: schedules do not redo it
+    positions = _places(ids)[0]
+    assert torch.equal(Mask.from_position_ids(positions, causal=causal, window=window, prefix=prefix).to_dense(), expected)
+    cu = np.r_[0, np.cumsum(lengths)]
+    assert torch.equal(Mask.from_cu_seqlens(cu, causal=causal, prefix=prefix).to_dense(), _reference(ids, causal, None, prefix))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("prefix", (0, 2))
+def test_cu_seqlens_k_gives_cross_attention_in_windows_too(seed: int, prefix: int) -> None:
+    rng = np.random.default_rng(seed)
+    lq, lk = rng.integers(0, 30, 8), rng.integers(0, 30, 8)
+    cu_q, cu_k = np.r_[0, np.cumsum(lq)], np.r_[0, np.cumsum(lk)]
+    q_ids, k_ids = np.repeat(np.arange(8), lq), np.repeat(np.arange(8), lk)
+    for causal in (False, True):
+        mask = Mask.from_cu_seqlens(cu_q, cu_k, causal=causal, prefix=prefix)
+        assert torch.equal(mask.to_dense(), _reference(q_ids, causal, None, prefix, k_ids))
+    for left, right in ((0, 0), (5, 0), (3, 9)):
+        mask = Mask.sliding_window(cu_q, left, right, cu_seqlens_k=cu_k, prefix=prefix)
+        assert torch.equal(mask.to_dense(), _reference(q_ids, False, (left, right), prefix, k_ids))
+        assert mask.normalize() is mask and is_normal(mask)
+
+
+def test_a_causal_prefix_is_a_prefix_lm_and_a_full_one_changes_nothing() -> None:
+    """The first 3 tokens see each other, the rest are causal: two disjoint slices."""
+    lm = Mask.from_cu_seqlens([0, 8], causal=True, prefix=3)
+    assert [(s.q, s.k, s.type) for s in lm.slices] == [((0, 8), (0, 3), "full"), ((3, 8), (3, 8), "causal")]
+    assert Mask.from_cu_seqlens([0, 5, 9], prefix=2) == Mask.from_cu_seqlens([0, 5, 9])
+    assert Mask.from_cu_seqlens([0, 5, 9], causal=True, prefix=0) == Mask.from_cu_seqlens([0, 5, 9], causal=True)
+
+
 @pytest.mark.parametrize(
     "build,message",
     [
@@ -74,6 +138,10 @@ def test_they_agree_with_cu_seqlens() -> None:
         (lambda: Mask.from_position_ids([0, 1, 2], causal=False, window=(4,)), r"window must be a pair \(left, right\)"),
         (lambda: Mask.from_position_ids([0, 1, 2], causal=False, window=(-1, 2)), "window left must be >= 0"),
         (lambda: Mask.from_position_ids([0, 1, 2], causal="yes"), "causal must be True or False"),
+        (lambda: Mask.from_document_ids([0, 1], causal=True, prefix=-1), "prefix must be >= 0, got -1"),
+        (lambda: Mask.from_cu_seqlens([0, 4], prefix=True), "prefix must be an int, got True"),
+        (lambda: Mask.sliding_window([0, 4, 8], 2, cu_seqlens_k=[0, 8]), "cu_seqlens and cu_seqlens_k hold 3 and 2 boundaries"),
+        (lambda: Mask.sliding_window([0, 4], 2, cu_seqlens_k=[0, 5, 3]), "cu_seqlens_k must be non-decreasing"),
     ],
 )
 def test_bad_input_is_a_mask_error_naming_the_problem(build, message: str) -> None:

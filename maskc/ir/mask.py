@@ -17,7 +17,7 @@ import torch
 from maskc.errors import MaskError
 from maskc.limits import MAX_ROWS, MAX_TOKENS, check_count
 from maskc.ir.normalize import normalize_arrays
-from maskc.ir.slices import FULL, TYPE_NAMES, AttnSlice, RowLines, _range_pair, band_slices, slice_areas, type_id
+from maskc.ir.slices import TYPE_NAMES, AttnSlice, RowLines, _range_pair, band_lines, slice_areas, type_id
 
 JSON_FORMAT = "maskc.mask/1"
 
@@ -116,32 +116,27 @@ class Mask:
         return cls.from_arrays(q, k, types, sq, sk)
 
     @classmethod
-    def from_cu_seqlens(cls, cu_seqlens_q: Any, cu_seqlens_k: Any = None, *, causal: bool = False) -> Mask:
-        """Packed documents: document i's queries attend its own keys (fully, or causally)."""
-        cq = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q")
-        ck = cq if cu_seqlens_k is None else _cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
-        if ck.shape != cq.shape:
-            raise MaskError(f"cu_seqlens_q and cu_seqlens_k hold {cq.size} and {ck.size} boundaries")
-        q = np.stack([cq[:-1], cq[1:]], 1)
-        k = np.stack([ck[:-1], ck[1:]], 1)
-        t = np.full(q.shape[0], 1 if causal else FULL, np.int64)
-        keep = (q[:, 1] > q[:, 0]) & (k[:, 1] > k[:, 0])
-        return cls.from_arrays(q[keep], k[keep], t[keep], int(cq[-1]), int(ck[-1]))
+    def from_cu_seqlens(cls, cu_seqlens_q: Any, cu_seqlens_k: Any = None, *, causal: bool = False, prefix: int = 0) -> Mask:
+        """Packed documents: document i's queries attend its own keys (fully, or causally), and
+        its first `prefix` keys in any case (see `_documents`)."""
+        return cls._documents(*_cu_documents(cu_seqlens_q, cu_seqlens_k, "cu_seqlens_q"), _band(causal, None), prefix)
 
     @classmethod
-    def sliding_window(cls, cu_seqlens: Any, left: int, right: int = 0) -> Mask:
-        """Per-document band: each query sees `left` keys before and `right` after itself, in its document."""
-        cu = _cu_seqlens(cu_seqlens, "cu_seqlens")
-        left, right = _seqlen(left, "left"), _seqlen(right, "right")
-        q, k, t = band_slices(cu[:-1], cu[1:], cu[:-1], cu[1:], left, right)
-        return cls.from_arrays(q, k, t, int(cu[-1]), int(cu[-1]))
+    def sliding_window(cls, cu_seqlens: Any, left: int, right: int = 0, *, cu_seqlens_k: Any = None, prefix: int = 0) -> Mask:
+        """Per-document band: each query sees `left` keys before and `right` after itself (its diagonal,
+        bottom-right aligned, where `cu_seqlens_k` gives key documents of other lengths), in its document."""
+        band = _seqlen(left, "left"), _seqlen(right, "right")
+        return cls._documents(*_cu_documents(cu_seqlens, cu_seqlens_k, "cu_seqlens"), band, prefix)
 
     @classmethod
-    def from_document_ids(cls, document_ids: Any, *, causal: bool, window: tuple[int, int] | None = None) -> Mask:
+    def from_document_ids(
+        cls, document_ids: Any, *, causal: bool, window: tuple[int, int] | None = None, prefix: int = 0
+    ) -> Mask:
         """Packed documents given one id per token, as a data loader's document or sequence ids:
         each run of one id is a document whose queries attend its own keys (see `_documents` for
-        `causal` and `window`). A document is one run: an id that comes back after another id is
-        an error, not a document in two pieces."""
+        `causal`, `window` and `prefix`). A document is one run: an id that comes back after
+        another id is an error, not a document in two pieces."""
+        band = _band(causal, window)
         ids = _token_row(document_ids, "document_ids")
         starts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
         run_ids = ids[np.r_[0, starts]]
@@ -153,34 +148,46 @@ class Mask:
                 f"document_ids: document {run_ids[order][again[0]]} is split: it runs from token {first} and again from "
                 f"token {second}; a document must be one run of tokens"
             )
-        return cls._documents(np.r_[0, starts, ids.size], causal, window)
+        docs = np.stack([np.r_[0, starts], np.r_[starts, ids.size]])
+        return cls._documents(docs, docs, ids.size, ids.size, band, prefix)
 
     @classmethod
-    def from_position_ids(cls, position_ids: Any, *, causal: bool, window: tuple[int, int] | None = None) -> Mask:
+    def from_position_ids(
+        cls, position_ids: Any, *, causal: bool, window: tuple[int, int] | None = None, prefix: int = 0
+    ) -> Mask:
         """Packed documents as Hugging Face marks them: positions restart at 0 where a document
         begins (shape [S] or [1, S]); the first token begins one whatever its position. See
-        `_documents` for `causal` and `window`."""
+        `_documents` for `causal`, `window` and `prefix`."""
+        band = _band(causal, window)
         positions = _token_row(position_ids, "position_ids")
         if positions.min(initial=0) < 0:
             raise MaskError(f"position_ids must be >= 0, got {int(positions.min())} at token {int(positions.argmin())}")
         starts = np.flatnonzero(positions[1:] == 0) + 1
-        return cls._documents(np.r_[0, starts, positions.size], causal, window)
+        docs = np.stack([np.r_[0, starts], np.r_[starts, positions.size]])
+        return cls._documents(docs, docs, positions.size, positions.size, band, prefix)
 
     @classmethod
-    def _documents(cls, cu_seqlens: np.ndarray, causal: bool, window: tuple[int, int] | None) -> Mask:
-        """Documents at `cu_seqlens`, each attending its own keys: all of them, or with `causal`
-        those up to the query; with `window=(left, right)`, only the keys from `left` before to
-        `right` after the query (right is 0 when causal)."""
-        if not isinstance(causal, bool):
-            raise MaskError(f"causal must be True or False, got {causal!r}")
-        if window is None:
-            return cls.from_cu_seqlens(cu_seqlens, causal=causal)
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise MaskError(f"window must be a pair (left, right) of key counts, got {window!r}")
-        left, right = _seqlen(window[0], "window left"), _seqlen(window[1], "window right")
-        if causal and right:
-            raise MaskError(f"a causal mask sees no key after its query: window right must be 0, got {right}")
-        return cls.sliding_window(cu_seqlens, left, right)
+    def _documents(
+        cls, q_docs: np.ndarray, k_docs: np.ndarray, seqlen_q: int, seqlen_k: int, band: tuple[int, int], prefix: int
+    ) -> Mask:
+        """Query document i (tokens q_docs[0, i] to q_docs[1, i]) attends key document i: the keys
+        within `band` = (left, right) keys of the query's diagonal (bottom-right aligned; MAX_TOKENS
+        for no bound), and the first `prefix` keys of the document (with a causal band a prefix-LM,
+        with a window attention sinks). The prefix keys are cut out of the band's slices: every
+        slice is non-empty and disjoint from the others, so the mask is its own normal form."""
+        prefix = _seqlen(prefix, "prefix")
+        left, right = band
+        lines, doc = band_lines(q_docs[0], q_docs[1], k_docs[0], k_docs[1], left, right)
+        if prefix and min(left, right) < MAX_TOKENS:
+            ends = np.minimum(k_docs[0] + prefix, k_docs[1])
+            lines, piece = lines.cropped(0, seqlen_q, ends[doc], seqlen_k)
+            heads = np.flatnonzero((q_docs[1] > q_docs[0]) & (ends > k_docs[0]))
+            flat = np.zeros_like(heads)
+            prefixes = RowLines(q_docs[0, heads], q_docs[1, heads], k_docs[0, heads], flat, ends[heads] - 1, flat)
+            order = np.argsort(np.concatenate([heads, doc[piece]]), kind="stable")
+            lines = RowLines.join([prefixes, lines]).take(order)
+        q, k, t = lines.to_slices()
+        return cls.from_arrays(q, k, t, seqlen_q, seqlen_k)._as_normal()
 
     @classmethod
     def stack(cls, masks: Sequence[Mask]) -> Mask:
@@ -421,6 +428,31 @@ def _token_row(value: Any, what: str) -> np.ndarray:
         raise MaskError(f"{what} must hold one value per token of one packed row, shape [S] or [1, S]; got shape {arr.shape}")
     _seqlen(arr.size, f"the length of {what}")
     return arr
+
+
+def _cu_documents(cu_q: Any, cu_k: Any, name: str) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Query and key documents [2, D] from boundaries (the keys' default to the queries'), and the seqlens."""
+    cq = _cu_seqlens(cu_q, name)
+    ck = cq if cu_k is None else _cu_seqlens(cu_k, "cu_seqlens_k")
+    if ck.shape != cq.shape:
+        raise MaskError(f"{name} and cu_seqlens_k hold {cq.size} and {ck.size} boundaries")
+    return np.stack([cq[:-1], cq[1:]]), np.stack([ck[:-1], ck[1:]]), int(cq[-1]), int(ck[-1])
+
+
+def _band(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
+    """The keys a query sees as (left, right) keys around its diagonal, MAX_TOKENS for no bound:
+    all of them, or with `causal` those up to the diagonal; with `window=(left, right)`, only
+    those from `left` before to `right` after it (right is 0 when causal)."""
+    if not isinstance(causal, bool):
+        raise MaskError(f"causal must be True or False, got {causal!r}")
+    if window is None:
+        return MAX_TOKENS, 0 if causal else MAX_TOKENS
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise MaskError(f"window must be a pair (left, right) of key counts, got {window!r}")
+    left, right = _seqlen(window[0], "window left"), _seqlen(window[1], "window right")
+    if causal and right:
+        raise MaskError(f"a causal mask sees no key after its query: window right must be 0, got {right}")
+    return left, right
 
 
 def _cu_seqlens(value: Any, what: str) -> np.ndarray:

@@ -231,15 +231,16 @@ def expand_spans(first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.nd
     return owner, first[owner] + local
 
 
-def band_slices(qs, qe, ks, ke, left, right) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Decompose bands into at most three slices each (causal, bi_causal/full, inv_causal).
+def band_lines(qs, qe, ks, ke, left, right) -> tuple[RowLines, np.ndarray]:
+    """Bands as at most three row lines each, with the index of each line's band.
 
     Row i of a band over q=[qs, qe), k=[ks, ke) has its diagonal at local key
     i + (Lk - Lq) (bottom-right aligned, like causal) and allows keys from `left` before to
     `right` after the diagonal, clipped to the key range. Rows clipped only on the left form
     a causal slice, rows clipped only on the right an inv_causal one, rows clipped on both a
     full one and unclipped rows a bi_causal one; since both window ends move one key per row,
-    at most three of these four groups are non-empty.
+    at most three of these four groups are non-empty. Each band's lines stay together, in
+    band order.
     """
     qs, qe, ks, ke, left, right = (np.asarray(x, dtype=np.int64) for x in (qs, qe, ks, ke, left, right))
     qs, qe, ks, ke, left, right = np.broadcast_arrays(qs, qe, ks, ke, left, right)
@@ -255,14 +256,25 @@ def band_slices(qs, qe, ks, ke, left, right) -> tuple[np.ndarray, np.ndarray, np
     right_clip = np.clip(ke - off - right, row_lo, row_hi)
     a, b = np.minimum(left_free, right_clip), np.maximum(left_free, right_clip)
     middle_is_full = right_clip < left_free
-    n = qs.shape[0]
-    rows = np.concatenate([np.stack([row_lo, a], 1), np.stack([a, b], 1), np.stack([b, row_hi], 1)])
-    lo_a = np.concatenate([ks, np.where(middle_is_full, ks, off - left), off - left])
-    lo_s = np.concatenate([np.zeros(n, np.int64), np.where(middle_is_full, 0, 1), np.ones(n, np.int64)])
-    hi_a = np.concatenate([off + right, np.where(middle_is_full, ke - 1, off + right), ke - 1])
-    hi_s = np.concatenate([np.ones(n, np.int64), np.where(middle_is_full, 0, 1), np.zeros(n, np.int64)])
-    lines = RowLines(rows[:, 0], rows[:, 1], lo_a, lo_s, hi_a, hi_s)
-    kept = np.flatnonzero(lines.nonempty() & np.tile(ks < ke, 3))
-    # Keep each band's pieces together, in band order.
-    kept = kept[np.argsort(kept % max(n, 1), kind="stable")]
-    return lines.take(kept).to_slices()
+    zeros, ones = np.zeros_like(qs), np.ones_like(qs)
+
+    def pieces(*columns: np.ndarray) -> np.ndarray:
+        """Piece p of band i at 3 * i + p."""
+        return np.stack(columns, 1).ravel()
+
+    lines = RowLines(
+        pieces(row_lo, a, b),
+        pieces(a, b, row_hi),
+        pieces(ks, np.where(middle_is_full, ks, off - left), off - left),
+        pieces(zeros, np.where(middle_is_full, 0, 1), ones),
+        pieces(off + right, np.where(middle_is_full, ke - 1, off + right), ke - 1),
+        pieces(ones, np.where(middle_is_full, 0, 1), zeros),
+    )
+    kept = np.flatnonzero(lines.nonempty() & np.repeat(ks < ke, 3))
+    return lines.take(kept), kept // 3
+
+
+def band_slices(qs, qe, ks, ke, left, right) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Decompose bands into at most three slices each (causal, bi_causal/full, inv_causal), in
+    band order; see `band_lines`."""
+    return band_lines(qs, qe, ks, ke, left, right)[0].to_slices()
