@@ -22,17 +22,18 @@ from maskc.ir.slices import TYPE_NAMES, AttnSlice, RowLines, _range_pair, band_l
 JSON_FORMAT = "maskc.mask/1"
 
 
-def _int_array(value: Any, what: str) -> np.ndarray:
+def _int_array(value: Any, what: str, *, bools: bool = False) -> np.ndarray:
+    """`value` as int64 numpy (bools as 0 and 1 where `bools`), or a MaskError naming `what`."""
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     try:
         arr = np.asarray(value)
     except (ValueError, TypeError, OverflowError):
         raise MaskError(f"{what} must be a rectangular array of integers, got {type(value).__name__} {str(value)[:60]}") from None
-    if arr.size == 0:
+    if arr.size == 0 or (bools and arr.dtype == bool):
         arr = arr.astype(np.int64)
     if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
-        raise MaskError(f"{what} must be integers, got dtype {arr.dtype}")
+        raise MaskError(f"{what} must be {'bools or ' if bools else ''}integers, got dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False)
 
 
@@ -130,40 +131,63 @@ class Mask:
 
     @classmethod
     def from_document_ids(
-        cls, document_ids: Any, *, causal: bool, window: tuple[int, int] | None = None, prefix: int = 0
+        cls,
+        document_ids: Any,
+        *,
+        causal: bool,
+        window: tuple[int, int] | None = None,
+        prefix: int = 0,
+        key_document_ids: Any = None,
     ) -> Mask:
         """Packed documents given one id per token, as a data loader's document or sequence ids:
         each run of one id is a document whose queries attend its own keys (see `_documents` for
         `causal`, `window` and `prefix`). A document is one run: an id that comes back after
-        another id is an error, not a document in two pieces."""
+        another id is an error, not a document in two pieces. An id < 0 marks padding, which
+        attends nothing and is attended by nothing (it may come back).
+
+        With `key_document_ids` (one per key, as many as there are keys) it is cross-attention:
+        the queries of document d attend the keys of key document d, matched by id in any order;
+        a document missing on either side attends, or is attended by, nothing."""
         band = _band(causal, window)
-        ids = _token_row(document_ids, "document_ids")
-        starts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
-        run_ids = ids[np.r_[0, starts]]
-        order = np.argsort(run_ids, kind="stable")
-        again = np.flatnonzero(run_ids[order][1:] == run_ids[order][:-1])
-        if again.size:
-            first, second = np.r_[0, starts][np.sort(order[again[0] : again[0] + 2])]
-            raise MaskError(
-                f"document_ids: document {run_ids[order][again[0]]} is split: it runs from token {first} and again from "
-                f"token {second}; a document must be one run of tokens"
-            )
-        docs = np.stack([np.r_[0, starts], np.r_[starts, ids.size]])
-        return cls._documents(docs, docs, ids.size, ids.size, band, prefix)
+        q_docs, q_ids, sq = _id_documents(document_ids, "document_ids")
+        if key_document_ids is None:
+            return cls._documents(q_docs, q_docs, sq, sq, band, prefix)
+        k_docs, k_ids, sk = _id_documents(key_document_ids, "key_document_ids")
+        order = np.argsort(k_ids)
+        at = np.searchsorted(k_ids[order], q_ids)
+        both = np.flatnonzero(np.r_[k_ids[order], -1][at] == q_ids)  # -1: past the last key document
+        return cls._documents(q_docs[:, both], k_docs[:, order[at[both]]], sq, sk, band, prefix)
 
     @classmethod
     def from_position_ids(
-        cls, position_ids: Any, *, causal: bool, window: tuple[int, int] | None = None, prefix: int = 0
+        cls,
+        position_ids: Any,
+        *,
+        causal: bool,
+        window: tuple[int, int] | None = None,
+        prefix: int = 0,
+        attention_mask: Any = None,
     ) -> Mask:
         """Packed documents as Hugging Face marks them: positions restart at 0 where a document
         begins (shape [S] or [1, S]); the first token begins one whatever its position. See
-        `_documents` for `causal`, `window` and `prefix`."""
+        `_documents` for `causal`, `window` and `prefix`. Tokens whose `attention_mask` (bools or
+        0/1, shaped like `position_ids`) is 0 are padding: they attend nothing and nothing attends
+        them, their positions are ignored, and the first token after them begins a document."""
         band = _band(causal, window)
         positions = _token_row(position_ids, "position_ids")
-        if positions.min(initial=0) < 0:
-            raise MaskError(f"position_ids must be >= 0, got {int(positions.min())} at token {int(positions.argmin())}")
-        starts = np.flatnonzero(positions[1:] == 0) + 1
-        docs = np.stack([np.r_[0, starts], np.r_[starts, positions.size]])
+        breaks, real = positions[1:] == 0, None
+        if attention_mask is not None:
+            real = _token_row(attention_mask, "attention_mask", flags=True)
+            if real.shape != positions.shape:
+                raise MaskError(f"attention_mask has {real.size:,} tokens but position_ids {positions.size:,}")
+            positions = np.where(real, positions, 0)
+            breaks = (breaks & real[1:]) | (real[1:] != real[:-1])
+        if positions.min() < 0:
+            i = int(positions.argmin())
+            raise MaskError(f"position_ids must be >= 0, got {int(positions[i])} at token {i}")
+        docs = _runs(breaks)
+        if real is not None:
+            docs = docs[:, real[docs[0]]]
         return cls._documents(docs, docs, positions.size, positions.size, band, prefix)
 
     @classmethod
@@ -419,15 +443,47 @@ class Mask:
             raise MaskError(f"malformed mask JSON: {exc}") from None
 
 
-def _token_row(value: Any, what: str) -> np.ndarray:
-    """One value per token of one packed row: shape [S], or [1, S] as models pass it."""
-    arr = _int_array(value, what)
+def _token_row(value: Any, what: str, *, flags: bool = False) -> np.ndarray:
+    """One value per token of one packed row: shape [S], or [1, S] as models pass it; with
+    `flags`, one bool or 0/1 per token (an attention mask), returned as bools."""
+    arr = _int_array(value, what, bools=flags)
     if arr.ndim == 2 and arr.shape[0] == 1:
         arr = arr[0]
     if arr.ndim != 1 or arr.size == 0:
         raise MaskError(f"{what} must hold one value per token of one packed row, shape [S] or [1, S]; got shape {arr.shape}")
     _seqlen(arr.size, f"the length of {what}")
-    return arr
+    if not flags:
+        return arr
+    bad = arr.view(np.uint64) > 1  # negative values too
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise MaskError(f"{what} must be 0 or 1 per token, got {int(arr[i])} at token {i}")
+    return arr == 1
+
+
+def _runs(breaks: np.ndarray) -> np.ndarray:
+    """[2, R] starts and ends of the runs of a row of tokens that `breaks` cuts: breaks[i] says
+    whether token i + 1 begins a run (token 0 always does)."""
+    starts = np.flatnonzero(breaks) + 1
+    return np.stack([np.r_[0, starts], np.r_[starts, breaks.size + 1]])
+
+
+def _id_documents(value: Any, what: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """The documents [2, D] and ids [D] of a row of document ids (runs of ids < 0 are padding,
+    not documents), and the row's length; a document in two runs is a MaskError."""
+    ids = _token_row(value, what)
+    docs = _runs(ids[1:] != ids[:-1])
+    run_ids = ids[docs[0]]
+    docs, run_ids = docs[:, run_ids >= 0], run_ids[run_ids >= 0]
+    order = np.argsort(run_ids, kind="stable")
+    again = np.flatnonzero(run_ids[order][1:] == run_ids[order][:-1])
+    if again.size:
+        first, second = docs[0, np.sort(order[again[0] : again[0] + 2])]
+        raise MaskError(
+            f"{what}: document {run_ids[order][again[0]]} is split: it runs from token {first} and again from "
+            f"token {second}; a document must be one run of tokens"
+        )
+    return docs, run_ids, ids.size
 
 
 def _cu_documents(cu_q: Any, cu_k: Any, name: str) -> tuple[np.ndarray, np.ndarray, int, int]:
