@@ -76,6 +76,7 @@ def attention(
     softmax_scale: float | None = None,
     softcap: float = 0.0,
     sink: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
     return_max_logits: bool = False,
     pack_gqa: bool | None = None,
     deterministic: bool = False,
@@ -85,8 +86,10 @@ def attention(
     k, v and sink (the gradient flows through lse too). q [T, Hq, D] with k, v [Tk, Hkv, D] and
     a mask of (T, Tk); or a batch q [B, S, Hq, D] with k, v [B, Sk, Hkv, D] and a mask over one
     row (S, Sk), shared by every row, or over the whole batch (B * S, B * Sk; `Mask.stack`):
-    one launch either way, and out, lse come back in q's layout. CUDA tensors run maskc's
-    kernels; CPU tensors (float32 too) the reference attention. Inside
+    one launch either way, and out, lse come back in q's layout. A batch's `attention_mask`
+    [B, S] (bool or 0/1, true on real tokens; one run per row: right or left padding) leaves the
+    padding out: its queries attend nothing (out 0, lse -inf) and nothing attends it. CUDA
+    tensors run maskc's kernels; CPU tensors (float32 too) the reference attention. Inside
     torch.compile(fullgraph=True) the mask is data: a new one every call compiles nothing.
 
     pack_gqa: the GQA strategy. None (default) lets maskc.ir.strategy.select_pack_gqa decide
@@ -102,7 +105,9 @@ def attention(
     table, prepared = _mask_tensors(mask)
     scale = _check_inputs(q, k, v, sink, softmax_scale, softcap)
     options = Options(pack_gqa, bool(deterministic), portable).encode()
-    inputs = (q, k, v, sink, table, prepared, scale, float(softcap), return_max_logits, options)
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a [B, S] tensor, got {type(attention_mask).__name__}")
+    inputs = (q, k, v, sink, table, prepared, attention_mask, scale, float(softcap), return_max_logits, options)
     if torch.compiler.is_compiling():
         out, lse, row_max = torch.ops.maskc.attn_fwd(*inputs)
     elif torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sink)):

@@ -3,7 +3,7 @@ implementations for tracing, autograd through `register_autograd`), so `maskc.at
 inside `torch.compile(fullgraph=True)`.
 
 The mask reaches the ops as data: its table (`Mask.table`), a prepared plan (`maskc.prepare`)
-and a padding mask are tensor arguments, and only the call's options are constants. A compiled
+and a batch's padding mask are tensor arguments, and only the call's options are constants. A compiled
 graph is therefore specialised to shapes and options, never to a mask: each call plans its
 mask inside the op (`maskc.runtime.plan`, cached on the mask, which is found again from its
 table by every layer and by the backward: `maskc.runtime.masks`). On CUDA the ops launch
@@ -60,8 +60,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.view(-1, *x.shape[-2:])
 
 
-def _call_mask(table: torch.Tensor, prepared: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> Mask:
-    return masks.call_mask(masks.mask_of(table, prepared), q.shape, k.shape)
+def _call_mask(table: torch.Tensor, prepared: torch.Tensor | None, padding: torch.Tensor | None, q: torch.Tensor,
+               k: torch.Tensor) -> Mask:  # fmt: skip
+    return masks.call_mask(masks.mask_of(table, prepared), q.shape, k.shape, padding)
 
 
 def _forward_outputs(q: torch.Tensor, return_max_logits: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,27 +140,27 @@ def _config(mask: Mask, scale: float, softcap: float, return_max_logits: bool = 
     return reference._Config(mask, scale, softcap, reference.BLOCK_Q, reference.BLOCK_K, return_max_logits)
 
 
-def attn_fwd_cuda(q, k, v, sink, mask, prepared, softmax_scale, softcap, return_max_logits, options):
+def attn_fwd_cuda(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, options):
     """out, lse and row_max ([0] unless return_max_logits), shaped like q."""
-    call_mask = _call_mask(mask, prepared, q, k)
+    call_mask = _call_mask(mask, prepared, padding, q, k)
     target = _target(q, k, softcap > 0, sink is not None, return_max_logits, Options.decode(options))
     launch = plan.plan_forward(call_mask, target, q.device)
     out, lse, row_max = forward_cuda(_rows(q), _rows(k), _rows(v), sink, launch, softmax_scale, softcap, return_max_logits)
     return out.view(q.shape), lse.view(q.shape[:-1]), row_max.view(q.shape[:-1]) if return_max_logits else row_max
 
 
-def attn_fwd_cpu(q, k, v, sink, mask, prepared, softmax_scale, softcap, return_max_logits, options):
+def attn_fwd_cpu(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, options):
     """The forward on the CPU: the reference attention's tiles."""
-    cfg = _config(_call_mask(mask, prepared, q, k), softmax_scale, softcap, return_max_logits)
+    cfg = _config(_call_mask(mask, prepared, padding, q, k), softmax_scale, softcap, return_max_logits)
     out, lse, max_logits = reference._forward(_rows(q), _rows(k), _rows(v), sink, cfg)
     rows = q.shape[:-1]
     row_max = max_logits.expand(rows).contiguous() if return_max_logits else lse.new_empty(0)
     return out.view(q.shape), lse.view(rows), row_max
 
 
-def attn_bwd_cuda(q, k, v, out, lse, sink, dout, dlse, mask, prepared, softmax_scale, softcap, options):
+def attn_bwd_cuda(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options):
     """dq, dk, dv and dsink (empty without sinks: ops return tensors), shaped like their inputs."""
-    call_mask = _call_mask(mask, prepared, q, k)
+    call_mask = _call_mask(mask, prepared, padding, q, k)
     launch = plan.plan_backward(call_mask, _target(q, k, softcap > 0, False, False, Options.decode(options)), q.device)
     flat = [_rows(x) if x is not None else None for x in (q, k, v, out)]
     lse_rows, dlse_rows = lse.view(-1, lse.shape[-1]), None if dlse is None else dlse.reshape(-1, dlse.shape[-1])
@@ -168,9 +169,9 @@ def attn_bwd_cuda(q, k, v, out, lse, sink, dout, dlse, mask, prepared, softmax_s
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dsink if dsink is not None else lse.new_empty(0)
 
 
-def attn_bwd_cpu(q, k, v, out, lse, sink, dout, dlse, mask, prepared, softmax_scale, softcap, options):
+def attn_bwd_cpu(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options):
     """The backward on the CPU: the reference attention's, recomputing its tiles."""
-    cfg = _config(_call_mask(mask, prepared, q, k), softmax_scale, softcap)
+    cfg = _config(_call_mask(mask, prepared, padding, q, k), softmax_scale, softcap)
     lse_rows = lse.reshape(-1, lse.shape[-1])
     dlse_rows = torch.zeros_like(lse_rows) if dlse is None else dlse.reshape(-1, dlse.shape[-1])
     dq, dk, dv, dsink = reference._backward(_rows(q), _rows(k), _rows(v), _rows(out), lse_rows, sink,
@@ -185,6 +186,7 @@ def attn_fwd_impl(
     sink: torch.Tensor | None,
     mask: torch.Tensor,
     prepared: torch.Tensor | None,
+    padding: torch.Tensor | None,
     softmax_scale: float,
     softcap: float,
     return_max_logits: bool,
@@ -192,16 +194,17 @@ def attn_fwd_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """out, lse and row_max of masked attention: q [T, Hq, D] or [B, S, Hq, D], k, v alike;
     `mask` a `Mask.table` over the call's rows (over one row of a batch, or all of them),
-    `prepared` its plan (`maskc.prepare`), `options` the encoded `Options`."""
+    `prepared` its plan (`maskc.prepare`), `padding` a batch's [B, S] attention mask (true on
+    real tokens), `options` the encoded `Options`."""
     impl = attn_fwd_cuda if q.device.type == "cuda" else attn_fwd_cpu
-    return impl(q, k, v, sink, mask, prepared, softmax_scale, softcap, return_max_logits, options)
+    return impl(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, options)
 
 
 _attn_fwd = torch.library.custom_op("maskc::attn_fwd", attn_fwd_impl, mutates_args=(), device_types=("cuda", "cpu"))
 
 
 @_attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, sink, mask, prepared, softmax_scale, softcap, return_max_logits, options):
+def _attn_fwd_fake(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, options):
     return _forward_outputs(q, return_max_logits)
 
 
@@ -216,29 +219,30 @@ def attn_bwd_impl(
     dlse: torch.Tensor | None,
     mask: torch.Tensor,
     prepared: torch.Tensor | None,
+    padding: torch.Tensor | None,
     softmax_scale: float,
     softcap: float,
     options: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv and dsink (empty without sinks: ops return tensors) of `attn_fwd_impl`."""
     impl = attn_bwd_cuda if q.device.type == "cuda" else attn_bwd_cpu
-    return impl(q, k, v, out, lse, sink, dout, dlse, mask, prepared, softmax_scale, softcap, options)
+    return impl(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options)
 
 
 _attn_bwd = torch.library.custom_op("maskc::attn_bwd", attn_bwd_impl, mutates_args=(), device_types=("cuda", "cpu"))
 
 
 @_attn_bwd.register_fake
-def _attn_bwd_fake(q, k, v, out, lse, sink, dout, dlse, mask, prepared, softmax_scale, softcap, options):
+def _attn_bwd_fake(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options):
     dsink = torch.empty_like(sink) if sink is not None else lse.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     """Saves q, k, v, out, lse, the sinks and the mask's tensors; the kernel recomputes the rest."""
-    q, k, v, sink, mask, prepared, scale, softcap, _, options = inputs
+    q, k, v, sink, mask, prepared, padding, scale, softcap, _, options = inputs
     out, lse, row_max = output
-    ctx.save_for_backward(q, k, v, out, lse, sink, mask, prepared)
+    ctx.save_for_backward(q, k, v, out, lse, sink, mask, prepared, padding)
     ctx.scalars = (scale, softcap, options)
     ctx.mark_non_differentiable(row_max)
 
@@ -246,9 +250,9 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 def _attn_fwd_backward(
     ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None, _drow_max: Any, attn_bwd: Callable = torch.ops.maskc.attn_bwd
 ) -> tuple:
-    q, k, v, out, lse, sink, mask, prepared = ctx.saved_tensors
-    dq, dk, dv, dsink = attn_bwd(q, k, v, out, lse, sink, dout, dlse, mask, prepared, *ctx.scalars)
-    return (dq, dk, dv, dsink if sink is not None else None) + (None,) * 6
+    q, k, v, out, lse, sink, mask, prepared, padding = ctx.saved_tensors
+    dq, dk, dv, dsink = attn_bwd(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, *ctx.scalars)
+    return (dq, dk, dv, dsink if sink is not None else None) + (None,) * 7
 
 
 _attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_setup_context)

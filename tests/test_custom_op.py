@@ -57,8 +57,8 @@ def test_fake_implementations_give_exact_shapes(return_max_logits: bool, with_si
         k = torch.empty(*batch, tk, HKV, D, dtype=torch.bfloat16, device="cuda")
         sink = torch.empty(3, HQ, dtype=torch.float32, device="cuda") if with_sink else None
         table = torch.empty(4, 5, dtype=torch.int32)
-        out, lse, row_max = torch.ops.maskc.attn_fwd(q, k, k, sink, table, None, 0.1, 0.0, return_max_logits, options)
-        dq, dk, dv, dsink = torch.ops.maskc.attn_bwd(q, k, k, out, lse, sink, out, lse, table, None, 0.1, 0.0, options)
+        out, lse, row_max = torch.ops.maskc.attn_fwd(q, k, k, sink, table, None, None, 0.1, 0.0, return_max_logits, options)
+        dq, dk, dv, dsink = torch.ops.maskc.attn_bwd(q, k, k, out, lse, sink, out, lse, table, None, None, 0.1, 0.0, options)
     rows = (*batch, tq, HQ)
     assert (out.shape, out.dtype, out.device.type) == (q.shape, torch.bfloat16, "cuda")
     assert (lse.shape, lse.dtype) == (rows, torch.float32)
@@ -127,6 +127,35 @@ def test_a_batch_shares_one_row_mask_or_packs_one_mask_per_row() -> None:
         maskc.attention(q, k, v, Mask.from_cu_seqlens([0, 95]))
     with pytest.raises(ValueError, match="batched q, k, v are"):
         maskc.attention(q, k[0], v[0], rows[0])
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["shared", "per_row"])
+def test_padding_is_left_out_of_a_batch(stacked: bool) -> None:
+    """attention_mask [B, S]: right, left, no and full padding; each row equals attending its
+    real tokens alone, the padding's rows are 0 (lse -inf) and get no gradient."""
+    s = 80
+    runs = [(0, 60), (25, 80), (0, 80), (0, 0)]
+    padding = torch.tensor([[a <= i < e for i in range(s)] for a, e in runs])
+    row = Mask.from_cu_seqlens([0, 30, s], causal=True)
+    mask = Mask.stack([row] * len(runs)) if stacked else row
+    q, k, v = _inputs(row, dtype=torch.float32, batch=(len(runs),))
+    out, meta = maskc.attention(q, k, v, mask, attention_mask=padding)
+    (out.square().sum() + torch.where(padding[..., None], meta.lse, 0).sum()).backward()
+    for b, (a, e) in enumerate(runs):
+        assert (out[b, :a] == 0).all() and (out[b, e:] == 0).all() and torch.isneginf(meta.lse[b, e:]).all()
+        assert (k.grad[b, :a] == 0).all() and (v.grad[b, e:] == 0).all()
+        if e > a:
+            kept = row.crop((a, e), (a, e))
+            leaves = [x[b].detach().clone().requires_grad_() for x in (q, k, v)]
+            ref, ref_meta = maskc.reference_attention(*leaves, kept)
+            (ref.square().sum() + ref_meta.lse[a:e].sum()).backward()
+            torch.testing.assert_close(out[b, a:e], ref[a:e])
+            torch.testing.assert_close(q.grad[b], leaves[0].grad)
+            torch.testing.assert_close(k.grad[b], leaves[1].grad)
+    with pytest.raises(maskc.MaskError, match="row 1 has padding between its tokens"):
+        maskc.attention(q, k, v, mask, attention_mask=torch.tensor([[True] * s, [True, False] * (s // 2)] * 2))
+    with pytest.raises(maskc.MaskError, match="goes with batched q"):
+        maskc.attention(q[0], k[0], v[0], row, attention_mask=padding[0])
 
 
 def _recording_backend() -> tuple[Any, dict[str, list[torch.fx.GraphModule]]]:
