@@ -220,3 +220,15 @@ def test_register_is_idempotent_and_import_maskc_stays_light() -> None:
     assert transformers.AttentionInterface._global_mapping["maskc"] is hf.attention_forward
     code = "import sys, maskc; maskc.Mask; maskc.reference_attention; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_autocast_runs_in_its_half_dtype() -> None:
+    """Under autocast and without a cache (as in training) rotary embeddings leave q and k in
+    float32 and v in bfloat16: maskc takes all three in the autocast dtype, as Transformers'
+    flash attention does."""
+    ours, _ = twins(llama_config())
+    tokens, positions = packed(DOCS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ours(tokens, position_ids=positions, use_cache=False).logits
+    want = ours(tokens, position_ids=positions).logits
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05 * float(want.detach().abs().max()))

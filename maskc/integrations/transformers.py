@@ -137,7 +137,8 @@ def attention_forward(
             )
         mask = _CACHE.get(batch, seqlen, causal, window, attention_mask, kwargs)
     sink = None if s_aux is None else s_aux.float().reshape(1, -1)
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    dtype = _dtype(query)
+    q, k, v = (x.transpose(1, 2).to(dtype) for x in (query, key, value))
     out, _ = _attend(q, k, v, mask, softmax_scale=scaling, softcap=softcap or 0.0, sink=sink)
     return out, None
 
@@ -151,6 +152,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: maskc.Mask,
         return torch.stack([fn(q[b], k[b], v[b], mask, **kwargs)[0] for b in range(batch)]), None
     out, meta = fn(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), mask, **kwargs)
     return out.unflatten(0, (batch, seqlen)), meta
+
+
+def _dtype(query: torch.Tensor) -> torch.dtype:
+    """Under autocast, q, k and v come in mixed dtypes (rotary embeddings promote q and k to
+    float32, v stays half), and maskc takes one: the autocast dtype, as Transformers' flash
+    attention does."""
+    device = query.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
 
 
 def _window(sliding_window: int | None, causal: bool) -> tuple[int, int] | None:
