@@ -18,10 +18,13 @@ _LAZY = {
     "Builder": "maskc.frontend.python_front",
     "CuSeqLens": "maskc.frontend.params",
     "Mask": "maskc.ir",
+    "PreparedMask": "maskc.runtime",
     "SeqLens": "maskc.frontend.params",
     "attention": "maskc.runtime",
     "mask": "maskc.frontend.python_front",
+    "prepare": "maskc.runtime",
     "reference_attention": "maskc.reference",
+    "target_for": "maskc.runtime",
 }
 
 if TYPE_CHECKING:
@@ -32,7 +35,7 @@ if TYPE_CHECKING:
     from maskc.frontend.python_front import Builder, mask
     from maskc.ir import AttnSlice, Mask
     from maskc.reference import AttentionMeta, reference_attention
-    from maskc.runtime import attention
+    from maskc.runtime import PreparedMask, attention, prepare, target_for
 
 
 __getattr__ = lazy_attributes(__name__, globals(), _LAZY)
@@ -67,8 +70,11 @@ __all__ = [
     "MaskSemanticError",
     "MaskSyntaxError",
     "MaskcError",
+    "PreparedMask",
     "SeqLens",
     "attention",
     "mask",
+    "prepare",
     "reference_attention",
+    "target_for",
 ]

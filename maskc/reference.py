@@ -265,7 +265,28 @@ def check_attention_args(
     sink: torch.Tensor | None,
 ) -> float:
     """Check the arguments against the attention contract every implementation shares
-    (shapes, heads, mask lengths, sink, softcap, scale); return the effective softmax scale."""
+    (`check_attention_tensors`, and the mask's lengths); return the effective softmax scale."""
+    scale = check_attention_tensors(q, k, v, softmax_scale=softmax_scale, softcap=softcap, sink=sink)
+    if not isinstance(mask, Mask):
+        raise TypeError(f"mask must be a maskc Mask, got {type(mask).__name__}")
+    if q.shape[0] != mask.seqlen_q or k.shape[0] != mask.seqlen_k:
+        raise ValueError(
+            f"q/k sequence lengths ({q.shape[0]}, {k.shape[0]}) do not match the mask ({mask.seqlen_q}, {mask.seqlen_k})"
+        )
+    return scale
+
+
+def check_attention_tensors(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float | None,
+    softcap: float,
+    sink: torch.Tensor | None,
+) -> float:
+    """Check the tensors and scalars of a call (shapes, dtypes, devices, heads, sink, softcap,
+    scale), not its mask; return the effective softmax scale."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
         if x.ndim != 3:
@@ -276,20 +297,14 @@ def check_attention_args(
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v must share a device, got {q.device}, {k.device}, {v.device}")
-    if not isinstance(mask, Mask):
-        raise TypeError(f"mask must be a maskc Mask, got {type(mask).__name__}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    tq, hq, d = q.shape
-    tk, hkv, dk = k.shape
+    _, hq, d = q.shape
+    _, hkv, dk = k.shape
     if dk != d:
         raise ValueError(f"q head_dim {d} != k head_dim {dk}")
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
-    if tq != mask.seqlen_q or tk != mask.seqlen_k:
-        raise ValueError(
-            f"q/k sequence lengths ({tq}, {tk}) do not match the mask ({mask.seqlen_q}, {mask.seqlen_k})"
-        )
     if sink is not None:
         _check_tensor("sink", sink)
         allowed_sink = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
@@ -299,10 +314,11 @@ def check_attention_args(
             raise ValueError(f"sink must have shape [num_sinks, {hq}], got {tuple(sink.shape)}")
         if sink.device != q.device:
             raise ValueError(f"sink is on {sink.device} but q is on {q.device}")
-    if not math.isfinite(softcap) or softcap < 0:
+    # Comparisons rather than math.isfinite, which torch.compile cannot trace (NaN fails both).
+    if not 0 <= softcap < math.inf:
         raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    if not math.isfinite(scale):
+    if not -math.inf < scale < math.inf:
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     return scale
 

@@ -2,13 +2,16 @@
 
 `registry` holds the kernels (registered from artifact directories, or compiled on first use
 through the kernel source `import maskc` registers), `plan` decides a call's kernels and
-schedules, `ops` launches them as torch custom ops, `api` is `maskc.attention`; `launch` runs
-exported objects through the DSL's runtime library, `load` reads an artifact's masks.
+schedules, `prepared` does that ahead of time (`maskc.prepare`), `masks` finds a call's mask
+from the tensors the ops get, `ops` runs the attention as torch custom ops, `api` is
+`maskc.attention`; `launch` runs exported objects through the DSL's runtime library, `load`
+reads an artifact's masks.
 """
 
 from maskc.artifact.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, open_manifest, read_manifest
 from maskc.runtime.api import attention
 from maskc.runtime.load import Artifact, load_artifact
+from maskc.runtime.prepared import PreparedMask, prepare, target_for
 from maskc.runtime.registry import register_artifact
 
 __all__ = [
@@ -16,9 +19,12 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "Manifest",
+    "PreparedMask",
     "attention",
     "load_artifact",
     "open_manifest",
+    "prepare",
     "read_manifest",
     "register_artifact",
+    "target_for",
 ]

@@ -1,12 +1,11 @@
-"""`maskc.attention`: masked attention on the GPU through compiled maskc kernels.
+"""`maskc.attention`: masked attention through maskc's kernels on the GPU and the reference
+attention on the CPU, behind the same custom ops (`maskc.runtime.ops`).
 
 Kernels come from artifact directories (`maskc.runtime.register_artifact`) or, where the
 compiler is installed, are compiled on first use into the content-addressed cache
-(`maskc.runtime.registry`). Everything the mask decides (GQA strategy, kernels, schedules)
-comes from `maskc.runtime.plan.plan_launches`, which torch.compile runs once per compilation,
-treating the result as constant: a compiled graph is specialised to its mask (guarded on
-`Mask.__eq__` or identity, depending on the torch release), so a new mask means a new
-compilation. The launches themselves are torch custom ops (`maskc.runtime.ops`).
+(`maskc.runtime.registry`). The mask reaches the ops as tensors, so under torch.compile a new
+mask every step compiles nothing; what it decides (GQA strategy, kernels, schedules) is
+planned inside the op (`maskc.runtime.plan`), or ahead of time by `maskc.prepare`.
 """
 
 from __future__ import annotations
@@ -16,59 +15,82 @@ import torch
 from maskc.artifact.families import HEAD_DIMS
 from maskc.errors import MaskcError
 from maskc.ir import Mask
-from maskc.reference import AttentionMeta, check_attention_args
+from maskc.reference import AttentionMeta, check_attention_args, check_attention_tensors
 from maskc.runtime import ops
-from maskc.runtime.plan import TORCH_DTYPES, plan_launches
+from maskc.runtime.ops import Options
+from maskc.runtime.plan import TORCH_DTYPES, plan_backward, plan_forward
+from maskc.runtime.prepared import PreparedMask
+
+_DTYPES = {"cuda": (tuple(TORCH_DTYPES), "bfloat16 or float16"), "cpu": ((torch.float32, *TORCH_DTYPES), "float32, bfloat16 or float16")}
+
+
+def _mask_tensors(mask: Mask | PreparedMask) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tensors a mask reaches the ops as: its table, and a prepared plan if it has one."""
+    if isinstance(mask, PreparedMask):
+        return mask.table, mask.plan
+    if isinstance(mask, Mask):
+        return mask.table, None
+    raise TypeError(f"mask must be a maskc Mask or PreparedMask (maskc.prepare), got {type(mask).__name__}")
 
 
 def _check_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: Mask,
     sink: torch.Tensor | None,
     softmax_scale: float | None,
     softcap: float,
 ) -> float:
-    """What the kernels need beyond the shared contract (CUDA, bf16/fp16, contiguous, a head
-    dim with a kernel), then the contract itself; returns the effective softmax scale."""
+    """What the ops need beyond the shared contract (a layout of [T, H, D] or [B, S, H, D]
+    tensors, contiguous; on the GPU bf16 or fp16 and a head dim with a kernel, on the CPU
+    float32 too), then the contract itself; returns the effective softmax scale."""
     named = [("q", q), ("k", k), ("v", v)] + ([("sink", sink)] if sink is not None else [])
     for name, x in named:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        _check_device(name, x)
-        if name != "sink" and x.dtype not in TORCH_DTYPES:
-            raise TypeError(f"{name} has dtype {x.dtype}; maskc kernels take bfloat16 or float16")
+        if x.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"maskc.attention runs on CUDA or CPU tensors; {name} is on {x.device}")
         if not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous (call .contiguous())")
-    scale = check_attention_args(q, k, v, mask, softmax_scale=softmax_scale, softcap=softcap, sink=sink)
-    if q.shape[2] not in HEAD_DIMS:
+    if q.ndim == 4 or k.ndim == 4 or v.ndim == 4:
+        if not q.ndim == k.ndim == v.ndim == 4 or not q.shape[0] == k.shape[0] == v.shape[0]:
+            raise ValueError(
+                f"batched q, k, v are [B, S, H, D] with one B; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            )
+        q, k, v = (ops._rows(x) for x in (q, k, v))
+    dtypes, names = _DTYPES[q.device.type]
+    if q.dtype not in dtypes:
+        raise TypeError(f"q has dtype {q.dtype}; maskc.attention on {q.device.type.upper()} tensors takes {names}")
+    scale = check_attention_tensors(q, k, v, softmax_scale=softmax_scale, softcap=softcap, sink=sink)
+    if q.device.type == "cuda" and q.shape[2] not in HEAD_DIMS:
         raise MaskcError(f"head_dim {q.shape[2]} is not supported; supported head dims: {HEAD_DIMS}")
     return scale
-
-
-def _check_device(name: str, x: torch.Tensor) -> None:
-    if x.device.type != "cuda":
-        raise ValueError(f"maskc.attention runs on CUDA tensors; {name} is on {x.device} (use maskc.reference_attention on CPU)")
 
 
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: Mask,
+    mask: Mask | PreparedMask,
     *,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
     sink: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
     return_max_logits: bool = False,
     pack_gqa: bool | None = None,
     deterministic: bool = False,
     portable: bool | None = None,
 ) -> tuple[torch.Tensor, AttentionMeta]:
-    """Masked attention with maskc's kernels; the same contract as `maskc.reference_attention`,
-    differentiable in q, k, v and sink (the gradient flows through lse too). Works inside
-    torch.compile(fullgraph=True); build the Mask outside the compiled region.
+    """Masked attention; the same contract as `maskc.reference_attention`, differentiable in q,
+    k, v and sink (the gradient flows through lse too). q [T, Hq, D] with k, v [Tk, Hkv, D] and
+    a mask of (T, Tk); or a batch q [B, S, Hq, D] with k, v [B, Sk, Hkv, D] and a mask over one
+    row (S, Sk), shared by every row, or over the whole batch (B * S, B * Sk; `Mask.stack`):
+    one launch either way, and out, lse come back in q's layout. A batch's `attention_mask`
+    [B, S] (bool or 0/1, true on real tokens; one run per row: right or left padding) leaves the
+    padding out: its queries attend nothing (out 0, lse -inf) and nothing attends it. CUDA
+    tensors run maskc's kernels; CPU tensors (float32 too) the reference attention. Inside
+    torch.compile(fullgraph=True) the mask is data: a new one every call compiles nothing.
 
     pack_gqa: the GQA strategy. None (default) lets maskc.ir.strategy.select_pack_gqa decide
     from the mask and the head counts (PackGQA packs the G = Hq / Hkv query heads of a K/V
@@ -80,20 +102,28 @@ def attention(
     forces the portable ones (no PackGQA yet); False asks for the GPU's own kernels, also the
     experimental Blackwell forward and backward (never run by maskc).
     """
-    scale = _check_inputs(q, k, v, mask, sink, softmax_scale, softcap)
-    _, hq, d = q.shape
-    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sink))
-    fwd, bwd = plan_launches(mask, q.device, q.dtype, hq, k.shape[1], d, softcap > 0, sink is not None, return_max_logits,
-                             pack_gqa, needs_grad, bool(deterministic), 0, portable)  # fmt: skip
-    inputs = (q, k, v, sink, fwd.schedule, fwd.launch, scale, float(softcap), return_max_logits, bwd.schedule, bwd.launch)
+    table, prepared = _mask_tensors(mask)
+    scale = _check_inputs(q, k, v, sink, softmax_scale, softcap)
+    options = Options(pack_gqa, bool(deterministic), portable).encode()
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a [B, S] tensor, got {type(attention_mask).__name__}")
+    inputs = (q, k, v, sink, table, prepared, attention_mask, scale, float(softcap), return_max_logits, options)
     if torch.compiler.is_compiling():
         out, lse, row_max = torch.ops.maskc.attn_fwd(*inputs)
-    elif needs_grad:
+    elif torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sink)):
         out, lse, row_max = ops.EagerAttention.apply(*inputs)
     else:
         out, lse, row_max = ops.attn_fwd_impl(*inputs)
-    max_logits = row_max.amax(dim=0) if return_max_logits else None
+    max_logits = row_max.flatten(0, -2).amax(dim=0) if return_max_logits else None
     return out, AttentionMeta(lse=lse, max_logits=max_logits)
+
+
+def _check_stage(q, k, v, mask: Mask, sink, softmax_scale, softcap) -> float:
+    """The checks of `attention_forward` and `attention_backward`: [T, H, D] CUDA tensors."""
+    if q.device.type != "cuda":
+        raise ValueError(f"attention_forward and attention_backward run on CUDA tensors; q is on {q.device}")
+    _check_inputs(q, k, v, sink, softmax_scale, softcap)
+    return check_attention_args(q, k, v, mask, softmax_scale=softmax_scale, softcap=softcap, sink=sink)
 
 
 def attention_forward(
@@ -108,15 +138,13 @@ def attention_forward(
     return_max_logits: bool = False,
     sm_margin: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(out, lse, max_logits or None) of `attention`, with no autograd: for callers that run
-    their own backward (`attention_backward`), like maskc.dist's stage pipeline. `sm_margin`
-    SMs stay free for communication kernels that run alongside."""
-    scale = _check_inputs(q, k, v, mask, sink, softmax_scale, softcap)
-    _, hq, d = q.shape
-    fwd, _ = plan_launches(mask, q.device, q.dtype, hq, k.shape[1], d, softcap > 0, sink is not None, return_max_logits, None,
-                           False, False, sm_margin)  # fmt: skip
-    out, lse, row_max = ops.attn_fwd_impl(q, k, v, sink, fwd.schedule, fwd.launch, scale, float(softcap), return_max_logits,
-                                           None, [])  # fmt: skip
+    """(out, lse, max_logits or None) of `attention` on the GPU, with no autograd: for callers
+    that run their own backward (`attention_backward`), like maskc.dist's stage pipeline.
+    `sm_margin` SMs stay free for communication kernels that run alongside."""
+    scale = _check_stage(q, k, v, mask, sink, softmax_scale, softcap)
+    target = ops._target(q, k, softcap > 0, sink is not None, return_max_logits, Options(None, False, None), sm_margin)
+    launch = plan_forward(mask, target, q.device)
+    out, lse, row_max = ops.forward_cuda(q, k, v, sink, launch, scale, float(softcap), return_max_logits)
     return out, lse, row_max.amax(dim=0) if return_max_logits else None
 
 
@@ -141,11 +169,9 @@ def attention_backward(
     gradients of one part of the keys are exact (maskc.dist attends stage by stage). With
     `dq_accum` (float32, like q) dQ is added into it and returned uncast, so calls over the
     parts of the keys add up one dQ in float32."""
-    scale = _check_inputs(q, k, v, mask, sink, softmax_scale, softcap)
+    scale = _check_stage(q, k, v, mask, sink, softmax_scale, softcap)
     if dq_accum is not None and (dq_accum.shape != q.shape or dq_accum.dtype != torch.float32 or not dq_accum.is_contiguous()):
         raise MaskcError(f"dq_accum must be a contiguous float32 tensor of shape {tuple(q.shape)}")
-    _, hq, d = q.shape
-    _, bwd = plan_launches(mask, q.device, q.dtype, hq, k.shape[1], d, softcap > 0, sink is not None, False, None, True, False,
-                           sm_margin)  # fmt: skip
-    call = ops.Call.of(bwd.schedule, bwd.launch, scale, float(softcap))
-    return ops.run_backward(q, k, v, out, lse, sink, dout.contiguous(), dlse, call, dq_accum)
+    target = ops._target(q, k, softcap > 0, sink is not None, False, Options(None, False, None), sm_margin)
+    launch = plan_backward(mask, target, q.device)
+    return ops.backward_cuda(q, k, v, out, lse, sink, dout.contiguous(), dlse, launch, scale, float(softcap), dq_accum)

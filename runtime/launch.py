@@ -139,6 +139,8 @@ class Kernel:
             slot.data = address
             if address % align:
                 raise ValueError(f"{self.prefix}: tensor {name!r} must be {align}-byte aligned (got address {address:#x})")
+            if not t.is_contiguous():  # the kernels index every tensor densely from its address
+                raise ValueError(f"{self.prefix}: tensor {name!r} must be contiguous (strides {t.stride()})")
             for i, d in enumerate(dims):
                 slot.dynamic_shapes[i] = t.shape[d]
         for name, slot in self._scalars:

@@ -1,67 +1,102 @@
-"""The kernel launches as the torch.library custom ops `maskc::attn_fwd` and `maskc::attn_bwd`
-(fake implementations for tracing, autograd through `register_autograd`), so `maskc.attention`
-runs inside `torch.compile(fullgraph=True)`. Op arguments are tensors and scalars only: a
-kernel is its index in `registry.LOADED`, a schedule one int32 device tensor, both from the
-plan (`maskc.runtime.plan`). Eager calls run the same implementations without the dispatcher
-(`EagerAttention`).
+"""The attention as the torch.library custom ops `maskc::attn_fwd` and `maskc::attn_bwd` (fake
+implementations for tracing, autograd through `register_autograd`), so `maskc.attention` runs
+inside `torch.compile(fullgraph=True)`.
+
+The mask reaches the ops as data: its table (`Mask.table`), a prepared plan (`maskc.prepare`)
+and a batch's padding mask are tensor arguments, and only the call's options are constants. A compiled
+graph is therefore specialised to shapes and options, never to a mask: each call plans its
+mask inside the op (`maskc.runtime.plan`, cached on the mask, which is found again from its
+table by every layer and by the backward: `maskc.runtime.masks`). On CUDA the ops launch
+maskc's kernels; on the CPU they compute the reference attention (`maskc.reference`), so a
+model runs, and can be tested, anywhere. Eager calls run the same implementations without the
+dispatcher (`EagerAttention`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
+import maskc.reference as reference
 from maskc.artifact.families import WARPGROUP_ROWS
-from maskc.runtime import registry
-from maskc.runtime.plan import schedule_views
+from maskc.ir import Mask
+from maskc.runtime import masks, plan
+from maskc.runtime.plan import Launch, Target, schedule_views
 
-@dataclass(frozen=True, eq=False)
-class Call:
-    """One kernel launch with its scalars, rebuilt inside an op from the op's arguments."""
 
-    kernel: registry.Entry
-    num_ctas: int
-    slots: int
-    schedule: dict[str, torch.Tensor]
-    scale: float
-    softcap: float
-    return_max_logits: bool = False
+@dataclass(frozen=True)
+class Options:
+    """The call's options as the ops take them: one int list, constant in a compiled graph."""
+
+    pack_gqa: bool | None
+    deterministic: bool
+    portable: bool | None
+
+    def encode(self) -> list[int]:
+        return [_tristate(self.pack_gqa), int(self.deterministic), _tristate(self.portable)]
 
     @classmethod
-    def of(cls, schedule: torch.Tensor, launch: list[int], scale: float, softcap: float, **flags: bool) -> Call:
-        kernel, num_ctas, slots, *rows = launch
-        return cls(registry.loaded(kernel), num_ctas, slots, schedule_views(schedule, rows), scale, softcap, **flags)
+    def decode(cls, values: Sequence[int]) -> Options:
+        pack_gqa, deterministic, portable = values
+        return cls(None if pack_gqa < 0 else bool(pack_gqa), bool(deterministic), None if portable < 0 else bool(portable))
 
 
-def _launch(call: Call, tensors: dict, device: torch.device) -> None:
-    scalars = {"softmax_scale": call.scale, "softcap": call.softcap, "num_ctas": call.num_ctas}
-    call.kernel.kernel({**tensors, **call.schedule}, scalars, torch.cuda.current_stream(device).cuda_stream)
+def _tristate(value: bool | None) -> int:
+    return -1 if value is None else int(value)
+
+
+def _target(q: torch.Tensor, k: torch.Tensor, has_softcap: bool, has_sink: bool, return_max_logits: bool,
+            options: Options, sm_margin: int = 0) -> Target:  # fmt: skip
+    capability, num_sms = plan.device_info(q.device)
+    *_, hq, d = q.shape
+    return plan.make_target(capability, num_sms, q.dtype, hq, k.shape[-2], d, has_softcap, has_sink, return_max_logits,
+                            options.pack_gqa, options.deterministic, sm_margin, options.portable)  # fmt: skip
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] or [B, S, H, D] as [T, H, D] (a view: the kernels read the packed batch)."""
+    return x.view(-1, *x.shape[-2:])
+
+
+def _call_mask(table: torch.Tensor, prepared: torch.Tensor | None, padding: torch.Tensor | None, q: torch.Tensor,
+               k: torch.Tensor) -> Mask:  # fmt: skip
+    return masks.call_mask(masks.mask_of(table, prepared), q.shape, k.shape, padding)
 
 
 def _forward_outputs(q: torch.Tensor, return_max_logits: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """out, lse and row_max of a forward; row_max is empty unless asked for (op outputs never alias)."""
-    tq, hq, _ = q.shape
+    """out (like q), lse and row_max (q's shape without head_dim; row_max empty unless asked for:
+    op outputs never alias)."""
+    rows = q.shape[:-1]
     out = torch.empty_like(q)
-    lse = torch.empty(tq, hq, dtype=torch.float32, device=q.device)
-    row_max = torch.empty((tq, hq) if return_max_logits else (0,), dtype=torch.float32, device=q.device)
+    lse = q.new_empty(rows, dtype=torch.float32)
+    row_max = q.new_empty(rows if return_max_logits else (0,), dtype=torch.float32)
     return out, lse, row_max
 
 
-def _forward(q, k, v, sink, call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    out, lse, row_max = _forward_outputs(q, call.return_max_logits)
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "row_max": row_max if call.return_max_logits else lse}
+def _run(launch: Launch, tensors: dict, scale: float, softcap: float, device: torch.device) -> None:
+    scalars = {"softmax_scale": scale, "softcap": softcap, "num_ctas": launch.num_ctas}
+    stream = torch.cuda.current_stream(device).cuda_stream
+    launch.kernel.kernel({**tensors, **schedule_views(launch.schedule, launch.rows)}, scalars, stream)
+
+
+def forward_cuda(q, k, v, sink, launch: Launch, scale: float, softcap: float, return_max_logits: bool):
+    """out, lse and row_max from the forward kernel, for q [T, H, D]."""
+    out, lse, row_max = _forward_outputs(q, return_max_logits)
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "row_max": row_max if return_max_logits else lse}
     tensors["sink"] = sink if sink is not None else lse[:1]
-    _launch(call, tensors, q.device)
+    _run(launch, tensors, scale, softcap, q.device)
     return out, lse, row_max
 
 
-def run_backward(q, k, v, out, lse, sink, dout, dlse, call: Call, dq_accum: torch.Tensor | None = None):
-    """dq, dk, dv from the backward kernels; dsink from its closed form (the sinks join the
-    softmax with no value: d sink = -sum over rows of P_sink * (rowsum(dO * O) - dlse)). With
-    `dq_accum` (float32, like q) the kernel adds dQ into it and dq is that buffer, uncast."""
-    entry = call.kernel
+def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: float, softcap: float,
+                  dq_accum: torch.Tensor | None = None):  # fmt: skip
+    """dq, dk, dv, dsink from the backward kernels for q [T, H, D]; dsink from its closed form
+    (the sinks join the softmax with no value: d sink = -sum over rows of P_sink * (rowsum(dO * O)
+    - dlse)). With `dq_accum` (float32, like q) the kernel adds dQ into it and dq is that
+    buffer, uncast."""
+    entry = launch.kernel
     tq, hq, d = q.shape
     padded = -(-tq // entry.tile_m) * entry.tile_m
     accumulate = dq_accum is not None
@@ -73,8 +108,9 @@ def run_backward(q, k, v, out, lse, sink, dout, dlse, call: Call, dq_accum: torc
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     # The preprocess kernel fills the statistics (head-major, padded to whole q blocks).
     delta = torch.empty(hq, padded, dtype=torch.float32, device=q.device)
+    # Autograd hands over broadcast gradients (that of lse.sum() has stride 0): the kernels read dense rows.
     tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout.contiguous(), "lse": lse,
-               "dlse": dlse if dlse is not None else lse[:0], "lse_log2": torch.empty_like(delta).view(-1),
+               "dlse": dlse.contiguous() if dlse is not None else lse[:0], "lse_log2": torch.empty_like(delta).view(-1),
                "delta": delta.view(-1), "dq_accum": dq_rows, "dk": dk, "dv": dv}  # fmt: skip
     if entry.deterministic:  # one counter per (head, q block, consumer warpgroup)
         semaphores = hq * padded // entry.tile_m * (entry.tile_n // WARPGROUP_ROWS)
@@ -84,10 +120,11 @@ def run_backward(q, k, v, out, lse, sink, dout, dlse, call: Call, dq_accum: torc
         tensors.update(dq_semaphore=unused, work_blocks=unused, block_rank=unused)
     # Split items' fp32 dK / dV sums and piece counters in one zeroed buffer (never read, and
     # not filled, when nothing is split).
-    sums, counts = max(call.slots, 1) * 2 * entry.tile_n * d, max(call.slots, 1) * (entry.tile_n // WARPGROUP_ROWS)
-    split = (torch.zeros if call.slots else torch.empty)(sums + counts, dtype=torch.float32, device=q.device)
+    slots = max(launch.slots, 1)
+    sums, counts = slots * 2 * entry.tile_n * d, slots * (entry.tile_n // WARPGROUP_ROWS)
+    split = (torch.zeros if launch.slots else torch.empty)(sums + counts, dtype=torch.float32, device=q.device)
     tensors["dkv_accum"], tensors["dkv_count"] = split[:sums], split[sums:].view(torch.int32)
-    _launch(call, tensors, q.device)
+    _run(launch, tensors, scale, softcap, q.device)
     dsink = None
     if sink is not None:
         delta_rows = delta[:, :tq].t()  # [Tq, Hq]
@@ -99,32 +136,75 @@ def run_backward(q, k, v, out, lse, sink, dout, dlse, call: Call, dq_accum: torc
     return dq_accum, dk, dv, dsink
 
 
+def _config(mask: Mask, scale: float, softcap: float, return_max_logits: bool = False) -> reference._Config:
+    return reference._Config(mask, scale, softcap, reference.BLOCK_Q, reference.BLOCK_K, return_max_logits)
+
+
+def attn_fwd_cuda(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, options):
+    """out, lse and row_max ([0] unless return_max_logits), shaped like q."""
+    call_mask = _call_mask(mask, prepared, padding, q, k)
+    target = _target(q, k, softcap > 0, sink is not None, return_max_logits, Options.decode(options))
+    launch = plan.plan_forward(call_mask, target, q.device)
+    out, lse, row_max = forward_cuda(_rows(q), _rows(k), _rows(v), sink, launch, softmax_scale, softcap, return_max_logits)
+    return out.view(q.shape), lse.view(q.shape[:-1]), row_max.view(q.shape[:-1]) if return_max_logits else row_max
+
+
+def attn_fwd_cpu(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, options):
+    """The forward on the CPU: the reference attention's tiles."""
+    cfg = _config(_call_mask(mask, prepared, padding, q, k), softmax_scale, softcap, return_max_logits)
+    out, lse, max_logits = reference._forward(_rows(q), _rows(k), _rows(v), sink, cfg)
+    rows = q.shape[:-1]
+    row_max = max_logits.expand(rows).contiguous() if return_max_logits else lse.new_empty(0)
+    return out.view(q.shape), lse.view(rows), row_max
+
+
+def attn_bwd_cuda(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options):
+    """dq, dk, dv and dsink (empty without sinks: ops return tensors), shaped like their inputs."""
+    call_mask = _call_mask(mask, prepared, padding, q, k)
+    launch = plan.plan_backward(call_mask, _target(q, k, softcap > 0, False, False, Options.decode(options)), q.device)
+    flat = [_rows(x) if x is not None else None for x in (q, k, v, out)]
+    lse_rows, dlse_rows = lse.view(-1, lse.shape[-1]), None if dlse is None else dlse.reshape(-1, dlse.shape[-1])
+    dq, dk, dv, dsink = backward_cuda(*flat, lse_rows, sink, _rows(dout.contiguous()), dlse_rows, launch, softmax_scale,
+                                      softcap)  # fmt: skip
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dsink if dsink is not None else lse.new_empty(0)
+
+
+def attn_bwd_cpu(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options):
+    """The backward on the CPU: the reference attention's, recomputing its tiles."""
+    cfg = _config(_call_mask(mask, prepared, padding, q, k), softmax_scale, softcap)
+    lse_rows = lse.reshape(-1, lse.shape[-1])
+    dlse_rows = torch.zeros_like(lse_rows) if dlse is None else dlse.reshape(-1, dlse.shape[-1])
+    dq, dk, dv, dsink = reference._backward(_rows(q), _rows(k), _rows(v), _rows(out), lse_rows, sink,
+                                            dout.reshape(-1, *dout.shape[-2:]), dlse_rows, cfg)  # fmt: skip
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dsink if dsink is not None else lse.new_empty(0)
+
+
 def attn_fwd_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     sink: torch.Tensor | None,
-    schedule: torch.Tensor,
-    launch: list[int],
+    mask: torch.Tensor,
+    prepared: torch.Tensor | None,
+    padding: torch.Tensor | None,
     softmax_scale: float,
     softcap: float,
     return_max_logits: bool,
-    bwd_schedule: torch.Tensor | None,
-    bwd_launch: list[int],
+    options: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """out, lse and row_max ([0] unless return_max_logits) from the forward kernel; `schedule`
-    and `launch` as in `maskc.runtime.plan.LaunchArgs`. bwd_schedule and bwd_launch are the
-    backward's (its kernel, deterministic or not, included), carried here because autograd sees
-    only a forward op's inputs (bwd_launch is empty when no backward was planned)."""
-    call = Call.of(schedule, launch, softmax_scale, softcap, return_max_logits=return_max_logits)
-    return _forward(q, k, v, sink, call)
+    """out, lse and row_max of masked attention: q [T, Hq, D] or [B, S, Hq, D], k, v alike;
+    `mask` a `Mask.table` over the call's rows (over one row of a batch, or all of them),
+    `prepared` its plan (`maskc.prepare`), `padding` a batch's [B, S] attention mask (true on
+    real tokens), `options` the encoded `Options`."""
+    impl = attn_fwd_cuda if q.device.type == "cuda" else attn_fwd_cpu
+    return impl(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, options)
 
 
-_attn_fwd = torch.library.custom_op("maskc::attn_fwd", attn_fwd_impl, mutates_args=(), device_types="cuda")
+_attn_fwd = torch.library.custom_op("maskc::attn_fwd", attn_fwd_impl, mutates_args=(), device_types=("cuda", "cpu"))
 
 
 @_attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, sink, schedule, launch, softmax_scale, softcap, return_max_logits, bwd_schedule, bwd_launch):
+def _attn_fwd_fake(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, options):
     return _forward_outputs(q, return_max_logits)
 
 
@@ -137,41 +217,41 @@ def attn_bwd_impl(
     sink: torch.Tensor | None,
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
-    schedule: torch.Tensor,
-    launch: list[int],
+    mask: torch.Tensor,
+    prepared: torch.Tensor | None,
+    padding: torch.Tensor | None,
     softmax_scale: float,
     softcap: float,
+    options: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv and dsink (empty without sinks: ops return tensors) from the backward kernel."""
-    call = Call.of(schedule, launch, softmax_scale, softcap)
-    dq, dk, dv, dsink = run_backward(q, k, v, out, lse, sink, dout, dlse, call)
-    return dq, dk, dv, dsink if dsink is not None else lse.new_empty(0)
+    """dq, dk, dv and dsink (empty without sinks: ops return tensors) of `attn_fwd_impl`."""
+    impl = attn_bwd_cuda if q.device.type == "cuda" else attn_bwd_cpu
+    return impl(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options)
 
 
-_attn_bwd = torch.library.custom_op("maskc::attn_bwd", attn_bwd_impl, mutates_args=(), device_types="cuda")
+_attn_bwd = torch.library.custom_op("maskc::attn_bwd", attn_bwd_impl, mutates_args=(), device_types=("cuda", "cpu"))
 
 
 @_attn_bwd.register_fake
-def _attn_bwd_fake(q, k, v, out, lse, sink, dout, dlse, schedule, launch, softmax_scale, softcap):
+def _attn_bwd_fake(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options):
     dsink = torch.empty_like(sink) if sink is not None else lse.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    """Saves q, k, v, out, lse, the sinks and the backward's launch; the kernel recomputes the rest."""
-    q, k, v, sink, _, _, scale, softcap, _, bwd_schedule, bwd_launch = inputs
+    """Saves q, k, v, out, lse, the sinks and the mask's tensors; the kernel recomputes the rest."""
+    q, k, v, sink, mask, prepared, padding, scale, softcap, _, options = inputs
     out, lse, row_max = output
-    ctx.save_for_backward(q, k, v, out, lse, sink, bwd_schedule)
-    ctx.launch = (bwd_launch, scale, softcap)
+    ctx.save_for_backward(q, k, v, out, lse, sink, mask, prepared, padding)
+    ctx.scalars = (scale, softcap, options)
     ctx.mark_non_differentiable(row_max)
 
 
 def _attn_fwd_backward(
     ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None, _drow_max: Any, attn_bwd: Callable = torch.ops.maskc.attn_bwd
 ) -> tuple:
-    q, k, v, out, lse, sink, schedule = ctx.saved_tensors
-    launch, scale, softcap = ctx.launch
-    dq, dk, dv, dsink = attn_bwd(q, k, v, out, lse, sink, dout, dlse, schedule, launch, scale, softcap)
+    q, k, v, out, lse, sink, mask, prepared, padding = ctx.saved_tensors
+    dq, dk, dv, dsink = attn_bwd(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, *ctx.scalars)
     return (dq, dk, dv, dsink if sink is not None else None) + (None,) * 7
 
 

@@ -1,16 +1,18 @@
-"""Planning a call: everything its mask, device, shapes and flags decide — the kernel family,
-the GQA strategy, the kernels, their schedules on the device and grid sizes — computed once
-and cached on the mask (`plan_launches`)."""
+"""Planning a call: everything its mask and its `Target` (GPU, shapes, options) decide: the
+GQA strategy, the kernels, their schedules and grid sizes. The decisions and host schedules
+are cached in the mask's memo under keys of plain values, so `maskc.prepare` can compute them
+ahead of time (in a DataLoader worker) and hand them over; the kernels and device copies are
+found per process and device."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
-import torch.utils._pytree as pytree
 
 from maskc.artifact.abi import BACKWARD_ABI, TensorArg
 from maskc.artifact.families import (
@@ -44,10 +46,6 @@ SCHEDULE_ARGS = tuple(_ARGS[name] for name in ("work_tile", "work_ranges", "rang
 backward's seven, the deterministic backward's all nine); every dim but the first has a fixed
 extent."""
 
-# A Mask is immutable and compares by value: torch.compile may hand it to `plan_launches` as a constant.
-pytree.register_constant(Mask)
-
-
 @lru_cache(maxsize=None)
 def device_info(device: torch.device) -> tuple[tuple[int, int], int]:
     """(compute capability, multiprocessor count) of a GPU, asked once per process."""
@@ -55,124 +53,39 @@ def device_info(device: torch.device) -> tuple[tuple[int, int], int]:
     return (props.major, props.minor), props.multi_processor_count
 
 
-def _pack_gqa(mask: Mask, request: Mapping[str, Any], family: KernelFamily, num_sms: int) -> bool:
-    """The GQA strategy for this call (maskc.ir.strategy.select_pack_gqa), cached in mask.memo."""
-    hq, hkv = request["num_heads_q"], request["num_heads_kv"]
-    if not pack_gqa_supported(hq, hkv):
-        return False
-    tiles = family.forward.tiles[request["head_dim"]]
-    key = ("pack_gqa", hq, hkv, tiles.tile_m, tiles.tile_n, num_sms)
-    cached = mask.memo.get(key)
-    if cached is None:
-        cached = mask.memo[key] = select_pack_gqa(mask, hq, hkv, tiles.tile_m, tiles.tile_n, num_sms)
-    return cached
+@dataclass(frozen=True)
+class Target:
+    """Everything but the mask that plans a call: the GPU (its arch, and the SMs the persistent
+    grids may use), the kernel family, and the request fields of the call's kernels. Plain
+    values, so it crosses to a DataLoader worker (`maskc.prepare`)."""
+
+    arch: str
+    num_sms: int
+    portable: bool
+    base: tuple[tuple[str, Any], ...]
+    """arch, head dim, dtype, head counts, softcap and family: the fields both directions' kernels share."""
+    has_sink: bool
+    has_max_logits: bool
+    pack_gqa: bool | None
+    deterministic: bool
+
+    @property
+    def family(self) -> KernelFamily:
+        return family_of(self.arch, self.portable)
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        return dict(self.base)
 
 
-def backward_kernel(mask: Mask, request: Mapping[str, Any]) -> registry.Entry:
-    """The backward kernel without line masks where the mask's backward schedule has no partial
-    block (a full mask at any length): the masked kernel spills registers in its block loop. The
-    masked kernel serves the other masks, and this one where only it is registered (where the
-    family's backward has an unmasked variant at all)."""
-    family = family_of(request["arch"], request.get("portable", False))
-    if not family.has("bwd", "unmasked"):
-        return registry.find_kernel(request)
-    tiles = family.backward.tiles[request["head_dim"]]
-    if backward_has_partial_blocks(mask, tiles.tile_m, tiles.tile_n):
-        return registry.find_kernel(request)
-    return registry.find_kernel({**request, "unmasked": True}, alternative=request)
-
-
-def schedule_tensors(mask: Mask, build: Callable, device: torch.device, *params: int) -> tuple[torch.Tensor, list[int], int]:
-    """The schedule `build(mask, *params)` on the device as one int32 tensor holding its arrays
-    back to back (one copy, one op argument), the row count of each and its split slots (a
-    backward's), built once per (mask, builder, params, device): masks are immutable. An empty
-    array gets a zero row (never read) so it has an address."""
-    key = (build.__name__, *params, device)
-    cached = mask.memo.get(key)
-    if cached is None:
-        schedule = build(mask, *params)
-        arrays = [a if len(a) else np.zeros((1, *a.shape[1:]), np.int32) for a in schedule.arrays()]
-        flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays])).to(device)
-        cached = mask.memo[key] = (flat, [a.shape[0] for a in arrays], getattr(schedule, "num_slots", 0))
-    return cached
-
-
-def schedule_views(flat: torch.Tensor, rows: list[int]) -> dict[str, torch.Tensor]:
-    """The schedule's tensors by ABI name, cut back out of its flat tensor (once per tensor:
-    views cost host time on every call otherwise); they live as an attribute of the tensor,
-    so they go with it."""
-    views = getattr(flat, "_maskc_views", None)
-    if views is None:
-        parts = flat.split([r * math.prod(a.shape[1:]) for r, a in zip(rows, SCHEDULE_ARGS)])
-        views = flat._maskc_views = {a.name: p.view(r, *a.shape[1:]) for a, p, r in zip(SCHEDULE_ARGS, parts, rows)}
-    return views
-
-
-class LaunchArgs(NamedTuple):
-    """One kernel launch as op arguments: its schedule (`schedule_tensors`) and `launch`, the
-    kernel's index in `registry.LOADED`, the grid size, the split slots and the row count of
-    each schedule array.
-    Few op arguments keep the dispatcher's per-call cost down."""
-
-    schedule: torch.Tensor | None
-    launch: list[int]
-
-
-NO_LAUNCH = LaunchArgs(None, [])
-"""The backward of a call that needs no gradient: nothing is planned or built for it."""
-
-
-def _forward_launch(entry: registry.Entry, mask: Mask, num_sms: int, device: torch.device) -> LaunchArgs:
-    """One CTA per work item, up to the CTAs the SMs hold at once."""
-    schedule, rows, _ = schedule_tensors(mask, build_schedule, device, entry.tile_m, entry.tile_n)
-    num_ctas = min(num_sms * entry.ctas_per_sm, max(1, rows[0] * entry.items_per_tile))
-    return LaunchArgs(schedule, [entry.index, num_ctas, 0, *rows])
-
-
-def _backward_launch(entry: registry.Entry, mask: Mask, num_sms: int, device: torch.device) -> LaunchArgs:
-    """The backward schedule deals its (k tile, K/V head) items, or their pieces, to the CTAs itself."""
-    num_ctas = min(num_sms * entry.ctas_per_sm, max(1, -(-mask.shape[1] // entry.tile_n) * entry.items_per_tile * entry.pieces))
-    params = (entry.tile_m, entry.tile_n, entry.items_per_tile, num_ctas)
-    if entry.deterministic:
-        schedule, rows, slots = schedule_tensors(mask, build_deterministic_backward_schedule, device, *params)
-    else:
-        schedule, rows, slots = schedule_tensors(mask, build_backward_schedule, device, *params, entry.pieces)
-    return LaunchArgs(schedule, [entry.index, num_ctas, slots, *rows])
-
-
-@torch.compiler.assume_constant_result
-def plan_launches(
-    mask: Mask,
-    device: torch.device,
-    dtype: torch.dtype,
-    num_heads_q: int,
-    num_heads_kv: int,
-    head_dim: int,
-    has_softcap: bool,
-    has_sink: bool,
-    return_max_logits: bool,
-    pack_gqa: bool | None,
-    needs_grad: bool,
-    deterministic: bool,
-    sm_margin: int = 0,
-    portable: bool | None = None,
-) -> tuple[LaunchArgs, LaunchArgs]:
-    """The forward and backward launches of a call, which its mask, device, shapes and flags
-    decide: GQA strategy, kernels (registered or compiled), schedules, all cached. It takes
-    no tensor, so torch.compile runs it once per compilation and keeps the result as constants
-    instead of tracing the numpy schedule passes. Eager calls find it in `mask.memo` (the key
-    counts the loaded kernels, so registering artifacts later plans anew). `sm_margin` SMs are
-    left free of the persistent grids (for communication kernels running alongside). `portable`
-    None takes the GPU's own kernels where maskc has verified ones, else the portable ones."""
-    key = ("plan", device, dtype, num_heads_q, num_heads_kv, head_dim, has_softcap, has_sink, return_max_logits, pack_gqa,
-           needs_grad, deterministic, sm_margin, portable, len(registry.LOADED))  # fmt: skip
-    cached = mask.memo.get(key)
-    if cached is not None:
-        return cached
-    capability, num_sms = device_info(device)
+@lru_cache(maxsize=256)
+def make_target(capability: tuple[int, int], num_sms: int, dtype: torch.dtype, num_heads_q: int, num_heads_kv: int,
+                head_dim: int, has_softcap: bool, has_sink: bool, return_max_logits: bool, pack_gqa: bool | None,
+                deterministic: bool, sm_margin: int = 0, portable: bool | None = None) -> Target:  # fmt: skip
+    """The target of a call on a GPU of `capability` with `num_sms` SMs, validated: every
+    error a call's options can cause is raised here, before any kernel is looked for."""
     if not 0 <= sm_margin < num_sms:
         raise MaskcError(f"sm_margin must be in [0, {num_sms}) on this GPU, got {sm_margin}")
-    num_sms -= sm_margin
     arch = arch_of_capability(capability)
     if arch is None:
         raise MaskcError(
@@ -186,30 +99,138 @@ def plan_launches(
             f"the {family.title} kernel (the one used on {arch.name}) has no PackGQA yet"
             + (f"; on {arch.name} pass portable=None" if default_family(arch.name).has("fwd", "pack_gqa") else "")
         )
+    if pack_gqa and not pack_gqa_supported(num_heads_q, num_heads_kv):
+        raise MaskcError(f"pack_gqa needs Hq / Hkv a power of two in [2, 64]; got {num_heads_q} / {num_heads_kv}")
     base = {"arch": arch.name, "head_dim": head_dim, "dtype": TORCH_DTYPES[dtype], "num_heads_q": num_heads_q,
-            "num_heads_kv": num_heads_kv, "has_softcap": has_softcap}  # fmt: skip
-    request = {**base, "direction": "fwd", "has_sink": has_sink, "has_max_logits": return_max_logits}
-    if family.portable:
-        request["portable"] = True
-    other_strategy = None
-    if not family.has("fwd", "pack_gqa"):
-        request["pack_gqa"] = False
-    elif pack_gqa is None:
-        request["pack_gqa"] = _pack_gqa(mask, request, family, num_sms)
-        other_strategy = {**request, "pack_gqa": not request["pack_gqa"]}
-    else:
-        if pack_gqa and not pack_gqa_supported(num_heads_q, num_heads_kv):
-            raise MaskcError(f"pack_gqa needs Hq / Hkv a power of two in [2, 64]; got {num_heads_q} / {num_heads_kv}")
-        request["pack_gqa"] = bool(pack_gqa)
-    forward = registry.find_kernel(request, other_strategy)
-    backward_launch = NO_LAUNCH
-    if needs_grad:
-        backward = backward_kernel(mask, {**base, "direction": "bwd", "has_sink": False, "has_max_logits": False,
-                                          "pack_gqa": False, "deterministic": deterministic,
-                                          "portable": family.portable})  # fmt: skip
-        backward_launch = _backward_launch(backward, mask, num_sms, device)
-    cached = mask.memo[key] = (_forward_launch(forward, mask, num_sms, device), backward_launch)
-    return cached
+            "num_heads_kv": num_heads_kv, "has_softcap": has_softcap, "portable": family.portable}  # fmt: skip
+    return Target(arch.name, num_sms - sm_margin, family.portable, tuple(base.items()), has_sink, return_max_logits,
+                  None if pack_gqa is None else bool(pack_gqa), deterministic)  # fmt: skip
+
+
+def _memo(mask: Mask, key: tuple, compute: Callable[[], Any]) -> Any:
+    """`compute()` once per mask and key: a Mask never changes. The keys of the decisions and
+    host schedules hold only str, int and bool, so a prepared mask carries them (`maskc.prepare`)."""
+    value = mask.memo.get(key)
+    if value is None:
+        value = mask.memo[key] = compute()
+    return value
+
+
+def forward_requests(mask: Mask, target: Target) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The forward kernel's request, and the one of a kernel that serves the call too (the
+    other GQA strategy, where the strategy was maskc's choice: maskc.ir.strategy)."""
+    request = {**target.fields, "direction": "fwd", "has_sink": target.has_sink, "has_max_logits": target.has_max_logits}
+    hq, hkv = request["num_heads_q"], request["num_heads_kv"]
+    if not target.family.has("fwd", "pack_gqa"):
+        return {**request, "pack_gqa": False}, None
+    if target.pack_gqa is not None:
+        return {**request, "pack_gqa": target.pack_gqa}, None
+    tiles = target.family.forward.tiles[request["head_dim"]]
+    key = ("pack_gqa", hq, hkv, tiles.tile_m, tiles.tile_n, target.num_sms)
+    packed = pack_gqa_supported(hq, hkv) and _memo(
+        mask, key, lambda: select_pack_gqa(mask, hq, hkv, tiles.tile_m, tiles.tile_n, target.num_sms)
+    )
+    return {**request, "pack_gqa": packed}, {**request, "pack_gqa": not packed}
+
+
+def backward_requests(mask: Mask, target: Target) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The backward kernel's request: without line masks where the mask's backward schedule has
+    no partial block (a full mask at any length: the masked kernel spills registers in its block
+    loop), then with the masked kernel as the one that serves the call too; else masked."""
+    request = {**target.fields, "direction": "bwd", "has_sink": False, "has_max_logits": False, "pack_gqa": False,
+               "deterministic": target.deterministic}  # fmt: skip
+    if not target.family.has("bwd", "unmasked"):
+        return request, None
+    tiles = target.family.backward.tiles[request["head_dim"]]
+    partial = _memo(mask, ("partial", tiles.tile_m, tiles.tile_n),
+                    lambda: backward_has_partial_blocks(mask, tiles.tile_m, tiles.tile_n))  # fmt: skip
+    return (request, None) if partial else ({**request, "unmasked": True}, request)
+
+
+def backward_kernel(mask: Mask, target: Target) -> registry.Entry:
+    """The backward kernel of a call (`backward_requests`): registered, or from the kernel source."""
+    return registry.find_kernel(*backward_requests(mask, target))
+
+
+class HostSchedule(NamedTuple):
+    """A schedule as one int32 CPU tensor holding its arrays back to back (one copy, one op
+    argument), the row count of each, its split slots (a backward's) and its grid size."""
+
+    flat: torch.Tensor
+    rows: tuple[int, ...]
+    slots: int
+    num_ctas: int
+
+
+def _host_schedule(mask: Mask, build: Callable, num_ctas: int, *params: int) -> HostSchedule:
+    """`build(mask, *params)` flattened; an empty array gets a zero row (never read) so it has an address."""
+
+    def compute() -> HostSchedule:
+        schedule = build(mask, *params)
+        arrays = [a if len(a) else np.zeros((1, *a.shape[1:]), np.int32) for a in schedule.arrays()]
+        flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays]))
+        return HostSchedule(flat, tuple(a.shape[0] for a in arrays), getattr(schedule, "num_slots", 0), num_ctas)
+
+    return _memo(mask, (build.__name__, num_ctas, *params), compute)
+
+
+def forward_schedule(mask: Mask, shape: registry.LaunchShape, num_sms: int) -> HostSchedule:
+    """One CTA per work item, up to the CTAs the SMs hold at once."""
+    tiles = -(-mask.shape[0] // shape.tile_m)
+    num_ctas = min(num_sms * shape.ctas_per_sm, max(1, tiles * shape.items_per_tile))
+    return _host_schedule(mask, build_schedule, num_ctas, shape.tile_m, shape.tile_n)
+
+
+def backward_schedule(mask: Mask, shape: registry.LaunchShape, num_sms: int) -> HostSchedule:
+    """The backward schedule deals its (k tile, K/V head) items, or their pieces, to the CTAs itself."""
+    tiles = -(-mask.shape[1] // shape.tile_n)
+    num_ctas = min(num_sms * shape.ctas_per_sm, max(1, tiles * shape.items_per_tile * shape.pieces))
+    params = (shape.tile_m, shape.tile_n, shape.items_per_tile, num_ctas)
+    if shape.deterministic:
+        return _host_schedule(mask, build_deterministic_backward_schedule, num_ctas, *params)
+    return _host_schedule(mask, build_backward_schedule, num_ctas, *params, shape.pieces)
+
+
+def schedule_views(flat: torch.Tensor, rows: Sequence[int]) -> dict[str, torch.Tensor]:
+    """The schedule's tensors by ABI name, cut back out of its flat tensor (once per tensor:
+    views cost host time on every call otherwise); they live as an attribute of the tensor,
+    so they go with it."""
+    views = getattr(flat, "_maskc_views", None)
+    if views is None:
+        parts = flat.split([r * math.prod(a.shape[1:]) for r, a in zip(rows, SCHEDULE_ARGS)])
+        views = flat._maskc_views = {a.name: p.view(r, *a.shape[1:]) for a, p, r in zip(SCHEDULE_ARGS, parts, rows)}
+    return views
+
+
+class Launch(NamedTuple):
+    """One kernel launch: the kernel, its schedule on the launch's device and grid size."""
+
+    kernel: registry.Entry
+    schedule: torch.Tensor
+    rows: tuple[int, ...]
+    slots: int
+    num_ctas: int
+
+
+def _launch(mask: Mask, kernel: registry.Entry, host: HostSchedule, device: torch.device) -> Launch:
+    """The launch of `kernel` with its schedule copied to `device` once per mask."""
+    key = ("device", host.flat.data_ptr(), device)
+    schedule = mask.memo.get(key)
+    if schedule is None:
+        schedule = mask.memo[key] = host.flat.to(device, non_blocking=host.flat.is_pinned())
+    return Launch(kernel, schedule, host.rows, host.slots, host.num_ctas)
+
+
+def plan_forward(mask: Mask, target: Target, device: torch.device) -> Launch:
+    """The forward launch of a call: its kernel (registered or compiled) and schedule."""
+    kernel = registry.find_kernel(*forward_requests(mask, target))
+    return _launch(mask, kernel, forward_schedule(mask, kernel.shape, target.num_sms), device)
+
+
+def plan_backward(mask: Mask, target: Target, device: torch.device) -> Launch:
+    """The backward launch of a call."""
+    kernel = backward_kernel(mask, target)
+    return _launch(mask, kernel, backward_schedule(mask, kernel.shape, target.num_sms), device)
 
 
 def _family(arch: str, portable: bool | None) -> KernelFamily:

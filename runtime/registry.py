@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 from maskc.artifact.abi import ENTRY_POINTS, abi_to_json
 from maskc.artifact.families import family_of
@@ -31,26 +31,45 @@ def request_key(fields: Mapping[str, Any]) -> tuple:
     return tuple(fields.get(f, False) if f in _OPTIONAL_FIELDS else fields[f] for f in REQUEST_FIELDS)
 
 
-class Entry:
-    """A registered kernel and the tile shape its schedule needs: tile_m is in query tokens
-    (with PackGQA, the kernel's TILE_M packed rows hold TILE_M / G tokens), and items_per_tile
-    the work items of each q tile (query heads, or K/V heads with PackGQA); a backward item may
-    be split into `pieces` (one per query head of its K/V head); `ctas_per_sm` persistent CTAs
-    share an SM. `index` is its place in `LOADED`: what the custom ops take to name it."""
+class LaunchShape(NamedTuple):
+    """How a kernel runs, which decides the schedule built for it: tile_m is in query tokens
+    (with PackGQA, the kernel's TILE_M packed rows hold TILE_M / G tokens), items_per_tile the
+    work items of each q tile (query heads, or K/V heads with PackGQA); a backward item may be
+    split into `pieces` (one per query head of its K/V head); `ctas_per_sm` persistent CTAs
+    share an SM."""
 
-    def __init__(
-        self,
-        load: Callable[[], Kernel] | None,
-        tile_m: int,
-        tile_n: int,
-        items_per_tile: int,
-        deterministic: bool = False,
-        pieces: int = 1,
-        ctas_per_sm: int = 1,
-    ):
+    tile_m: int
+    tile_n: int
+    items_per_tile: int
+    deterministic: bool = False
+    pieces: int = 1
+    ctas_per_sm: int = 1
+
+
+def launch_shape(fields: Mapping[str, Any]) -> LaunchShape:
+    """The launch shape of the kernel with manifest `fields` (tile_m and tile_n included); its
+    family says how it runs."""
+    hq, hkv = fields["num_heads_q"], fields["num_heads_kv"]
+    family = family_of(fields["arch"], fields.get("portable", False))
+    if fields["direction"] == "bwd":  # items are (k tile, kv head); tile_m is the q block
+        deterministic = fields.get("deterministic", False)
+        pieces = hq // hkv if family.split_backward and not deterministic else 1
+        # A deterministic CTA waits for lower items' CTAs: one per SM keeps them all resident.
+        ctas_per_sm = 1 if deterministic else family.ctas_per_sm
+        return LaunchShape(fields["tile_m"], fields["tile_n"], hkv, deterministic, pieces, ctas_per_sm)
+    if fields.get("pack_gqa", False):
+        return LaunchShape(fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv)
+    return LaunchShape(fields["tile_m"], fields["tile_n"], hq, ctas_per_sm=family.ctas_per_sm)
+
+
+class Entry:
+    """A registered kernel and its launch shape; `index` is its place in `LOADED`: what the
+    custom ops' plans name it by."""
+
+    def __init__(self, load: Callable[[], Kernel] | None, shape: LaunchShape):
         self._load, self._kernel = load, None
-        self.tile_m, self.tile_n, self.items_per_tile = tile_m, tile_n, items_per_tile
-        self.deterministic, self.pieces, self.ctas_per_sm = deterministic, pieces, ctas_per_sm
+        self.shape = shape
+        self.tile_m, self.tile_n, self.items_per_tile, self.deterministic, self.pieces, self.ctas_per_sm = shape
         self.index = len(LOADED)
         LOADED.append(self)
 
@@ -64,18 +83,8 @@ class Entry:
 
 
 def entry_for(load: Callable[[], Kernel] | None, fields: Mapping[str, Any]) -> Entry:
-    """The entry of the kernel with manifest `fields`; its family says how it runs."""
-    hq, hkv = fields["num_heads_q"], fields["num_heads_kv"]
-    family = family_of(fields["arch"], fields.get("portable", False))
-    if fields["direction"] == "bwd":  # items are (k tile, kv head); tile_m is the q block
-        deterministic = fields.get("deterministic", False)
-        pieces = hq // hkv if family.split_backward and not deterministic else 1
-        # A deterministic CTA waits for lower items' CTAs: one per SM keeps them all resident.
-        ctas_per_sm = 1 if deterministic else family.ctas_per_sm
-        return Entry(load, fields["tile_m"], fields["tile_n"], hkv, deterministic, pieces, ctas_per_sm)
-    if fields.get("pack_gqa", False):
-        return Entry(load, fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv)
-    return Entry(load, fields["tile_m"], fields["tile_n"], hq, ctas_per_sm=family.ctas_per_sm)
+    """The entry of the kernel with manifest `fields`."""
+    return Entry(load, launch_shape(fields))
 
 
 KERNELS: dict[tuple, Entry] = {}

@@ -19,7 +19,7 @@ import torch
 import maskc
 from maskc.frontend import load
 from maskc.ir import AttnSlice, Mask
-from maskc.runtime import registry
+from maskc.runtime import plan, registry
 
 pytestmark = pytest.mark.gpu
 
@@ -314,6 +314,23 @@ def test_gradients_without_lse_gradient(d: int, dtype: str, portable: bool | Non
         _check_grads(MASKS[name](), 8, 8, d, dtype, lse_grad=False, portable=portable)
 
 
+@KERNELS
+def test_gradients_through_a_broadcast_lse_gradient(portable: bool | None) -> None:
+    """`lse.sum()` in the loss hands the backward a broadcast dlse (stride 0): the kernels must
+    get it as dense rows."""
+    mask = MASKS["varlen_causal"]()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(mask.seqlen_q, 8, 128), (mask.seqlen_k, 2, 128), (mask.seqlen_k, 2, 128)]
+    leaves = [torch.randn(s, device="cuda", generator=g).to(torch.bfloat16).requires_grad_() for s in shapes]
+    exact = [x.detach().double().requires_grad_() for x in leaves]
+    for fn, xs, kwargs in ((maskc.attention, leaves, {"portable": portable}), (maskc.reference_attention, exact, {})):
+        out, meta = fn(*xs, mask, **kwargs)
+        (out.double().square().sum() + meta.lse.sum()).backward()
+    for ours, theirs in zip(leaves, exact):
+        rel = torch.linalg.vector_norm(ours.grad.double() - theirs.grad) / torch.linalg.vector_norm(theirs.grad)
+        assert rel < 2e-2, f"relative gradient error {float(rel):.2e}"
+
+
 @pytest.mark.parametrize("name,hq,hkv,d,dtype,extras", [
     ("full", 8, 2, 128, "bf16", True), ("causal", 64, 8, 128, "bf16", False), ("varlen_causal", 8, 1, 64, "fp16", False),
     ("rows_without_keys", 8, 2, 128, "bf16", False),
@@ -338,9 +355,11 @@ def test_gradients_of_masks_without_partial_blocks(cu_seqlens: list[int]) -> Non
     _check_grads(mask, 8, 2, 128, "bf16", softcap=5.0, sink=True)
     _check_grads(mask, 8, 8, 64, "fp16", deterministic=True)
     unmasked = {entry for key, entry in registry.KERNELS.items() if key[registry.REQUEST_FIELDS.index("unmasked")]}
-    used = [registry.loaded(plan[1].launch[0]) for key, plan in mask.memo.items()
-            if isinstance(key, tuple) and key[0] == "plan" and plan[1].launch]  # fmt: skip
-    assert len(used) == 2 and all((entry in unmasked) == (cu_seqlens != [0, 600, 1000]) for entry in used)
+    capability, num_sms = plan.device_info(torch.device("cuda"))
+    targets = [plan.make_target(capability, num_sms, torch.bfloat16, 8, 2, 128, True, True, False, None, False),
+               plan.make_target(capability, num_sms, torch.float16, 8, 8, 64, False, False, False, None, True)]  # fmt: skip
+    used = [plan.backward_kernel(mask, target) for target in targets]
+    assert all((entry in unmasked) == (cu_seqlens != [0, 600, 1000]) for entry in used)
 
 
 @pytest.mark.parametrize("name,hq,hkv,d,dtype", [

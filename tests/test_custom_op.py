@@ -1,129 +1,161 @@
 """maskc.attention as torch.library custom ops, checked without a GPU.
 
-The ops' fake implementations run under FakeTensorMode on fake CUDA tensors. For torch.compile,
-CPU tensors stand in for CUDA ones: the runtime's CUDA-only seams (the device check, the device
-query, the kernel registry) are patched and the ops get CPU implementations computed with the
-reference attention's math (eager mode calls those implementations without the dispatcher, so
-they are patched too), so what is checked is the integration (tracing without graph breaks, op
-arguments, autograd wiring), not the kernels.
+On the CPU the ops compute the reference attention, so eager and compiled calls are checked
+for real: values, gradients, graphs without breaks, and a new mask every step compiling
+nothing. The GPU side of the ops (planning a mask inside the op, choosing kernels and
+schedules) runs here too with CPU tensors standing in for CUDA ones: the CPU implementations
+are swapped for the CUDA ones, whose kernel launches are replaced by the reference math
+(`cuda_on_cpu`), so what is checked is the planning and its wiring, not the kernels.
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import maskc
 from maskc import reference
 from maskc.artifact.families import select_tiles
 from maskc.ir import AttnSlice, Mask
-from maskc.ir.schedule import build_backward_schedule, build_deterministic_backward_schedule, build_schedule
-from maskc.runtime import api, ops, plan, registry
+from maskc.ir import schedule as schedules
+from maskc.runtime import masks, ops, plan, prepared, registry
 
 HQ, HKV, D = 8, 2, 128
 MASK = Mask.from_cu_seqlens([0, 37, 100, 129], causal=True)
-OTHER_MASK = Mask.from_cu_seqlens([0, 64, 129], causal=True)
 ENTRY_KEYS = (("fwd", False), ("fwd", True), ("bwd", False))
-"""(direction, pack_gqa) of the kernels the CPU runs 'have'."""
+"""(direction, pack_gqa) of the kernels the CPU 'GPU' has."""
 
 
-def test_ops_are_registered_with_tensor_and_scalar_arguments_only() -> None:
+def test_ops_take_the_mask_as_tensors_and_options_as_constants() -> None:
     fwd = torch.ops.maskc.attn_fwd.default._schema
     bwd = torch.ops.maskc.attn_bwd.default._schema
     allowed = {"Tensor", "Optional[Tensor]", "List[int]", "float", "bool"}
     for schema in (fwd, bwd):
         assert {str(a.type) for a in schema.arguments} <= allowed, schema
+        assert str(next(a for a in schema.arguments if a.name == "mask").type) == "Tensor"
     assert [r.type.kind() for r in fwd.returns] == ["TensorType"] * 3
     assert [r.type.kind() for r in bwd.returns] == ["TensorType"] * 4
 
 
+@pytest.mark.parametrize("batch", [(), (3,)], ids=["packed", "batched"])
 @pytest.mark.parametrize("return_max_logits", [False, True])
 @pytest.mark.parametrize("with_sink", [False, True])
-def test_fake_implementations_give_exact_shapes(return_max_logits: bool, with_sink: bool) -> None:
+def test_fake_implementations_give_exact_shapes(return_max_logits: bool, with_sink: bool, batch: tuple[int, ...]) -> None:
     tq, tk = 300, 200
+    options = ops.Options(None, False, None).encode()
     with FakeTensorMode():
-        q = torch.empty(tq, HQ, D, dtype=torch.bfloat16, device="cuda")
-        k = torch.empty(tk, HKV, D, dtype=torch.bfloat16, device="cuda")
+        q = torch.empty(*batch, tq, HQ, D, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(*batch, tk, HKV, D, dtype=torch.bfloat16, device="cuda")
         sink = torch.empty(3, HQ, dtype=torch.float32, device="cuda") if with_sink else None
-        schedule, launch = torch.empty(40, dtype=torch.int32, device="cuda"), [0, 132, 2, 3, 2, 3, 4]
-        out, lse, row_max = torch.ops.maskc.attn_fwd(q, k, k, sink, schedule, launch, 0.1, 0.0, return_max_logits, None, [])
-        dq, dk, dv, dsink = torch.ops.maskc.attn_bwd(q, k, k, out, lse, sink, out, lse, schedule, launch, 0.1, 0.0)
+        table = torch.empty(4, 5, dtype=torch.int32)
+        out, lse, row_max = torch.ops.maskc.attn_fwd(q, k, k, sink, table, None, None, 0.1, 0.0, return_max_logits, options)
+        dq, dk, dv, dsink = torch.ops.maskc.attn_bwd(q, k, k, out, lse, sink, out, lse, table, None, None, 0.1, 0.0, options)
+    rows = (*batch, tq, HQ)
     assert (out.shape, out.dtype, out.device.type) == (q.shape, torch.bfloat16, "cuda")
-    assert (lse.shape, lse.dtype) == ((tq, HQ), torch.float32)
-    assert (row_max.shape, row_max.dtype) == ((tq, HQ) if return_max_logits else (0,), torch.float32)
+    assert (lse.shape, lse.dtype) == (rows, torch.float32)
+    assert (row_max.shape, row_max.dtype) == (rows if return_max_logits else (0,), torch.float32)
     assert (dq.shape, dq.dtype) == (q.shape, q.dtype)
     assert (dk.shape, dk.dtype) == (dv.shape, dv.dtype) == (k.shape, k.dtype)
     assert (dsink.shape, dsink.dtype) == ((3, HQ) if with_sink else (0,), torch.float32)
 
 
-@dataclass
-class _Doubles:
-    """The CPU stand-ins for the kernels: reference math on `mask`, and what the ops were given."""
-
-    mask: Mask
-    entries: dict[tuple[str, bool], Any]
-    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-
-    def config(self, scale: float, softcap: float, return_max_logits: bool = False) -> Any:
-        return reference._Config(self.mask, scale, softcap, reference.BLOCK_Q, reference.BLOCK_K, return_max_logits)
-
-    def forward(self, q, k, v, sink, schedule, launch, softmax_scale, softcap, return_max_logits, bwd_schedule, bwd_launch):
-        self.calls.append(("fwd", {"schedule": schedule, "launch": launch, "bwd_schedule": bwd_schedule,
-                                   "bwd_launch": bwd_launch}))  # fmt: skip
-        out, lse, max_logits = reference._forward(q, k, v, sink, self.config(softmax_scale, softcap, return_max_logits))
-        row_max = max_logits.expand(q.shape[0], -1).contiguous() if return_max_logits else lse.new_empty(0)
-        return out, lse, row_max
-
-    def backward(self, q, k, v, out, lse, sink, dout, dlse, schedule, launch, softmax_scale, softcap):
-        self.calls.append(("bwd", {"schedule": schedule, "launch": launch}))
-        dlse = torch.zeros_like(lse) if dlse is None else dlse
-        dq, dk, dv, dsink = reference._backward(q, k, v, out, lse, sink, dout, dlse, self.config(softmax_scale, softcap))
-        return dq, dk, dv, dsink if dsink is not None else lse.new_empty(0)
-
-
-def _register(monkeypatch: pytest.MonkeyPatch, direction: str, pack_gqa: bool, **features: bool) -> Any:
-    """A kernel entry without a kernel in the runtime's registry: sm_90a, 8:2 heads, d=128, bf16."""
-    tiles = select_tiles("sm_90a", D, direction)
-    fields = {"arch": "sm_90a", "head_dim": D, "dtype": "bf16", "num_heads_q": HQ, "num_heads_kv": HKV,
-              "has_softcap": False, "has_sink": False, "has_max_logits": False, **features, "direction": direction,
-              "pack_gqa": pack_gqa, "tile_m": tiles.tile_m, "tile_n": tiles.tile_n}  # fmt: skip
-    entry = registry.entry_for(None, fields)
-    monkeypatch.setitem(registry.KERNELS, registry.request_key(fields), entry)
-    return entry
-
-
-@pytest.fixture
-def cpu_ops(monkeypatch: pytest.MonkeyPatch):
-    """maskc.attention on CPU tensors: an 'SM90 GPU', kernels registered for 8:2 heads, d=128, bf16
-    (both GQA strategies forward, and the backward), and the ops' CPU doubles."""
-    monkeypatch.setattr(api, "_check_device", lambda name, x: None)
-    monkeypatch.setattr(plan, "device_info", lambda device: ((9, 0), 132))
-    monkeypatch.setattr(registry, "LOADED", [])
-    doubles = _Doubles(MASK, {key: _register(monkeypatch, *key) for key in ENTRY_KEYS})
-    monkeypatch.setattr(ops, "attn_fwd_impl", doubles.forward)  # eager mode calls the implementations directly
-    monkeypatch.setattr(ops, "attn_bwd_impl", doubles.backward)
-    with torch.library._scoped_library("maskc", "IMPL") as lib:
-        lib.impl("attn_fwd", doubles.forward, "CPU")
-        lib.impl("attn_bwd", doubles.backward, "CPU")
-        yield doubles
-
-
-def _inputs(mask: Mask, seed: int = 0) -> list[torch.Tensor]:
+def _inputs(mask: Mask, seed: int = 0, dtype: torch.dtype = torch.bfloat16, batch: tuple[int, ...] = ()) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     tq, tk = mask.shape
-    shapes = [(tq, HQ, D), (tk, HKV, D), (tk, HKV, D)]
-    return [torch.randn(s, generator=g).to(torch.bfloat16).requires_grad_() for s in shapes]
+    shapes = [(*batch, tq, HQ, D), (*batch, tk, HKV, D), (*batch, tk, HKV, D)]
+    return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in shapes]
 
 
 def _loss(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Uses lse too, so its gradient is part of what is checked."""
-    return out.float().square().sum() + (lse * torch.linspace(-1, 1, lse.shape[1])).sum()
+    return out.float().square().sum() + (lse * torch.linspace(-1, 1, lse.shape[-1])).sum()
+
+
+def _leaves(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [x.detach().clone().requires_grad_(x.requires_grad) for x in tensors]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_attention_is_the_reference_with_its_gradients(dtype: torch.dtype) -> None:
+    q, k, v = _inputs(MASK, dtype=dtype)
+    sink = torch.randn(2, HQ, requires_grad=True)
+    out, meta = maskc.attention(q, k, v, MASK, softcap=5.0, sink=sink, return_max_logits=True)
+    _loss(out, meta.lse).backward()
+    leaves = _leaves([q, k, v, sink])
+    ref, ref_meta = maskc.reference_attention(*leaves[:3], MASK, softcap=5.0, sink=leaves[3], return_max_logits=True)
+    _loss(ref, ref_meta.lse).backward()
+    assert out.dtype == dtype and torch.equal(out, ref) and torch.equal(meta.lse, ref_meta.lse)
+    assert torch.equal(meta.max_logits, ref_meta.max_logits) and not meta.max_logits.requires_grad
+    for ours, theirs in zip((q, k, v, sink), leaves):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+def test_cpu_attention_without_grad_builds_no_graph() -> None:
+    q, k, v = _inputs(MASK, dtype=torch.float32)
+    with torch.no_grad():
+        out, meta = maskc.attention(q, k, v, MASK)
+    assert out.grad_fn is None and meta.lse.grad_fn is None
+
+
+def _per_row_reference(q, k, v, row_masks: list[Mask]) -> tuple[torch.Tensor, torch.Tensor]:
+    outs = [maskc.reference_attention(q[b], k[b], v[b], m) for b, m in enumerate(row_masks)]
+    return torch.stack([o for o, _ in outs]), torch.stack([meta.lse for _, meta in outs])
+
+
+def test_a_batch_shares_one_row_mask_or_packs_one_mask_per_row() -> None:
+    """q [B, S, H, D]: a mask over one row serves every row, a stacked mask gives each row its
+    own; out and lse come back in q's layout, equal to attending row by row."""
+    rows = [Mask.from_cu_seqlens([0, 40, 96], causal=True), Mask.from_cu_seqlens([0, 96], causal=True),
+            Mask.from_cu_seqlens([0, 10, 50, 96])]  # fmt: skip
+    q, k, v = _inputs(rows[0], dtype=torch.float32, batch=(3,))
+    for mask, row_masks in ((rows[0], [rows[0]] * 3), (Mask.stack(rows), rows)):
+        out, meta = maskc.attention(q, k, v, mask)
+        ref_out, ref_lse = _per_row_reference(q, k, v, row_masks)
+        assert out.shape == q.shape and meta.lse.shape == q.shape[:-1]
+        torch.testing.assert_close(out, ref_out)
+        torch.testing.assert_close(meta.lse, ref_lse)
+    with pytest.raises(maskc.MaskcError, match=r"covers one row \(96, 96\) or the whole batch \(288, 288\)"):
+        maskc.attention(q, k, v, Mask.from_cu_seqlens([0, 95]))
+    with pytest.raises(ValueError, match="batched q, k, v are"):
+        maskc.attention(q, k[0], v[0], rows[0])
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["shared", "per_row"])
+def test_padding_is_left_out_of_a_batch(stacked: bool) -> None:
+    """attention_mask [B, S]: right, left, no and full padding; each row equals attending its
+    real tokens alone, the padding's rows are 0 (lse -inf) and get no gradient."""
+    s = 80
+    runs = [(0, 60), (25, 80), (0, 80), (0, 0)]
+    padding = torch.tensor([[a <= i < e for i in range(s)] for a, e in runs])
+    row = Mask.from_cu_seqlens([0, 30, s], causal=True)
+    mask = Mask.stack([row] * len(runs)) if stacked else row
+    q, k, v = _inputs(row, dtype=torch.float32, batch=(len(runs),))
+    out, meta = maskc.attention(q, k, v, mask, attention_mask=padding)
+    (out.square().sum() + torch.where(padding[..., None], meta.lse, 0).sum()).backward()
+    for b, (a, e) in enumerate(runs):
+        assert (out[b, :a] == 0).all() and (out[b, e:] == 0).all() and torch.isneginf(meta.lse[b, e:]).all()
+        assert (k.grad[b, :a] == 0).all() and (v.grad[b, e:] == 0).all()
+        if e > a:
+            kept = row.crop((a, e), (a, e))
+            leaves = [x[b].detach().clone().requires_grad_() for x in (q, k, v)]
+            ref, ref_meta = maskc.reference_attention(*leaves, kept)
+            (ref.square().sum() + ref_meta.lse[a:e].sum()).backward()
+            torch.testing.assert_close(out[b, a:e], ref[a:e])
+            torch.testing.assert_close(q.grad[b], leaves[0].grad)
+            torch.testing.assert_close(k.grad[b], leaves[1].grad)
+    with pytest.raises(maskc.MaskError, match="row 1 has padding between its tokens"):
+        maskc.attention(q, k, v, mask, attention_mask=torch.tensor([[True] * s, [True, False] * (s // 2)] * 2))
+    with pytest.raises(maskc.MaskError, match="goes with batched q"):
+        maskc.attention(q[0], k[0], v[0], row, attention_mask=padding[0])
 
 
 def _recording_backend() -> tuple[Any, dict[str, list[torch.fx.GraphModule]]]:
@@ -150,75 +182,10 @@ def _targets(gm: torch.fx.GraphModule) -> set[Any]:
     return {n.target for n in gm.graph.nodes if n.op == "call_function"}
 
 
-@pytest.mark.parametrize("build,params", [
-    (build_schedule, (128, 128)), (build_backward_schedule, (128, 128, 2, 3)),
-    (build_deterministic_backward_schedule, (128, 128, 2, 3)),
-])  # fmt: skip
-@pytest.mark.parametrize("mask", [MASK, Mask([], 5, 7), Mask([AttnSlice((0, 450), (0, 1500)), AttnSlice((900, 1000), (5, 77))], 1500, 1500)])  # fmt: skip
-def test_a_flat_schedule_cuts_back_into_the_abi_arrays(mask: Mask, build: Any, params: tuple[int, ...]) -> None:
-    """One op argument per schedule: the kernel still gets each array, empty ones as a zero row."""
-    flat, rows, _ = plan.schedule_tensors(mask, build, torch.device("cpu"), *params)
-    views = plan.schedule_views(flat, rows)
-    assert plan.schedule_views(flat, rows) is views  # cut once per schedule tensor
-    arrays = build(mask, *params).arrays()
-    assert flat.dtype == torch.int32 and list(views) == [a.name for a in plan.SCHEDULE_ARGS[: len(arrays)]]
-    for arg, array in zip(plan.SCHEDULE_ARGS, arrays):
-        expected = torch.from_numpy(array) if len(array) else torch.zeros(1, *array.shape[1:], dtype=torch.int32)
-        assert torch.equal(views[arg.name], expected), arg.name
-
-
-def test_eager_matches_the_reference_through_the_ops(cpu_ops: _Doubles) -> None:
-    """The autograd wiring: dq, dk, dv and the lse gradient reach the right inputs."""
-    q, k, v = _inputs(MASK)
-    out, meta = maskc.attention(q, k, v, MASK)
-    _loss(out, meta.lse).backward()
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    ref, ref_meta = maskc.reference_attention(*leaves, MASK)
-    _loss(ref, ref_meta.lse).backward()
-    assert torch.equal(out, ref) and torch.equal(meta.lse, ref_meta.lse)
-    for ours, theirs in zip((q, k, v), leaves):
-        torch.testing.assert_close(ours.grad, theirs.grad)
-    assert [name for name, _ in cpu_ops.calls] == ["fwd", "bwd"]
-
-
-def test_sink_gradient_and_max_logits_through_the_ops(cpu_ops: _Doubles, monkeypatch: pytest.MonkeyPatch) -> None:
-    for direction, pack_gqa in ENTRY_KEYS:
-        _register(monkeypatch, direction, pack_gqa, has_softcap=True, has_sink=direction == "fwd",
-                  has_max_logits=direction == "fwd")  # fmt: skip
-    q, k, v = _inputs(MASK)
-    sink = torch.randn(2, HQ, requires_grad=True)
-    out, meta = maskc.attention(q, k, v, MASK, softcap=5.0, sink=sink, return_max_logits=True)
-    _loss(out, meta.lse).backward()
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, sink)]
-    ref, ref_meta = maskc.reference_attention(*leaves[:3], MASK, softcap=5.0, sink=leaves[3], return_max_logits=True)
-    _loss(ref, ref_meta.lse).backward()
-    torch.testing.assert_close(meta.max_logits, ref_meta.max_logits)
-    assert not meta.max_logits.requires_grad
-    for ours, theirs in zip((q, k, v, sink), leaves):
-        torch.testing.assert_close(ours.grad, theirs.grad)
-
-
-def test_no_backward_is_planned_without_grad(cpu_ops: _Doubles) -> None:
-    q, k, v = _inputs(MASK)
-    with torch.no_grad():
-        out, meta = maskc.attention(q, k, v, MASK)
-    assert out.grad_fn is None and meta.lse.grad_fn is None
-    (name, args), = cpu_ops.calls
-    assert args["bwd_schedule"] is None and args["bwd_launch"] == []
-    assert registry.LOADED[args["launch"][0]] in (cpu_ops.entries["fwd", False], cpu_ops.entries["fwd", True])
-    out, _ = maskc.attention(q, k, v, MASK)
-    assert out.grad_fn is not None and registry.LOADED[cpu_ops.calls[-1][1]["bwd_launch"][0]] is cpu_ops.entries["bwd", False]
-
-
 @pytest.mark.parametrize("features", [False, True], ids=["plain", "softcap_sink_max_logits"])
-def test_compiled_fullgraph_forward_and_backward_without_graph_breaks(
-    cpu_ops: _Doubles, monkeypatch: pytest.MonkeyPatch, features: bool
-) -> None:
+def test_compiled_fullgraph_forward_and_backward_without_graph_breaks(features: bool) -> None:
     """One dynamo graph holding attn_fwd; AOT autograd's backward graph holds attn_bwd; values
     and gradients equal the eager run's."""
-    for direction, pack_gqa in ENTRY_KEYS:
-        _register(monkeypatch, direction, pack_gqa, has_softcap=True, has_sink=direction == "fwd",
-                  has_max_logits=direction == "fwd")  # fmt: skip
     backend, graphs = _recording_backend()
 
     def step(q, k, v, sink, mask):
@@ -227,11 +194,9 @@ def test_compiled_fullgraph_forward_and_backward_without_graph_breaks(
         return _loss(out, meta.lse) + (meta.max_logits.sum() if features else 0)
 
     compiled = torch.compile(step, backend=backend, fullgraph=True)
-    leaves = [*_inputs(MASK), torch.randn(2, HQ, requires_grad=True)]
-    if not features:
-        leaves[3].requires_grad_(False)
+    leaves = [*_inputs(MASK, dtype=torch.float32), torch.randn(2, HQ, requires_grad=features)]
     compiled(*leaves, MASK).backward()
-    eager_leaves = [x.detach().clone().requires_grad_(x.requires_grad) for x in leaves]
+    eager_leaves = _leaves(leaves)
     step(*eager_leaves, MASK).backward()
     for ours, theirs in zip(leaves, eager_leaves):
         torch.testing.assert_close(ours.grad, theirs.grad)
@@ -240,48 +205,226 @@ def test_compiled_fullgraph_forward_and_backward_without_graph_breaks(
     assert torch.ops.maskc.attn_bwd.default in _targets(graphs["bw"][0])
     assert torch.ops.maskc.attn_fwd.default not in _targets(graphs["bw"][0])
 
-    grads = [x.grad for x in leaves]
-    for x in leaves:
-        x.grad = None
-    compiled(*leaves, MASK).backward()  # the same mask: no new compilation
-    assert len(graphs["dynamo"]) == 1
-    for x, grad in zip(leaves, grads):
-        torch.testing.assert_close(x.grad, grad)
+
+def _packed_documents(rng: np.random.Generator) -> Mask:
+    """A packed row of 1 to 8 causal documents, 64 to 512 tokens in all."""
+    total = int(rng.integers(64, 513))
+    count = int(rng.integers(1, 9))
+    cuts = np.sort(rng.choice(np.arange(1, total), count - 1, replace=False))
+    return Mask.from_cu_seqlens(np.r_[0, cuts, total], causal=True)
 
 
-def test_compiled_graph_is_specialised_to_its_mask(cpu_ops: _Doubles) -> None:
-    """Another mask of the same shape must not reuse the first one's schedules: it recompiles."""
-    backend, graphs = _recording_backend()
-    compiled = torch.compile(lambda q, k, v, mask: maskc.attention(q, k, v, mask)[0], backend=backend, fullgraph=True)
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+def test_a_new_mask_every_step_compiles_nothing_after_the_second_step(dynamic: bool | None) -> None:
+    """20 compiled training steps (forward and backward), each with another packed-document mask
+    (other document counts and lengths, so other sequence lengths and slice counts): one
+    compilation, a second when the lengths first turn dynamic, then none; gradients equal the
+    eager ones every step."""
+    rng = np.random.default_rng(0)
+    torch._dynamo.reset()
+    counters.clear()
+
+    def step(q, k, v, mask):
+        out, meta = maskc.attention(q, k, v, mask)
+        return _loss(out, meta.lse)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    graphs = []
+    for i in range(20):
+        mask = _packed_documents(rng)
+        leaves = _inputs(mask, seed=i, dtype=torch.float32)
+        compiled(*leaves, mask).backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+        eager = _leaves(leaves)
+        step(*eager, mask).backward()
+        for ours, theirs in zip(leaves, eager):
+            torch.testing.assert_close(ours.grad, theirs.grad)
+    assert graphs[1] <= 2 and graphs[-1] == graphs[1], graphs
+
+
+@dataclass
+class _Kernels:
+    """The CUDA implementations' launches on a CPU 'GPU': reference math, and what they were given."""
+
+    launches: list[tuple[str, plan.Launch]] = field(default_factory=list)
+
+    def forward(self, q, k, v, sink, launch, scale, softcap, return_max_logits):
+        self.launches.append(("fwd", launch))
+        cfg = reference._Config(_LAST_MASK[0], scale, softcap, reference.BLOCK_Q, reference.BLOCK_K, return_max_logits)
+        out, lse, max_logits = reference._forward(q, k, v, sink, cfg)
+        return out, lse, max_logits.expand(q.shape[0], -1).contiguous() if return_max_logits else lse.new_empty(0)
+
+    def backward(self, q, k, v, out, lse, sink, dout, dlse, launch, scale, softcap):
+        self.launches.append(("bwd", launch))
+        cfg = reference._Config(_LAST_MASK[0], scale, softcap, reference.BLOCK_Q, reference.BLOCK_K, False)
+        dlse = torch.zeros_like(lse) if dlse is None else dlse
+        return reference._backward(q, k, v, out, lse, sink, dout, dlse, cfg)
+
+
+_LAST_MASK: list[Mask] = []
+"""The mask the last planned call was planned for (the stand-in kernels attend with it)."""
+
+
+def _register(monkeypatch: pytest.MonkeyPatch, direction: str, pack_gqa: bool, **features: bool) -> registry.Entry:
+    """A kernel entry without a kernel in the runtime's registry: sm_90a, 8:2 heads, d=128, bf16."""
+    tiles = select_tiles("sm_90a", D, direction)
+    fields = {"arch": "sm_90a", "head_dim": D, "dtype": "bf16", "num_heads_q": HQ, "num_heads_kv": HKV,
+              "has_softcap": False, "has_sink": False, "has_max_logits": False, **features, "direction": direction,
+              "pack_gqa": pack_gqa, "tile_m": tiles.tile_m, "tile_n": tiles.tile_n}  # fmt: skip
+    entry = registry.entry_for(None, fields)
+    monkeypatch.setitem(registry.KERNELS, registry.request_key(fields), entry)
+    return entry
+
+
+@pytest.fixture
+def cuda_on_cpu(monkeypatch: pytest.MonkeyPatch):
+    """The CUDA implementations on CPU tensors: an 'SM90 GPU' with kernels for 8:2 heads, d=128,
+    bf16 (both GQA strategies forward, and the backward) whose launches compute the reference;
+    every schedule build is counted."""
+    monkeypatch.setattr(plan, "device_info", lambda device: ((9, 0), 132))
+    monkeypatch.setattr(registry, "LOADED", [])
+    entries = {key: _register(monkeypatch, *key) for key in ENTRY_KEYS}
+    kernels = _Kernels()
+    monkeypatch.setattr(ops, "forward_cuda", kernels.forward)
+    monkeypatch.setattr(ops, "backward_cuda", kernels.backward)
+    monkeypatch.setattr(ops, "attn_fwd_cpu", ops.attn_fwd_cuda)
+    monkeypatch.setattr(ops, "attn_bwd_cpu", ops.attn_bwd_cuda)
+    call_mask = masks.call_mask
+
+    def remember(mask: Mask, *shapes: Any) -> Mask:
+        _LAST_MASK[:] = [call_mask(mask, *shapes)]
+        return _LAST_MASK[0]
+
+    monkeypatch.setattr(masks, "call_mask", remember)
+    builds: list[str] = []
+    for name in ("build_schedule", "build_backward_schedule", "build_deterministic_backward_schedule"):
+        build = getattr(schedules, name)
+        counted = (lambda build: lambda *a: builds.append(build.__name__) or build(*a))(build)
+        counted.__name__ = name
+        monkeypatch.setattr(plan, name, counted)
+    return entries, kernels, builds
+
+
+def test_the_gpu_path_plans_inside_the_op_once_per_mask(cuda_on_cpu: Any) -> None:
+    """Four layers with one mask, forward and backward: one forward and one backward schedule,
+    from the kernels the plan chose; the forward plans no backward."""
+    entries, kernels, builds = cuda_on_cpu
     q, k, v = _inputs(MASK)
-    with torch.no_grad():
-        compiled(q, k, v, MASK)
-        cpu_ops.mask = OTHER_MASK
-        out = compiled(q, k, v, OTHER_MASK)
-    assert len(graphs["dynamo"]) == 2
-    assert torch.equal(out, maskc.reference_attention(q.detach(), k.detach(), v.detach(), OTHER_MASK)[0])
+    x = q
+    for _ in range(4):
+        x, _ = maskc.attention(x, k, v, MASK)
+    assert [name for name, _ in kernels.launches] == ["fwd"] * 4 and builds == ["build_schedule"]
+    x.float().sum().backward()
+    assert [name for name, _ in kernels.launches[4:]] == ["bwd"] * 4
+    assert builds == ["build_schedule", "build_backward_schedule"]
+    assert kernels.launches[0][1].kernel in (entries["fwd", False], entries["fwd", True])
+    assert kernels.launches[-1][1].kernel is entries["bwd", False] and q.grad is not None
 
 
-def test_explain_reports_no_graph_break(cpu_ops: _Doubles) -> None:
-    q, k, v = _inputs(MASK)
-    explanation = torch._dynamo.explain(lambda q, k, v: maskc.attention(q, k, v, MASK)[0])(q, k, v)
-    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+def test_the_gpu_path_under_compile_plans_each_new_mask_in_the_op(cuda_on_cpu: Any) -> None:
+    entries, kernels, builds = cuda_on_cpu
+    rng = np.random.default_rng(1)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, mask: _loss(*_out_lse(q, k, v, mask)), backend="aot_eager", fullgraph=True)
+    for i in range(4):
+        mask = _packed_documents(rng)
+        leaves = _inputs(mask, seed=i)
+        compiled(*leaves, mask).backward()
+        eager = _leaves(leaves)
+        maskc.reference_attention(*eager, mask)
+        ref_loss = _loss(*(lambda o, m: (o, m.lse))(*maskc.reference_attention(*eager, mask)))
+        ref_loss.backward()
+        for ours, theirs in zip(leaves, eager):
+            torch.testing.assert_close(ours.grad, theirs.grad)
+    assert builds.count("build_schedule") == 4 and builds.count("build_backward_schedule") == 4
 
 
-def test_plan_errors_are_the_eager_errors(cpu_ops: _Doubles) -> None:
+def _out_lse(q, k, v, mask):
+    out, meta = maskc.attention(q, k, v, mask)
+    return out, meta.lse
+
+
+def test_deterministic_selects_the_ordered_backward_kernel_and_schedule(cuda_on_cpu: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """deterministic=True plans the deterministic backward variant with the ranked schedule (nine
+    arrays); the default plans the plain one (seven: the forward's five and the item lists)."""
+    entries, kernels, _ = cuda_on_cpu
+    ordered = _register(monkeypatch, "bwd", False, deterministic=True)
+    for deterministic, entry, arrays in ((False, entries["bwd", False], 7), (True, ordered, 9)):
+        q, k, v = _inputs(MASK)
+        out, meta = maskc.attention(q, k, v, MASK, deterministic=deterministic)
+        _loss(out, meta.lse).backward()
+        name, launch = kernels.launches[-1]
+        assert name == "bwd" and launch.kernel is entry and entry.deterministic == deterministic
+        assert len(launch.rows) == arrays
+
+
+def test_plan_errors_reach_the_caller(cuda_on_cpu: Any) -> None:
     q = torch.zeros(MASK.seqlen_q, 6, D, dtype=torch.bfloat16)
     with pytest.raises(maskc.MaskcError, match="pack_gqa needs Hq / Hkv a power of two"):
         maskc.attention(q, q[:, :2].contiguous(), q[:, :2].contiguous(), MASK, pack_gqa=True)
 
 
-def test_deterministic_selects_the_ordered_backward_kernel_and_schedule(cpu_ops: _Doubles, monkeypatch: pytest.MonkeyPatch) -> None:
-    """deterministic=True plans the deterministic backward variant with the ranked schedule (nine
-    arrays); the default plans the plain one (seven: the forward's five and the item lists)."""
-    ordered = _register(monkeypatch, "bwd", False, deterministic=True)
-    for deterministic, entry, arrays in ((False, cpu_ops.entries["bwd", False], 7), (True, ordered, 9)):
-        q, k, v = _inputs(MASK)
-        out, meta = maskc.attention(q, k, v, MASK, deterministic=deterministic)
-        _loss(out, meta.lse).backward()
-        name, args = cpu_ops.calls[-1]
-        assert name == "bwd" and registry.LOADED[args["launch"][0]] is entry
-        assert len(args["launch"]) == 3 + arrays and entry.deterministic == deterministic  # kernel, CTAs, split slots, rows
+def _target() -> plan.Target:
+    return plan.make_target((9, 0), 132, torch.bfloat16, HQ, HKV, D, False, False, False, None, False)
+
+
+def test_a_prepared_mask_crosses_a_process_boundary_and_needs_no_planning(cuda_on_cpu: Any) -> None:
+    """What a DataLoader worker does: prepare the mask, pickle it (the Mask itself stays behind);
+    the training step then builds no schedule and gets the same results."""
+    entries, kernels, builds = cuda_on_cpu
+    mask = Mask.from_cu_seqlens([0, 300, 1000, 1500], causal=True)
+    shipped = pickle.loads(pickle.dumps(prepared.prepare(mask, _target())))
+    assert builds == ["build_schedule", "build_backward_schedule"]
+    builds.clear()
+    assert getattr(shipped.table, "_maskc_mask", None) is None
+    q, k, v = _inputs(mask)
+    out, meta = maskc.attention(q, k, v, shipped)
+    _loss(out, meta.lse).backward()
+    assert builds == [] and [name for name, _ in kernels.launches] == ["fwd", "bwd"]
+    leaves = _leaves([q, k, v])
+    ref, ref_meta = maskc.reference_attention(*leaves, mask)
+    _loss(ref, ref_meta.lse).backward()
+    torch.testing.assert_close(out, ref)
+    for ours, theirs in zip((q, k, v), leaves):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+def test_a_plan_for_another_target_is_ignored_and_planned_in_the_call(cuda_on_cpu: Any) -> None:
+    _, _, builds = cuda_on_cpu
+    mask = Mask.from_cu_seqlens([0, 700], causal=True)
+    other = plan.make_target((9, 0), 132, torch.bfloat16, HQ, HKV, 64, False, False, False, None, False)  # other tiles
+    shipped = pickle.loads(pickle.dumps(prepared.prepare(mask, other)))
+    builds.clear()
+    q, k, v = _inputs(mask)
+    with torch.no_grad():
+        maskc.attention(q, k, v, shipped)
+    assert builds == ["build_schedule"]
+
+
+def test_a_prepared_plan_is_only_used_with_its_own_mask() -> None:
+    mask, other = Mask.from_cu_seqlens([0, 700], causal=True), Mask.from_cu_seqlens([0, 699, 700], causal=True)
+    plan_data = prepared.prepare(mask, _target()).plan
+    with pytest.raises(maskc.MaskcError, match="made for another mask"):
+        prepared.decode(plan_data, other.table)
+    corrupted = plan_data.clone()
+    corrupted[2] = 3  # the first record's length
+    with pytest.raises(maskc.MaskcError, match="corrupted"):
+        prepared.decode(corrupted, mask.table)
+    with pytest.raises(maskc.MaskcError, match="1-D int32 CPU tensor"):
+        prepared.decode(plan_data.float(), mask.table)
+    assert prepared.decode(prepared.prepare(mask, None).plan, mask.table) == []
+
+
+def test_a_mask_table_is_found_again_by_content_when_its_tensor_is_another() -> None:
+    copy = MASK.table.clone()
+    found = masks.mask_of(copy)
+    assert found == MASK and masks.mask_of(copy.clone()) is found
+    with pytest.raises(maskc.MaskError, match="int32 tensor"):
+        Mask.from_table(copy.float())
+
+
+def test_a_table_holds_a_mask_exactly() -> None:
+    mask = Mask([AttnSlice((0, 450), (0, 1500)), AttnSlice((900, 1000), (5, 77), "bi_causal")], 1500, 1600)
+    assert Mask.from_table(mask.table.clone()) == mask and mask.table[0, :2].tolist() == [1500, 1600]
+    with pytest.raises(maskc.MaskError, match="past seqlen_q"):
+        Mask.from_table(torch.tensor([[10, 10, 0, 0, 0], [0, 11, 0, 3, 0]], dtype=torch.int32))

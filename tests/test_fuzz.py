@@ -167,6 +167,22 @@ def test_from_arrays_and_windows_accept_exact_masks_only(q: Any, k: Any, t: Any,
             check_exact(mask)
 
 
+@FUZZ
+@given(ANY, ANY, ANY, st.booleans())
+def test_documents_crops_and_stacks_of_any_values_are_exact_or_a_maskc_error(ids: Any, other: Any, n: Any, causal: bool) -> None:
+    docs = Mask.from_cu_seqlens([0, 3, 8], causal=causal)
+    for build in (
+        lambda: Mask.from_document_ids(ids, causal=causal, prefix=n, key_document_ids=other),
+        lambda: Mask.from_position_ids(ids, causal=causal, window=n, attention_mask=other),
+        lambda: Mask.sliding_window([0, 3, 8], 2, cu_seqlens_k=ids, prefix=n),
+        lambda: docs.crop(ids, other),
+        lambda: Mask.stack(ids),
+    ):
+        mask = attempt(build)
+        if mask is not None:
+            check_exact(mask)
+
+
 # ---- artifact manifests ----------------------------------------------------------------------
 
 

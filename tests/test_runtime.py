@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 import json
 import lzma
 import stat
@@ -136,11 +135,11 @@ def test_artifact_for_another_abi_is_refused(tmp_path: Path) -> None:
         register_artifact(tmp_path)
 
 
-def test_attention_refuses_cpu_tensors_and_non_tensors() -> None:
+def test_attention_refuses_other_devices_and_non_tensors() -> None:
     q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
     mask = Mask.from_cu_seqlens([0, 4])
-    with pytest.raises(ValueError, match="runs on CUDA tensors; q is on cpu"):
-        maskc.attention(q, q, q, mask)
+    with pytest.raises(ValueError, match="runs on CUDA or CPU tensors; q is on meta"):
+        maskc.attention(q.to("meta"), q, q, mask)
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
         maskc.attention([1, 2], q, q, mask)
 
@@ -164,31 +163,31 @@ def test_the_unmasked_backward_serves_only_masks_without_partial_blocks(monkeypa
     monkeypatch.setattr(registry, "KERNELS", {})
     monkeypatch.setattr(registry, "LOADED", [])
     monkeypatch.setattr(source, "_source", compile_refused)
-    request = {"arch": "sm_90a", "direction": "bwd", "head_dim": 128, "dtype": "bf16", "num_heads_q": 8,
-               "num_heads_kv": 2, "has_softcap": False, "has_sink": False, "has_max_logits": False}  # fmt: skip
+    target = plan.make_target((9, 0), 132, torch.bfloat16, 8, 2, 128, False, False, False, None, False)
+    request = plan.backward_requests(Mask.from_cu_seqlens([0, 1000], causal=True), target)[0]
     entries = {}
     for unmasked in (False, True):
         fields = {**request, "unmasked": unmasked, "tile_m": 64, "tile_n": 128}
         entries[unmasked] = registry.KERNELS[registry.request_key(fields)] = registry.entry_for(None, fields)
     full, causal = Mask.from_cu_seqlens([0, 1000]), Mask.from_cu_seqlens([0, 1000], causal=True)
-    assert plan.backward_kernel(full, request) is entries[True]
-    assert plan.backward_kernel(causal, request) is entries[False]
-    assert plan.backward_kernel(Mask.from_cu_seqlens([0, 1000, 1100]), request) is entries[False]  # a boundary mid-block
-    assert plan.backward_kernel(Mask.from_cu_seqlens([0, 1024, 1100]), request) is entries[True]  # at a k tile edge
+    assert plan.backward_kernel(full, target) is entries[True]
+    assert plan.backward_kernel(causal, target) is entries[False]
+    assert plan.backward_kernel(Mask.from_cu_seqlens([0, 1000, 1100]), target) is entries[False]  # a boundary mid-block
+    assert plan.backward_kernel(Mask.from_cu_seqlens([0, 1024, 1100]), target) is entries[True]  # at a k tile edge
     del registry.KERNELS[registry.request_key({**request, "unmasked": True})]
-    assert plan.backward_kernel(full, request) is entries[False]
+    assert plan.backward_kernel(full, target) is entries[False]
     del registry.KERNELS[registry.request_key(request)]
     with pytest.raises(ArtifactError, match="'unmasked': True"):
-        plan.backward_kernel(full, request)  # neither registered: compile the unmasked one
+        plan.backward_kernel(full, target)  # neither registered: compile the unmasked one
 
 
 def fake_gpu_without_compiler(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], num_sms: int):
     """The runtime on a fake GPU with no kernel registered and a compiler that refuses (recording
-    each request in `asked`); `plan_call` plans a causal 1000-token call, 8:2 heads, d=128, bf16."""
+    each request in `asked`); `plan_call` plans a causal 16k-token call, 8:2 heads, d=128, bf16."""
     monkeypatch.setattr(registry, "KERNELS", {})
     monkeypatch.setattr(registry, "LOADED", [])
-    monkeypatch.setattr(plan, "device_info", lambda device: (capability, num_sms))
-    monkeypatch.setattr(plan, "schedule_tensors", lambda mask, build, device, *params: (None, [1000, 0, 0, 0, 0], 0))
+    monkeypatch.setattr(plan, "_host_schedule", lambda mask, build, num_ctas, *params: plan.HostSchedule(
+        torch.zeros(1, dtype=torch.int32), (1000, 0, 0, 0, 0), 0, num_ctas))  # fmt: skip
     asked = []
 
     def compile_refused(request):
@@ -196,8 +195,15 @@ def fake_gpu_without_compiler(monkeypatch: pytest.MonkeyPatch, capability: tuple
         raise ArtifactError("no compiler here")
 
     monkeypatch.setattr(source, "_source", compile_refused)
-    mask = Mask.from_cu_seqlens([0, 1000], causal=True)
-    plan_call = functools.partial(plan.plan_launches, mask, torch.device("cuda"), torch.bfloat16, 8, 2, 128, False, False, False)
+    mask = Mask.from_cu_seqlens([0, 16384], causal=True)
+
+    def plan_call(pack_gqa: bool | None, needs_grad: bool, deterministic: bool, sm_margin: int = 0,
+                  portable: bool | None = None) -> plan.Launch:  # fmt: skip
+        target = plan.make_target(capability, num_sms, torch.bfloat16, 8, 2, 128, False, False, False, pack_gqa,
+                                  deterministic, sm_margin, portable)  # fmt: skip
+        forward = plan.plan_forward(mask, target, torch.device("cpu"))
+        return plan.plan_backward(mask, target, torch.device("cpu")) if needs_grad else forward
+
     return asked, plan_call
 
 
@@ -211,8 +217,8 @@ def test_the_portable_kernel_serves_gpus_without_kernels_of_their_own(monkeypatc
     assert asked[-1]["arch"] == "sm_86" and asked[-1]["portable"] and not asked[-1]["pack_gqa"]
     fields = {**asked[-1], "tile_m": 64, "tile_n": 64}
     entry = registry.KERNELS[registry.request_key(fields)] = registry.entry_for(None, fields)
-    forward, _ = plan_call(None, False, False)
-    assert forward.launch[:2] == [entry.index, 2 * 84]
+    forward = plan_call(None, False, False)
+    assert forward.kernel is entry and forward.num_ctas == 2 * 84
     with pytest.raises(maskc.MaskcError, match="sm_86 has only the portable kernel"):
         plan_call(None, False, False, 0, False)
     for deterministic in (False, True):

@@ -24,6 +24,8 @@ from maskc.dist.stages import CostModel, StagePlan, plan_stages
 from maskc.errors import MaskError, MaskParamError
 from maskc.ir.mask import Mask
 from maskc.limits import MAX_CP, MAX_ROWS, check_count
+from maskc.runtime.masks import as_mask
+from maskc.runtime.prepared import PreparedMask
 from maskc.version import __version__
 
 FORMAT = 2  # 2: the stage model with call overheads and local fusion
@@ -154,7 +156,7 @@ class Plan:
 
 
 def make_plan(
-    mask: Mask,
+    mask: Mask | PreparedMask,
     cp_size: int,
     chunk_size: int | None = None,
     *,
@@ -166,7 +168,8 @@ def make_plan(
     """Plan `mask` (square: self-attention) over `cp_size` ranks: pad to whole chunks per rank,
     deal the chunks with `algorithm` (see maskc.dist.assign.ALGORITHMS), derive the
     communication tables and the overlap stages (`num_stages` and `fuse_local`, each the cost
-    model's best when None)."""
+    model's best when None). A mask prepared for one GPU (`maskc.prepare`) plans as its mask."""
+    mask = as_mask(mask)
     _check_plannable(mask)
     for name, value in (("cp_size", cp_size), ("chunk_size", chunk_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):

@@ -31,13 +31,10 @@ def normalize_arrays(q_ranges: np.ndarray, k_ranges: np.ndarray, types: np.ndarr
     parts = [lines.take(np.flatnonzero(sizes[group] == 1))]
     for g in np.flatnonzero(sizes > 1):
         parts.append(_union_of_group(lines.take(np.flatnonzero(group == g))))
-    merged = RowLines(*(np.concatenate([getattr(p, f) for p in parts]) for f in _FIELDS))
+    merged = RowLines.join(parts)
     q, k, t = merged.to_slices()
     order = np.lexsort((k[:, 0], q[:, 0]))
     return q[order], k[order], t[order]
-
-
-_FIELDS = ("r0", "r1", "lo_a", "lo_s", "hi_a", "hi_s")
 
 
 def _band_cuts(lines: RowLines) -> np.ndarray:

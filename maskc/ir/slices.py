@@ -8,7 +8,8 @@ here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import numpy as np
@@ -126,6 +127,11 @@ class RowLines:
     def nonempty(self) -> np.ndarray:
         return self.r1 > self.r0
 
+    @staticmethod
+    def join(parts: Sequence[RowLines]) -> RowLines:
+        """The lines of every part, in order."""
+        return RowLines(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(RowLines)))
+
     def take(self, index: np.ndarray) -> RowLines:
         return RowLines(*(x[index] for x in (self.r0, self.r1, self.lo_a, self.lo_s, self.hi_a, self.hi_s)))
 
@@ -157,6 +163,38 @@ class RowLines:
             hi_moves.astype(np.int64),
         )
         return lines.take(np.flatnonzero(lines.nonempty()))
+
+    def cropped(self, q0, q1, k0, k1) -> tuple[RowLines, np.ndarray]:
+        """The same pairs restricted to rows [q0, q1) and keys [k0, k1) (ints, or one bound per
+        line), at most 3 pieces per line, with the index of the line each piece comes from.
+
+        A moving lo end is held at k0 on the rows before k0 - lo_a, a moving hi end at k1 - 1
+        from row k1 - hi_a on; cut there, both ends are again lines in each piece, and the rows
+        where lo > hi (a prefix or a suffix of the piece) are trimmed away.
+        """
+        k0, k1 = np.broadcast_to(k0, self.r0.shape), np.broadcast_to(k1, self.r0.shape)
+        r0 = np.maximum(self.r0, q0)
+        r1 = np.maximum(np.minimum(self.r1, q1), r0)
+        s1 = np.where(self.lo_s == 1, k0 - self.lo_a, r0)
+        s2 = np.where(self.hi_s == 1, k1 - self.hi_a, r1)
+        cuts = np.sort(np.stack([np.clip(s1, r0, r1), np.clip(s2, r0, r1)]), axis=0)
+        # Piece p of line i at 3 * i + p, so each line's pieces stay together, in line order.
+        starts = np.stack([r0, cuts[0], cuts[1]], 1).ravel()
+        ends = np.stack([cuts[0], cuts[1], r1], 1).ravel()
+        lo_a, lo_s, hi_a, hi_s, k0, k1, s1, s2 = (
+            np.repeat(x, 3) for x in (self.lo_a, self.lo_s, self.hi_a, self.hi_s, k0, k1, s1, s2)
+        )
+        lo_moves = (lo_s == 1) & (starts >= s1)
+        hi_moves = (hi_s == 1) & (starts < s2)
+        lo_a = np.where(lo_moves, lo_a, np.maximum(lo_a + lo_s * starts, k0))
+        hi_a = np.where(hi_moves, hi_a, np.minimum(hi_a + hi_s * starts, k1 - 1))
+        # hi - lo on row r is width + slope * r.
+        width, slope = hi_a - lo_a, hi_moves.astype(np.int64) - lo_moves
+        starts = np.where(slope == 1, np.maximum(starts, -width), starts)
+        ends = np.where(slope == -1, np.minimum(ends, width + 1), np.where((slope == 0) & (width < 0), starts, ends))
+        lines = RowLines(starts, ends, lo_a, lo_moves.astype(np.int64), hi_a, hi_moves.astype(np.int64))
+        kept = np.flatnonzero(lines.nonempty())
+        return lines.take(kept), kept // 3
 
     def to_slices(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Slices (q_ranges, k_ranges, types) exactly covering these (non-empty) row lines.
@@ -193,15 +231,16 @@ def expand_spans(first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.nd
     return owner, first[owner] + local
 
 
-def band_slices(qs, qe, ks, ke, left, right) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Decompose bands into at most three slices each (causal, bi_causal/full, inv_causal).
+def band_lines(qs, qe, ks, ke, left, right) -> tuple[RowLines, np.ndarray]:
+    """Bands as at most three row lines each, with the index of each line's band.
 
     Row i of a band over q=[qs, qe), k=[ks, ke) has its diagonal at local key
     i + (Lk - Lq) (bottom-right aligned, like causal) and allows keys from `left` before to
     `right` after the diagonal, clipped to the key range. Rows clipped only on the left form
     a causal slice, rows clipped only on the right an inv_causal one, rows clipped on both a
     full one and unclipped rows a bi_causal one; since both window ends move one key per row,
-    at most three of these four groups are non-empty.
+    at most three of these four groups are non-empty. Each band's lines stay together, in
+    band order.
     """
     qs, qe, ks, ke, left, right = (np.asarray(x, dtype=np.int64) for x in (qs, qe, ks, ke, left, right))
     qs, qe, ks, ke, left, right = np.broadcast_arrays(qs, qe, ks, ke, left, right)
@@ -217,14 +256,25 @@ def band_slices(qs, qe, ks, ke, left, right) -> tuple[np.ndarray, np.ndarray, np
     right_clip = np.clip(ke - off - right, row_lo, row_hi)
     a, b = np.minimum(left_free, right_clip), np.maximum(left_free, right_clip)
     middle_is_full = right_clip < left_free
-    n = qs.shape[0]
-    rows = np.concatenate([np.stack([row_lo, a], 1), np.stack([a, b], 1), np.stack([b, row_hi], 1)])
-    lo_a = np.concatenate([ks, np.where(middle_is_full, ks, off - left), off - left])
-    lo_s = np.concatenate([np.zeros(n, np.int64), np.where(middle_is_full, 0, 1), np.ones(n, np.int64)])
-    hi_a = np.concatenate([off + right, np.where(middle_is_full, ke - 1, off + right), ke - 1])
-    hi_s = np.concatenate([np.ones(n, np.int64), np.where(middle_is_full, 0, 1), np.zeros(n, np.int64)])
-    lines = RowLines(rows[:, 0], rows[:, 1], lo_a, lo_s, hi_a, hi_s)
-    kept = np.flatnonzero(lines.nonempty() & np.tile(ks < ke, 3))
-    # Keep each band's pieces together, in band order.
-    kept = kept[np.argsort(kept % max(n, 1), kind="stable")]
-    return lines.take(kept).to_slices()
+    zeros, ones = np.zeros_like(qs), np.ones_like(qs)
+
+    def pieces(*columns: np.ndarray) -> np.ndarray:
+        """Piece p of band i at 3 * i + p."""
+        return np.stack(columns, 1).ravel()
+
+    lines = RowLines(
+        pieces(row_lo, a, b),
+        pieces(a, b, row_hi),
+        pieces(ks, np.where(middle_is_full, ks, off - left), off - left),
+        pieces(zeros, np.where(middle_is_full, 0, 1), ones),
+        pieces(off + right, np.where(middle_is_full, ke - 1, off + right), ke - 1),
+        pieces(ones, np.where(middle_is_full, 0, 1), zeros),
+    )
+    kept = np.flatnonzero(lines.nonempty() & np.repeat(ks < ke, 3))
+    return lines.take(kept), kept // 3
+
+
+def band_slices(qs, qe, ks, ke, left, right) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Decompose bands into at most three slices each (causal, bi_causal/full, inv_causal), in
+    band order; see `band_lines`."""
+    return band_lines(qs, qe, ks, ke, left, right)[0].to_slices()

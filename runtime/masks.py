@@ -1,0 +1,122 @@
+"""The mask of an attention call, from what reaches the custom ops as tensors: a mask table
+(`Mask.table`), maybe a plan prepared ahead of time (`maskc.prepare`), the batch layout of q
+and k, and a padding mask.
+
+Every layer of a step passes the same tensors, so what is derived from them (the Mask, the
+mask of the whole batch) is kept on them: found again, not rebuilt, by the next layer and by
+the backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections import OrderedDict
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from maskc.errors import MaskcError, MaskError
+from maskc.ir import Mask
+from maskc.runtime import prepared as preparing
+
+_BY_CONTENT: OrderedDict[bytes, Mask] = OrderedDict()
+"""Masks by table content, for a table tensor that reaches an op as another tensor object than
+the one its Mask holds (a few per step: the LRU keeps the latest)."""
+_CONTENT_CACHE = 16
+
+
+def mask_of(table: torch.Tensor, prepared: torch.Tensor | None = None) -> Mask:
+    """The Mask a table stands for: the one that holds it, else one with the same content, else
+    a new one; a prepared plan (`maskc.prepare`) is handed to its memo."""
+    mask = getattr(table, "_maskc_mask", None)
+    if mask is None:
+        if table.device.type != "cpu":
+            raise MaskcError(f"a mask table lives on the CPU (Mask.table), got one on {table.device}")
+        key = table.numpy().tobytes()
+        mask = _BY_CONTENT.get(key)
+        if mask is None:
+            mask = _BY_CONTENT[key] = Mask.from_table(table)
+            if len(_BY_CONTENT) > _CONTENT_CACHE:
+                _BY_CONTENT.popitem(last=False)
+        _BY_CONTENT.move_to_end(key)
+    if prepared is not None and getattr(prepared, "_maskc_seeded", None) is not mask:
+        for key, value in preparing.decode(prepared, mask.table):
+            mask.memo.setdefault(key, value)
+        prepared._maskc_seeded = mask
+    return mask
+
+
+def call_mask(mask: Mask, q_shape: Sequence[int], k_shape: Sequence[int], padding: torch.Tensor | None = None) -> Mask:
+    """The mask over the call's packed rows: `mask` itself for q [Tq, H, D]; for q [B, S, H, D]
+    a mask over one row (S x Sk) repeated down the batch's diagonal, or a mask over all B * S
+    rows (`Mask.stack`) as it is; with `padding` ([B, S], true or 1 on real tokens) the padding
+    tokens attend nothing and nothing attends them."""
+    if len(q_shape) == 3:
+        if mask.shape != (q_shape[0], k_shape[0]):
+            raise MaskError(f"q/k sequence lengths ({q_shape[0]}, {k_shape[0]}) do not match the mask {mask.shape}")
+        if padding is not None:
+            raise MaskError("attention_mask (padding) goes with batched q [B, S, H, D]; a packed row has none")
+        return mask
+    (b, s), sk = q_shape[:2], k_shape[1]
+    if mask.shape not in ((s, sk), (b * s, b * sk)):
+        raise MaskError(
+            f"for q [B, S, H, D] = {list(q_shape)} and k [B, Sk, H, D] = {list(k_shape)} the mask covers one row "
+            f"({s}, {sk}) or the whole batch ({b * s}, {b * sk}); got {mask.shape}"
+        )
+    if padding is None:
+        return mask if mask.shape == (b * s, b * sk) else _memo(mask, ("batch", b), lambda: Mask.stack([mask] * b))
+    if sk != s or tuple(padding.shape) != (b, s):
+        raise MaskError(f"attention_mask is [B, S] = [{b}, {s}] for self-attention (Sk = S); got {list(padding.shape)} "
+                        f"with Sk = {sk}")  # fmt: skip
+    runs = _token_runs(padding)
+    return _memo(mask, ("padded", b, runs.tobytes()), lambda: _without_padding(mask, runs, s, sk))
+
+
+def _memo(mask: Mask, key: tuple, compute) -> Mask:
+    found = mask.memo.get(key)
+    if found is None:
+        found = mask.memo[key] = compute()
+    return found
+
+
+def _token_runs(padding: torch.Tensor) -> np.ndarray:
+    """[B, 2]: where each row's real tokens begin and end (one run: right or left padding),
+    read once per padding tensor (it may live on the GPU; every layer passes the same one)."""
+    cached = getattr(padding, "_maskc_runs", None)
+    if cached is not None and cached[0] == padding._version:
+        return cached[1]
+    keep = padding.detach().cpu().numpy() != 0
+    count = keep.sum(1)
+    start = np.where(count > 0, keep.argmax(1), 0)
+    position = np.arange(keep.shape[1])
+    inside = (position >= start[:, None]) & (position < (start + count)[:, None])
+    if (inside != keep).any():
+        row = int(np.flatnonzero((inside != keep).any(1))[0])
+        raise MaskError(f"attention_mask row {row} has padding between its tokens; each row's tokens must be one run "
+                        f"(right or left padding)")  # fmt: skip
+    runs = np.stack([start, start + count], 1)
+    padding._maskc_runs = (padding._version, runs)
+    return runs
+
+
+def _without_padding(mask: Mask, runs: np.ndarray, s: int, sk: int) -> Mask:
+    """The batch mask of `mask` (over one row, s x sk, or over the whole batch) with each row
+    cropped to its run of tokens."""
+    if mask.shape == (s, sk):
+        return Mask.stack([mask.crop((a, e), (a, e)) for a, e in runs.tolist()])
+    blocks = [((i * s, (i + 1) * s), (i * sk, (i + 1) * sk)) for i in range(len(runs))]
+    if sum(mask.crop(*block).area() for block in blocks) != mask.area():
+        raise MaskError("attention_mask (padding) needs a batch mask whose rows attend only their own keys (Mask.stack)")
+    rows = [mask.crop((i * s + a, i * s + e), (i * sk + a, i * sk + e)) for i, (a, e) in enumerate(runs.tolist())]
+    return functools.reduce(operator.or_, rows)
+
+
+def as_mask(mask: Mask | preparing.PreparedMask) -> Mask:
+    """The Mask of a Mask or a PreparedMask (its prepared plan handed to its memo)."""
+    if isinstance(mask, preparing.PreparedMask):
+        return mask_of(mask.table, mask.plan)
+    if isinstance(mask, Mask):
+        return mask
+    raise TypeError(f"mask must be a maskc Mask or PreparedMask (maskc.prepare), got {type(mask).__name__}")

@@ -1,0 +1,102 @@
+"""Training steps on the GPU with a new mask every step: compiled without recompiling, in
+batches, and with masks prepared ahead of time. Kernels as in test_attention_gpu.py (artifacts
+from $MASKC_GPU_ARTIFACTS, or compiled on first use)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import maskc
+from maskc.ir import Mask
+
+pytestmark = pytest.mark.gpu
+HQ, HKV, D = 8, 2, 128
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    for directory in filter(None, os.environ.get("MASKC_GPU_ARTIFACTS", "").split(":")):
+        maskc.runtime.register_artifact(directory)
+
+
+def _packed(rng: np.random.Generator, low: int = 1000, high: int = 6000) -> Mask:
+    total, count = int(rng.integers(low, high)), int(rng.integers(1, 12))
+    cuts = np.sort(rng.choice(np.arange(1, total), count - 1, replace=False))
+    return Mask.from_cu_seqlens(np.r_[0, cuts, total], causal=True)
+
+
+def _inputs(shape_q: tuple[int, ...], shape_k: tuple[int, ...], seed: int) -> list[torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(s, device="cuda", generator=g).to(torch.bfloat16).requires_grad_() for s in (shape_q, shape_k, shape_k)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
+
+
+def _step(q, k, v, mask):
+    out, meta = maskc.attention(q, k, v, mask)
+    return out.float().square().mean() + meta.lse.mean()
+
+
+def test_twenty_compiled_steps_with_new_masks_compile_twice_at_most() -> None:
+    """torch.compile (inductor, fullgraph): 20 forward + backward steps, each with another packed
+    document mask (other lengths and document counts): no compilation after the second step,
+    gradients as in eager mode (the same kernels: within the atomics' reordering)."""
+    rng = np.random.default_rng(0)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(_step, fullgraph=True)
+    graphs = []
+    for i in range(20):
+        mask = _packed(rng)
+        leaves = _inputs((mask.seqlen_q, HQ, D), (mask.seqlen_k, HKV, D), seed=i)
+        compiled(*leaves, mask).backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+        eager = [x.detach().clone().requires_grad_() for x in leaves]
+        _step(*eager, mask).backward()
+        for ours, theirs in zip(leaves, eager):
+            assert _rel(ours.grad, theirs.grad) < 1e-2
+    assert graphs[1] <= 2 and graphs[-1] == graphs[1], graphs
+
+
+def test_a_batch_runs_as_one_launch_equal_to_row_by_row() -> None:
+    rng = np.random.default_rng(1)
+    rows = [_packed(rng, 2048, 2049) for _ in range(3)]
+    q, k, v = _inputs((3, 2048, HQ, D), (3, 2048, HKV, D), seed=5)
+    for mask, row_masks in ((rows[0], [rows[0]] * 3), (Mask.stack(rows), rows)):
+        out, meta = maskc.attention(q, k, v, mask)
+        (out.float().square().sum() + meta.lse.sum()).backward()
+        grads = [x.grad for x in (q, k, v)]
+        for x in (q, k, v):
+            x.grad = None
+        for b, row in enumerate(row_masks):
+            leaves = [x[b].detach().clone().requires_grad_() for x in (q, k, v)]
+            ref, ref_meta = maskc.reference_attention(*(x.float() for x in leaves), row)
+            (ref.square().sum() + ref_meta.lse.sum()).backward()
+            assert _rel(out[b], ref) < 1e-2 and float((meta.lse[b] - ref_meta.lse).abs().max()) < 1e-3
+            for grad, leaf in zip(grads, leaves):
+                assert _rel(grad[b], leaf.grad) < 2e-2
+
+
+def test_a_prepared_mask_gives_the_same_results_without_planning_in_the_step() -> None:
+    mask = _packed(np.random.default_rng(2), 8000, 8001)
+    target = maskc.target_for("cuda", num_heads_q=HQ, num_heads_kv=HKV, head_dim=D)
+    shipped = pickle.loads(pickle.dumps(maskc.prepare(Mask.from_table(mask.table.clone()), target)))
+    q, k, v = _inputs((mask.seqlen_q, HQ, D), (mask.seqlen_k, HKV, D), seed=3)
+    results = []
+    for m in (mask, shipped):
+        out, meta = maskc.attention(q, k, v, m)
+        (out.float().square().sum() + meta.lse.sum()).backward()
+        results.append([out, *(x.grad for x in (q, k, v))])
+        for x in (q, k, v):
+            x.grad = None
+    for ours, theirs in zip(*results):
+        assert _rel(ours, theirs) < 1e-2
