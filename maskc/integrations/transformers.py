@@ -8,11 +8,12 @@
 No dense mask is built: Transformers' mask creation hands maskc only the [B, S] padding mask,
 and the attention builds a `maskc.Mask` from what reaches it: an explicit `maskc_mask`, else
 the documents of `cu_seq_lens_q`/`cu_seq_lens_k` (DataCollatorWithFlattening) or of
-`position_ids` (a document begins where its position is 0), else one document per row, with
-padding tokens attending nothing and attended by nothing. The model's `is_causal`,
-`sliding_window`, `softcap`, `scaling` and attention sinks (`s_aux`) carry over. Every layer
-of a forward gets the same inputs, so the mask is built once per forward and cached on the
-tensors it came from.
+`position_ids` (a document begins where its position is 0), else one document per row; the
+padding of the [B, S] attention_mask (left or right) attends nothing and nothing attends it.
+The model's `is_causal`, `sliding_window`, `softcap`, `scaling` and attention sinks (`s_aux`)
+carry over (an explicit mask replaces `is_causal` and `sliding_window`). Every layer of a
+forward gets the same inputs, so the mask is built once per forward and cached on the tensors
+it came from.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def attention_forward(
             f"no dense mask: pass a [B, S] padding mask, position_ids, or a maskc.Mask as {MASK_KWARG}="
         )
     if explicit is not None:
-        mask = _explicit(explicit, attention_mask, batch, seqlen)
+        mask = _explicit(explicit, batch, seqlen)
     elif isinstance(attention_mask, _Unsupported):
         raise TransformersAttentionError(
             f"{attention_mask.reason}: maskc cannot translate it; pass a maskc.Mask as {MASK_KWARG}= or use another "
@@ -132,26 +133,16 @@ def attention_forward(
     else:
         if torch.compiler.is_compiling():
             raise TransformersAttentionError(
-                f"maskc builds its mask from position_ids and padding on the host, outside torch.compile: build a "
-                f"maskc.Mask before the compiled region and pass it as {MASK_KWARG}="
+                f"maskc builds its mask from position_ids on the host, outside torch.compile: build a maskc.Mask "
+                f"before the compiled region and pass it as {MASK_KWARG}="
             )
-        mask = _CACHE.get(batch, seqlen, causal, window, attention_mask, kwargs)
+        mask = _CACHE.get(batch, seqlen, causal, window, kwargs)
+    padding = attention_mask if isinstance(attention_mask, torch.Tensor) else None
     sink = None if s_aux is None else s_aux.float().reshape(1, -1)
     dtype = _dtype(query)
-    q, k, v = (x.transpose(1, 2).to(dtype) for x in (query, key, value))
-    out, _ = _attend(q, k, v, mask, softmax_scale=scaling, softcap=softcap or 0.0, sink=sink)
+    q, k, v = (x.transpose(1, 2).to(dtype).contiguous() for x in (query, key, value))
+    out, _ = maskc.attention(q, k, v, mask, softmax_scale=scaling, softcap=softcap or 0.0, sink=sink, attention_mask=padding)
     return out, None
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: maskc.Mask, **kwargs: Any):
-    """TEMPORARY seam until maskc.attention takes [B, S, H, D] and runs on CPU: calls the
-    packed [T, H, D] form, row by row for a mask over one row."""
-    fn = maskc.attention if q.is_cuda else maskc.reference_attention
-    batch, seqlen = q.shape[:2]
-    if mask.shape == (seqlen, seqlen) and batch > 1:
-        return torch.stack([fn(q[b], k[b], v[b], mask, **kwargs)[0] for b in range(batch)]), None
-    out, meta = fn(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), mask, **kwargs)
-    return out.unflatten(0, (batch, seqlen)), meta
 
 
 def _dtype(query: torch.Tensor) -> torch.dtype:
@@ -177,15 +168,10 @@ def _window(sliding_window: int | None, causal: bool) -> tuple[int, int] | None:
     return (sliding_window - 1, 0)
 
 
-def _explicit(mask: Any, padding: torch.Tensor | _Unsupported | None, batch: int, seqlen: int) -> maskc.Mask:
+def _explicit(mask: Any, batch: int, seqlen: int) -> maskc.Mask:
     """The caller's own mask, over one row (shared by every row) or over the packed batch."""
     if not isinstance(mask, maskc.Mask):
         raise TransformersAttentionError(f"{MASK_KWARG} must be a maskc.Mask, got {type(mask).__name__}")
-    if isinstance(padding, torch.Tensor):
-        raise TransformersAttentionError(
-            f"both {MASK_KWARG} and an attention_mask with padding: the maskc.Mask must leave the padding tokens out "
-            "itself; pass an attention_mask of ones (or none)"
-        )
     if mask.shape not in {(seqlen, seqlen), (batch * seqlen, batch * seqlen)}:
         raise TransformersAttentionError(
             f"{MASK_KWARG} has shape {mask.shape}; the batch has {batch} rows of {seqlen} tokens, so it must be "
@@ -203,15 +189,9 @@ class _MaskCache:
         self._masks: dict[tuple, tuple[list[weakref.ref], maskc.Mask]] = {}
 
     def get(
-        self,
-        batch: int,
-        seqlen: int,
-        causal: bool,
-        window: tuple[int, int] | None,
-        padding: torch.Tensor | None,
-        kwargs: dict[str, Any],
+        self, batch: int, seqlen: int, causal: bool, window: tuple[int, int] | None, kwargs: dict[str, Any]
     ) -> maskc.Mask:
-        sources = (kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), kwargs.get("position_ids"), padding)
+        sources = (kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), kwargs.get("position_ids"))
         key = (batch, seqlen, causal, window, *((id(t), t._version) if t is not None else None for t in sources))
         hit = self._masks.get(key)
         if hit is not None:
@@ -237,80 +217,29 @@ def _build(
     cu_q: torch.Tensor | None,
     cu_k: torch.Tensor | None,
     position_ids: torch.Tensor | None,
-    padding: torch.Tensor | None,
 ) -> maskc.Mask:
-    """The mask of one forward: documents from cu_seq_lens (over the flattened batch) or from
-    position_ids, else one per row; padding tokens get no slice at all."""
+    """The mask of one forward: the documents of cu_seq_lens (over the flattened batch), else
+    those of position_ids (over one row when every row is alike, else stacked), else one
+    document per row. maskc.attention leaves the padding out."""
     if cu_q is not None or cu_k is not None:
-        starts = _cu_starts(cu_q, cu_k, batch * seqlen, padding)
-    elif position_ids is not None:
-        starts = _position_starts(position_ids, batch, seqlen)
+        if cu_q is None or cu_k is None:
+            raise TransformersAttentionError("got only one of cu_seq_lens_q and cu_seq_lens_k; pass both (or neither)")
+        if window is None:
+            return maskc.Mask.from_cu_seqlens(_host(cu_q), _host(cu_k), causal=causal)
+        return maskc.Mask.sliding_window(_host(cu_q), *window, cu_seqlens_k=_host(cu_k))
+    if position_ids is None:
+        positions = np.arange(seqlen)[None]
     else:
-        starts = np.zeros((1, seqlen), dtype=bool)
-    valid = None
-    if padding is not None:
-        valid = _host(padding).astype(bool)
-        starts = np.broadcast_to(starts, valid.shape)
-    return _documents(starts, valid, causal, window)
-
-
-def _cu_starts(cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, total: int, padding: torch.Tensor | None) -> np.ndarray:
-    """Document starts [1, B*S] of DataCollatorWithFlattening's cu_seq_lens_q / cu_seq_lens_k."""
-    if cu_q is None or cu_k is None:
-        raise TransformersAttentionError("got only one of cu_seq_lens_q and cu_seq_lens_k; pass both (or neither)")
-    if padding is not None:
-        raise TransformersAttentionError("both cu_seq_lens_q/cu_seq_lens_k and an attention_mask with padding; pass one")
-    cq, ck = _host(cu_q).ravel(), _host(cu_k).ravel()
-    if not np.array_equal(cq, ck):
-        raise TransformersAttentionError("cu_seq_lens_q and cu_seq_lens_k differ; maskc's integration attends each document to itself")
-    if cq.size < 2 or cq[0] != 0 or cq[-1] != total or np.any(np.diff(cq) < 0):
-        raise TransformersAttentionError(
-            f"cu_seq_lens_q must rise from 0 to the {total} tokens of the flattened batch, got {cq.tolist()[:8]}"
-            + (" ..." if cq.size > 8 else "")
-        )
-    starts = np.zeros((1, total), dtype=bool)
-    starts[0, cq[:-1][cq[:-1] < total]] = True
-    return starts
-
-
-def _position_starts(position_ids: torch.Tensor, batch: int, seqlen: int) -> np.ndarray:
-    """Document starts [rows, S] where positions restart at 0; one row when every row is alike."""
-    positions = _host(position_ids)
-    if positions.ndim == 1:
-        positions = positions[None]
-    if positions.ndim != 2 or positions.shape[1] != seqlen or positions.shape[0] not in (1, batch):
-        raise TransformersAttentionError(
-            f"position_ids has shape {tuple(position_ids.shape)}; expected [{batch}, {seqlen}] or [1, {seqlen}]"
-        )
-    if (positions < 0).any():
-        raise TransformersAttentionError(f"position_ids must be >= 0, got {int(positions.min())}")
-    if (positions == positions[:1]).all():
-        positions = positions[:1]
-    return positions == 0
-
-
-def _documents(starts: np.ndarray, valid: np.ndarray | None, causal: bool, window: tuple[int, int] | None) -> maskc.Mask:
-    """Each row's documents (a row always begins one) attending themselves, over one row or,
-    for several, the packed batch. With padding, a document's tokens must be one run (left or
-    right padding); the padding runs are left without slices."""
-    rows, seqlen = starts.shape
-    documents = starts.copy()
-    documents[:, 0] = True
-    begins = documents.copy()
-    if valid is not None:
-        begins[:, 1:] |= valid[:, 1:] != valid[:, :-1]
-        runs_per_document = np.add.reduceat((begins & valid).ravel(), np.flatnonzero(documents.ravel()))
-        if (runs_per_document > 1).any():
+        positions = _host(position_ids)
+        if positions.ndim == 1:
+            positions = positions[None]
+        if positions.ndim != 2 or positions.shape[1] != seqlen or positions.shape[0] not in (1, batch):
             raise TransformersAttentionError(
-                "padding inside a document (its tokens are not one run): maskc's integration takes left or right "
-                f"padding; pass a maskc.Mask as {MASK_KWARG}= for anything else"
+                f"position_ids has shape {tuple(position_ids.shape)}; expected [{batch}, {seqlen}] or [1, {seqlen}]"
             )
-    mask = maskc.Mask.from_document_ids(np.cumsum(begins.ravel()), causal=causal, window=window)
-    if valid is None:
-        return mask
-    q, k, t = mask.q_ranges, mask.k_ranges, mask.types
-    keep = valid.ravel()[np.minimum(q[:, 0], rows * seqlen - 1)] & (q[:, 1] > q[:, 0])
-    return maskc.Mask.from_arrays(q[keep], k[keep], t[keep], rows * seqlen, rows * seqlen)
+    if (positions == positions[:1]).all():
+        return maskc.Mask.from_position_ids(positions[0], causal=causal, window=window)
+    return maskc.Mask.stack([maskc.Mask.from_position_ids(row, causal=causal, window=window) for row in positions])
 
 
 register()
