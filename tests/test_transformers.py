@@ -157,6 +157,8 @@ def test_an_explicit_mask_wins() -> None:
     close(ours(two, position_ids=positions, maskc_mask=mask).logits, torch.cat([documents, documents]))
     packed_mask = maskc.Mask.from_position_ids(torch.cat([positions, positions], dim=1), causal=True)
     close(ours(two, position_ids=positions, maskc_mask=packed_mask).logits, torch.cat([documents, documents]))
+    # Planned ahead (in a DataLoader worker; on a CPU without a plan).
+    close(ours(tokens, maskc_mask=maskc.prepare(mask, None)).logits, documents)
     # With padding, which maskc leaves out of the explicit mask too.
     attention_mask = torch.ones(2, 28, dtype=torch.long)
     attention_mask[1, 20:] = 0

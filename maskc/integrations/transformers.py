@@ -3,7 +3,7 @@
     import maskc.integrations.transformers            # registers "maskc" (register() again is a no-op)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="maskc")
     model(input_ids, position_ids=position_ids)        # packed rows: positions restart at 0 per document
-    model(input_ids, maskc_mask=mask)                  # or any maskc.Mask, over one row or the whole batch
+    model(input_ids, maskc_mask=mask)                  # or any maskc.Mask (or PreparedMask), one row or all
 
 No dense mask is built: Transformers' mask creation hands maskc only the [B, S] padding mask,
 and the attention builds a `maskc.Mask` from what reaches it: an explicit `maskc_mask`, else
@@ -80,7 +80,7 @@ def padding_mask(
             "e.g. for image tokens or bidirectional attention)"
         )
     if getattr(config, "attention_chunk_size", None):
-        return _Unsupported(f"this model attends in chunks of {config.attention_chunk_size} tokens (attention_chunk_size)")
+        return _Unsupported(f"this model attends in chunks of {config.attention_chunk_size} tokens")
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
@@ -141,7 +141,9 @@ def attention_forward(
     sink = None if s_aux is None else s_aux.float().reshape(1, -1)
     dtype = _dtype(query)
     q, k, v = (x.transpose(1, 2).to(dtype).contiguous() for x in (query, key, value))
-    out, _ = maskc.attention(q, k, v, mask, softmax_scale=scaling, softcap=softcap or 0.0, sink=sink, attention_mask=padding)
+    out, _ = maskc.attention(
+        q, k, v, mask, softmax_scale=scaling, softcap=softcap or 0.0, sink=sink, attention_mask=padding
+    )
     return out, None
 
 
@@ -163,16 +165,20 @@ def _window(sliding_window: int | None, causal: bool) -> tuple[int, int] | None:
     if not causal:
         raise TransformersAttentionError(
             "a bidirectional sliding window: Transformers' models disagree on how many keys it spans, so maskc does not "
-            f"guess; pass a maskc.Mask as {MASK_KWARG}= (maskc.Mask.from_position_ids(..., causal=False, window=(left, right)))"
+            f"guess; pass a maskc.Mask as {MASK_KWARG}= "
+            "(maskc.Mask.from_position_ids(..., causal=False, window=(left, right)))"
         )
     return (sliding_window - 1, 0)
 
 
-def _explicit(mask: Any, batch: int, seqlen: int) -> maskc.Mask:
-    """The caller's own mask, over one row (shared by every row) or over the packed batch."""
-    if not isinstance(mask, maskc.Mask):
-        raise TransformersAttentionError(f"{MASK_KWARG} must be a maskc.Mask, got {type(mask).__name__}")
-    if mask.shape not in {(seqlen, seqlen), (batch * seqlen, batch * seqlen)}:
+def _explicit(mask: Any, batch: int, seqlen: int) -> maskc.Mask | maskc.PreparedMask:
+    """The caller's own mask, over one row (shared by every row) or over the packed batch; a
+    PreparedMask (planned in a DataLoader worker) is checked by maskc.attention."""
+    if not isinstance(mask, (maskc.Mask, maskc.PreparedMask)):
+        raise TransformersAttentionError(
+            f"{MASK_KWARG} must be a maskc.Mask or maskc.PreparedMask, got {type(mask).__name__}"
+        )
+    if isinstance(mask, maskc.Mask) and mask.shape not in {(seqlen, seqlen), (batch * seqlen, batch * seqlen)}:
         raise TransformersAttentionError(
             f"{MASK_KWARG} has shape {mask.shape}; the batch has {batch} rows of {seqlen} tokens, so it must be "
             f"{(seqlen, seqlen)} (one row, shared) or {(batch * seqlen, batch * seqlen)} (the whole batch, packed)"
