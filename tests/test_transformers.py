@@ -8,6 +8,7 @@ import copy
 import importlib.util
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,46 @@ def test_the_packed_finetune_example_learns_on_cpu() -> None:
     losses = example.train(steps=40, tokens=1024, device="cpu")
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.5, (first, last)
+
+
+def test_mask_overlays_of_a_model_are_a_clear_error_unless_a_mask_is_given() -> None:
+    """Gemma 3's bidirectional mode overlays a mask function (or_mask_function) that maskc
+    cannot read, over both its full and its sliding-window layers."""
+    config = transformers.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                                           use_bidirectional_attention=True, max_position_embeddings=64)  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="maskc")
+    tokens = torch.zeros(1, 10, dtype=torch.long)
+    with pytest.raises(hf.TransformersAttentionError, match="overlays a mask function of its own"):
+        model(tokens)
+    assert model(tokens, maskc_mask=maskc.Mask.from_cu_seqlens([0, 10])).logits.shape == (1, 10, VOCAB)
+
+
+def test_chunked_attention_is_a_clear_error() -> None:
+    config = types.SimpleNamespace(attention_chunk_size=8)
+    unsupported = hf.padding_mask(1, 10, 10, config=config, attention_mask=None)
+    ours, _ = twins(llama_config())
+    layer = ours.model.layers[0].self_attn
+    q, kv = torch.zeros(1, 4, 10, 16), torch.zeros(1, 2, 10, 16)
+    with pytest.raises(hf.TransformersAttentionError, match="attends in chunks of 8 tokens"):
+        hf.attention_forward(layer, q, kv, kv, unsupported)
+
+
+def test_building_the_mask_under_torch_compile_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    ours, _ = twins(llama_config())
+    layer = ours.model.layers[0].self_attn
+    q, kv = torch.zeros(1, 4, 10, 16), torch.zeros(1, 2, 10, 16)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(hf.TransformersAttentionError, match="outside torch.compile"):
+        hf.attention_forward(layer, q, kv, kv, None)
+
+
+def test_a_bidirectional_sliding_window_is_a_clear_error() -> None:
+    ours, _ = twins(llama_config())
+    layer = ours.model.layers[0].self_attn
+    q, kv = torch.zeros(1, 4, 10, 16), torch.zeros(1, 2, 10, 16)
+    with pytest.raises(hf.TransformersAttentionError, match="bidirectional sliding window"):
+        hf.attention_forward(layer, q, kv, kv, None, sliding_window=4, is_causal=False)
+    mask = maskc.Mask.from_cu_seqlens([0, 10])  # an explicit mask decides for itself
+    out, _ = hf.attention_forward(layer, q, kv, kv, None, sliding_window=4, is_causal=False, maskc_mask=mask)
+    assert out.shape == (1, 10, 4, 16)

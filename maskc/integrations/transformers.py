@@ -115,8 +115,6 @@ def attention_forward(
             "Transformers integration, which attends within one forward; generate with another implementation, "
             "e.g. model.set_attn_implementation('sdpa')"
         )
-    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
-    window = _window(sliding_window, causal)
     explicit = kwargs.get(MASK_KWARG)
     if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim != 2:
         raise TransformersAttentionError(
@@ -136,7 +134,8 @@ def attention_forward(
                 f"maskc builds its mask from position_ids on the host, outside torch.compile: build a maskc.Mask "
                 f"before the compiled region and pass it as {MASK_KWARG}="
             )
-        mask = _CACHE.get(batch, seqlen, causal, window, kwargs)
+        causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+        mask = _CACHE.get(batch, seqlen, causal, _window(sliding_window, causal), kwargs)
     padding = attention_mask if isinstance(attention_mask, torch.Tensor) else None
     sink = None if s_aux is None else s_aux.float().reshape(1, -1)
     dtype = _dtype(query)
