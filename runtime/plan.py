@@ -213,11 +213,16 @@ class Launch(NamedTuple):
 
 
 def _launch(mask: Mask, kernel: registry.Entry, host: HostSchedule, device: torch.device) -> Launch:
-    """The launch of `kernel` with its schedule copied to `device` once per mask."""
+    """The launch of `kernel` with its schedule copied to `device` once per mask. The copy goes
+    through pinned memory, asynchronously: a copy from pageable memory would wait for the GPU
+    to finish everything queued before it, so the host could never run a step ahead."""
     key = ("device", host.flat.data_ptr(), device)
     schedule = mask.memo.get(key)
     if schedule is None:
-        schedule = mask.memo[key] = host.flat.to(device, non_blocking=host.flat.is_pinned())
+        flat = host.flat
+        if device.type == "cuda" and not flat.is_pinned():
+            flat = torch.empty_like(flat, pin_memory=True).copy_(flat)
+        schedule = mask.memo[key] = flat.to(device, non_blocking=True)
     return Launch(kernel, schedule, host.rows, host.slots, host.num_ctas)
 
 
