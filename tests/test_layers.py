@@ -38,14 +38,18 @@ ALLOWED: dict[str, set[str]] = {
     "dist": {"base", "ir", "runtime", "reference", "picture"},
     # The public surface: the top-level package, the command line.
     "api": {"base", "artifact", "ir", "frontend", "reference", "picture", "codegen", "runtime", "dist"},
+    # maskc inside other libraries (maskc.integrations.*), through the public surface only.
+    "integrations": {"base", "api"},
 }
 API = ("maskc", "maskc.cli", "maskc.__main__")
 
 #: Third-party packages a layer must never import: the runtime runs where only torch and numpy
-#: are installed, and the artifact package is read by `maskc --help`, which imports nothing heavy.
+#: are installed, the artifact package is read by `maskc --help`, which imports nothing heavy,
+#: and Transformers is an optional extra that only `maskc.integrations.transformers` imports.
 FORBIDDEN_PACKAGES = {
     "runtime": {"lark", "jinja2", "cutlass"},
     "artifact": {"torch", "numpy", "lark", "jinja2", "cutlass", "matplotlib", "networkx"},
+    "api": {"transformers"},
 }
 
 
