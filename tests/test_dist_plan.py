@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import maskc
 from maskc.dist.comm import build_comm_tables
 from maskc.dist.assign import pad
 from maskc.dist.plan import Plan, default_chunk_size, make_plan
@@ -158,3 +160,12 @@ def test_compile_writes_the_plan_into_the_artifact(tmp_path: Path) -> None:
     assert entry["plan"] in manifest["files"]
     plan = Plan.from_json((tmp_path / entry["plan"]).read_text())
     assert plan.cp_size == 2 and plan.seqlen == entry["seqlen_q"]
+
+
+def test_a_prepared_mask_plans_as_its_mask() -> None:
+    """What a DataLoader worker hands over (maskc.prepare) feeds maskc.dist as the mask does."""
+    mask = Mask.from_cu_seqlens([0, 700, 1500, 4096], causal=True)
+    shipped = pickle.loads(pickle.dumps(maskc.prepare(mask, None)))
+    assert make_plan(shipped, cp_size=4).to_json() == make_plan(mask, cp_size=4).to_json()
+    with pytest.raises(TypeError, match="maskc Mask or PreparedMask"):
+        make_plan(mask.table, cp_size=4)
