@@ -74,8 +74,9 @@ python3 bench/report.py --plots
 
 `maskc compile` with `--deterministic` or `--portable` adds those kernels, which
 `bench/kernel.py --deterministic` / `--portable` measure. `bench/lower.py`,
-`bench/schedule.py`, `bench/dist_plan.py`, `bench/dist_dispatch.py` and `bench/dist_stages.py`
-measure the host side on any machine. Each script's `--help` says what it measures.
+`bench/schedule.py`, `bench/step_host.py`, `bench/dist_plan.py`, `bench/dist_dispatch.py` and
+`bench/dist_stages.py` measure the host side on any machine. Each script's `--help` says what it
+measures.
 """
 
 
@@ -102,8 +103,9 @@ HOST = """\
 ## Host time
 
 What maskc does on the CPU: each `maskc.attention` call, and each time the mask changes
-(lowering it, its tile schedules, a context-parallel plan). Medians unless the step says
-otherwise; the newest measurement of each step.
+(lowering it, its tile schedules, a context-parallel plan; `bench/step_host.py`: all a new mask
+costs a training step, planned in the op or ahead of time by `maskc.prepare`). Medians unless
+the step says otherwise; the newest measurement of each step.
 """
 
 PLANS = """\

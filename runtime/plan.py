@@ -128,7 +128,7 @@ def forward_requests(mask: Mask, target: Target) -> tuple[dict[str, Any], dict[s
     tiles = target.family.forward.tiles[request["head_dim"]]
     key = ("pack_gqa", hq, hkv, tiles.tile_m, tiles.tile_n, target.num_sms)
     packed = pack_gqa_supported(hq, hkv) and _memo(
-        mask, key, lambda: select_pack_gqa(mask, hq, hkv, tiles.tile_m, tiles.tile_n, target.num_sms)
+        mask, key, lambda: select_pack_gqa(mask, hq, hkv, tiles.tile_m, tiles.tile_n, target.num_sms, keep=True)
     )
     return {**request, "pack_gqa": packed}, {**request, "pack_gqa": not packed}
 
@@ -142,8 +142,10 @@ def backward_requests(mask: Mask, target: Target) -> tuple[dict[str, Any], dict[
     if not target.family.has("bwd", "unmasked"):
         return request, None
     tiles = target.family.backward.tiles[request["head_dim"]]
+    # The transposed schedule it looks at is kept for the backward schedule (built from it).
     partial = _memo(mask, ("partial", tiles.tile_m, tiles.tile_n),
-                    lambda: backward_has_partial_blocks(mask, tiles.tile_m, tiles.tile_n))  # fmt: skip
+                    lambda: backward_has_partial_blocks(mask, tiles.tile_m, tiles.tile_n,
+                                                        heaviest_first=not target.deterministic, keep=True))  # fmt: skip
     return (request, None) if partial else ({**request, "unmasked": True}, request)
 
 

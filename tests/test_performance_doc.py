@@ -209,6 +209,7 @@ def test_gpu_benchmarks_explain_themselves_anywhere(script: str, monkeypatch: py
     [
         ("lower", ["--runs", "1", "--tokens", "65536", "--docs", "100"], {"host"}),
         ("schedule", ["--runs", "1"], {"host"}),
+        ("step_host", ["--runs", "1", "--cases", "128k"], {"host"}),
         ("dist_plan", ["--cp", "2", "--tokens-per-rank", "4096", "--algorithms", "swap"], {"plan"}),
         ("dist_dispatch", ["--runs", "1", "--tokens", "65536", "--cp", "8", "--chunk", "1024"], {"plan", "host"}),
         ("dist_stages", ["--runs", "1"], {"stages", "host"}),

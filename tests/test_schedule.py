@@ -14,10 +14,12 @@ from maskc.ir.items import ASCENDING, HEADS_INNER, section_order
 from maskc.ir.schedule import (
     BackwardSchedule,
     Schedule,
+    backward_has_partial_blocks,
     build_backward_schedule,
     build_deterministic_backward_schedule,
     build_schedule,
 )
+from maskc.ir.strategy import select_pack_gqa
 
 from test_ir import masks
 
@@ -207,3 +209,34 @@ def test_deterministic_backward_schedule_orders_dq_additions(mask: Mask, tile_m:
     for (tile, m), rank in zip(pairs, s.block_rank.tolist()):
         assert rank == sum(t < tile for t in seen[m])
     assert len(s.arrays()) == 9  # the kernel also gets the item lists, work_blocks and block_rank
+
+
+
+def _same(a: Schedule, b: Schedule) -> bool:
+    return all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a.arrays(), b.arrays(), strict=True))
+
+
+def _kept(mask: Mask) -> list[tuple]:
+    return [key for key in mask.memo if key[0] == "kept schedule"]
+
+
+@pytest.mark.parametrize("heads", [(64, 8), (8, 8), (16, 8)])
+@pytest.mark.parametrize("mask", [Mask.from_cu_seqlens([0, 900, 1000, 5000], causal=True), Mask.from_cu_seqlens([0, 4096])])
+def test_a_decision_hands_its_schedule_to_the_build_after_it(mask: Mask, heads: tuple[int, int]) -> None:
+    """The GQA strategy and the backward kernel's choice keep the schedule they built for the
+    build that comes next (maskc.runtime.plan), which takes it once: the same arrays as built
+    anew, and nothing left in the memo."""
+
+    def fresh() -> Mask:
+        return Mask.from_arrays(mask.q_ranges, mask.k_ranges, mask.types, *mask.shape)
+
+    m = fresh()
+    tile_m = 128 // (heads[0] // heads[1]) if select_pack_gqa(m, *heads, 128, 128, keep=True) else 128
+    assert len(_kept(m)) == (heads[0] != heads[1])
+    assert _same(build_schedule(m, tile_m, 128), build_schedule(fresh(), tile_m, 128)) and not _kept(m)
+    for deterministic, build, params in ((False, build_backward_schedule, (8, 132, 8)),
+                                         (True, build_deterministic_backward_schedule, (8, 132))):  # fmt: skip
+        m = fresh()
+        partial = backward_has_partial_blocks(m, 64, 128, heaviest_first=not deterministic, keep=True)
+        assert partial == backward_has_partial_blocks(fresh(), 64, 128) and len(_kept(m)) == 1
+        assert _same(build(m, 64, 128, *params), build(fresh(), 64, 128, *params)) and not _kept(m)

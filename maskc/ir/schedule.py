@@ -100,15 +100,35 @@ def _fuse_side_by_side(tile: np.ndarray, ln: RowLines) -> tuple[np.ndarray, RowL
     return tile[first], fused
 
 
+_KEPT = "kept schedule"
+"""The first element of the memo keys of schedules a decision built (the GQA strategy, the
+backward kernel's) and kept for the build that comes next (`keep_schedule`)."""
+
+
+def keep_schedule(mask: Mask, schedule: Schedule, *key: object) -> None:
+    """Keep `schedule`, built for a decision, in `mask.memo` for the next build of the same
+    schedule (`key`: what it is built from) to take instead of building it again."""
+    mask.memo[(_KEPT, *key)] = schedule
+
+
+def _kept(mask: Mask, *key: object) -> Schedule | None:
+    """The schedule `keep_schedule` kept under `key`, handed over once (None if there is none)."""
+    return mask.memo.pop((_KEPT, *key), None)
+
+
 def build_schedule(
     mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool = True, free_past_end: bool = False
 ) -> Schedule:
     """The forward schedule of `mask` for (tile_m x tile_n) tiles; work items heaviest first, or
     in tile order (`heaviest_first=False`). With `free_past_end` the columns past the last one
     need no mask (the backward's queries past Tq: their P is 0), so a block a line covers up to
-    the last column is full."""
+    the last column is full. The one the GQA strategy built and kept, if it did
+    (`maskc.ir.strategy.select_pack_gqa`)."""
     if tile_m <= 0 or tile_n <= 0:
         raise MaskError(f"tile shape must be positive, got {tile_m} x {tile_n}")
+    kept = _kept(mask, "forward", tile_m, tile_n, heaviest_first, free_past_end)
+    if kept is not None:
+        return kept
     sq, sk = mask.shape
     merged = merge_ranges(mask)
     lines = RowLines.of(merged.q_ranges, merged.k_ranges, merged.types)
@@ -215,10 +235,31 @@ def _item_cost(s: Schedule) -> np.ndarray:
     return s.blocks_per_item() + ITEM_OVERHEAD_BLOCKS
 
 
-def backward_has_partial_blocks(mask: Mask, tile_m: int, tile_n: int) -> bool:
+def transposed_schedule(
+    mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool = True, keep: bool = False
+) -> Schedule:
+    """The schedule the backward schedules start from: the forward schedule of
+    `mask.transpose()`, its work items the k tiles of `tile_n` keys (heaviest first, or in tile
+    order), its runs q blocks of `tile_m` queries (queries past the last need no mask). The one
+    kept by an earlier call with `keep`, if there is one."""
+    key = ("transposed", tile_m, tile_n, heaviest_first)
+    s = _kept(mask, *key)
+    if s is None:
+        s = build_schedule(mask.transpose(), tile_n, tile_m, heaviest_first=heaviest_first, free_past_end=True)
+    if keep:
+        keep_schedule(mask, s, *key)
+    return s
+
+
+def backward_has_partial_blocks(
+    mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool = False, keep: bool = False
+) -> bool:
     """Whether the backward schedule of `mask` (q blocks of tile_m, k tiles of tile_n) has a
-    partial block; the backward kernel without line masks serves only masks with none."""
-    s = build_schedule(mask.transpose(), tile_n, tile_m, heaviest_first=False, free_past_end=True)
+    partial block; the backward kernel without line masks serves only masks with none. Found
+    from the `transposed_schedule` in either order (the order of the work items changes no
+    run); with `keep`, kept for the backward schedule built next: `heaviest_first` for
+    `build_backward_schedule`, in tile order for `build_deterministic_backward_schedule`."""
+    s = transposed_schedule(mask, tile_m, tile_n, heaviest_first=heaviest_first, keep=keep)
     return bool(s.ranges[:, 2].any())
 
 
@@ -231,7 +272,7 @@ def build_backward_schedule(
     scheduler and one line mask serve both directions. Its items (k tile, K/V head) go to
     `num_ctas` CTAs in sync groups (`maskc.ir.items.sync_group_order`), the last ones split by
     query head where that balances the CTAs (`maskc.ir.items.split_tail`)."""
-    s = build_schedule(mask.transpose(), tile_n, tile_m, free_past_end=True)
+    s = transposed_schedule(mask, tile_m, tile_n)
     cost = _item_cost(s)
     items = whole(sync_group_order(_last_blocks(s), cost, num_heads_kv, num_ctas))
     items, row_cost = split_tail(items, cost[items[:, 0]], qheads_per_kvhead, num_ctas)
@@ -261,7 +302,7 @@ def build_deterministic_backward_schedule(
     """`build_backward_schedule` with items in k tile order (`maskc.ir.items.section_order`:
     a CTA then only ever waits for lower items, which are done or running: no deadlock) and
     the dQ ranks."""
-    s = build_schedule(mask.transpose(), tile_n, tile_m, heaviest_first=False, free_past_end=True)
+    s = transposed_schedule(mask, tile_m, tile_n, heaviest_first=False)
     lengths = (s.ranges[:, 1] - s.ranges[:, 0]).astype(np.int64)
     run_work = np.repeat(np.arange(s.num_work), np.diff(s.work_ranges))
     _, q_block = expand_spans(s.ranges[:, 0].astype(np.int64), s.ranges[:, 1].astype(np.int64) - 1)

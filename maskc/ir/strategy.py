@@ -9,7 +9,7 @@ import numpy as np
 
 from maskc.artifact.families import pack_gqa_supported
 from maskc.ir.mask import Mask
-from maskc.ir.schedule import Schedule, build_schedule
+from maskc.ir.schedule import Schedule, build_schedule, keep_schedule
 
 #: Cost model of one work item, in units of one full (TILE_M x TILE_N) k block: a partial
 #: block also pays its line mask, and every item pays its Q load, pipeline fill and epilogue.
@@ -40,7 +40,14 @@ def estimated_time(schedule: Schedule, items_per_tile: int, num_sms: int) -> flo
 
 
 def select_pack_gqa(
-    mask: Mask, num_heads_q: int, num_heads_kv: int, tile_m: int, tile_n: int, num_sms: int = DEFAULT_NUM_SMS
+    mask: Mask,
+    num_heads_q: int,
+    num_heads_kv: int,
+    tile_m: int,
+    tile_n: int,
+    num_sms: int = DEFAULT_NUM_SMS,
+    *,
+    keep: bool = False,
 ) -> bool:
     """The GQA strategy pass: True when PackGQA (G query heads of one K/V head share an M tile
     of TILE_M / G tokens) is estimated to be faster than one query head per tile.
@@ -49,7 +56,9 @@ def select_pack_gqa(
     little work: short query sequences (decode-like, Tq well under TILE_M, or too few tiles x
     heads to fill the SMs) and masks whose rows are short documents (a TILE_M-token tile
     spans several documents and computes their off-diagonal blocks). Decided by comparing
-    `estimated_time` of the two schedules (the runtime caches the answer in mask.memo).
+    `estimated_time` of the two schedules (the runtime caches the answer in mask.memo). With
+    `keep`, the schedule of the strategy chosen, which is the forward's, is kept in mask.memo
+    for the forward's `build_schedule` (the runtime's) to take instead of building it again.
     """
     if not pack_gqa_supported(num_heads_q, num_heads_kv):
         return False
@@ -58,11 +67,17 @@ def select_pack_gqa(
         return False
     plain_schedule = build_schedule(mask, tile_m, tile_n)
     plain = estimated_time(plain_schedule, num_heads_q, num_sms)
-    packed = estimated_time(build_schedule(mask, tile_m // g, tile_n), num_heads_kv, num_sms)
+    packed_schedule = build_schedule(mask, tile_m // g, tile_n)
+    packed = estimated_time(packed_schedule, num_heads_kv, num_sms)
     if packed < PACK_GQA_MARGIN * plain:
-        return True
-    # A tie in blocks: measured on an H200, PackGQA wins when the mask has partial blocks
-    # (causal diagonals, document edges: 16k causal +7%, 8 causal documents +10% at 64:8)
-    # and loses on all-full masks (16k full -4% at 64:8, -9% at 8:1).
-    has_partial = bool((plain_schedule.ranges[:, 2] != 0).any())
-    return packed <= PACK_GQA_TIE * plain and has_partial
+        chosen = True
+    else:
+        # A tie in blocks: measured on an H200, PackGQA wins when the mask has partial blocks
+        # (causal diagonals, document edges: 16k causal +7%, 8 causal documents +10% at 64:8)
+        # and loses on all-full masks (16k full -4% at 64:8, -9% at 8:1).
+        has_partial = bool((plain_schedule.ranges[:, 2] != 0).any())
+        chosen = packed <= PACK_GQA_TIE * plain and has_partial
+    if keep:
+        schedule = packed_schedule if chosen else plain_schedule
+        keep_schedule(mask, schedule, "forward", schedule.tile_m, tile_n, True, False)
+    return chosen
