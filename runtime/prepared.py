@@ -42,6 +42,11 @@ class PreparedMask:
     def pin_memory(self) -> PreparedMask:
         return PreparedMask(self.table.pin_memory(), self.plan.pin_memory())
 
+    def __reduce__(self) -> tuple:
+        """The tensors alone: a table carries its Mask as an attribute (`maskc.runtime.masks`),
+        which plain pickle (unlike a DataLoader's queues) would write out too, memo and all."""
+        return PreparedMask, (self.table.detach(), self.plan.detach())
+
 
 def target_for(device: torch.device | str, *, num_heads_q: int, num_heads_kv: int, head_dim: int,
                dtype: torch.dtype = torch.bfloat16, pack_gqa: bool | None = None, deterministic: bool = False,
