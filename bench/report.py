@@ -73,7 +73,8 @@ python3 bench/report.py --plots
 ```
 
 `maskc compile` with `--deterministic` or `--portable` adds those kernels, which
-`bench/kernel.py --deterministic` / `--portable` measure. `bench/lower.py`,
+`bench/kernel.py --deterministic` / `--portable` measure; `python3 bench/step.py` times a
+compiled training step with a new mask every step. `bench/lower.py`,
 `bench/schedule.py`, `bench/step_host.py`, `bench/dist_plan.py`, `bench/dist_dispatch.py` and
 `bench/dist_stages.py` measure the host side on any machine. Each script's `--help` says what it
 measures.
@@ -105,7 +106,9 @@ HOST = """\
 What maskc does on the CPU: each `maskc.attention` call, and each time the mask changes
 (lowering it, its tile schedules, a context-parallel plan; `bench/step_host.py`: all a new mask
 costs a training step, planned in the op or ahead of time by `maskc.prepare`). Medians unless
-the step says otherwise; the newest measurement of each step.
+the step says otherwise; the newest measurement of each step. `bench/step.py` times what that
+host work costs a compiled training step on the GPU (wall time per step, steps back to back):
+the same masks planned before, new in every step, or prepared ahead.
 """
 
 PLANS = """\
