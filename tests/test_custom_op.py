@@ -298,11 +298,19 @@ def cuda_on_cpu(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(masks, "call_mask", remember)
     builds: list[str] = []
     for name in ("build_schedule", "build_backward_schedule", "build_deterministic_backward_schedule"):
-        build = getattr(schedules, name)
-        counted = (lambda build: lambda *a: builds.append(build.__name__) or build(*a))(build)
-        counted.__name__ = name
-        monkeypatch.setattr(plan, name, counted)
+        monkeypatch.setattr(plan, name, _counted(getattr(schedules, name), builds))
     return entries, kernels, builds
+
+
+def _counted(build: Any, calls: list[str]) -> Any:
+    """`build`, appending its name to `calls` at each call (under its own name: memo keys use it)."""
+
+    def counted(*args: Any) -> Any:
+        calls.append(build.__name__)
+        return build(*args)
+
+    counted.__name__ = build.__name__
+    return counted
 
 
 def test_the_gpu_path_plans_inside_the_op_once_per_mask(cuda_on_cpu: Any) -> None:
@@ -325,22 +333,21 @@ def test_the_gpu_path_under_compile_plans_each_new_mask_in_the_op(cuda_on_cpu: A
     entries, kernels, builds = cuda_on_cpu
     rng = np.random.default_rng(1)
     torch._dynamo.reset()
-    compiled = torch.compile(lambda q, k, v, mask: _loss(*_out_lse(q, k, v, mask)), backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(lambda q, k, v, mask: _loss(*_out_lse_of(maskc.attention, q, k, v, mask)), backend="aot_eager",
+                             fullgraph=True)  # fmt: skip
     for i in range(4):
         mask = _packed_documents(rng)
         leaves = _inputs(mask, seed=i)
         compiled(*leaves, mask).backward()
         eager = _leaves(leaves)
-        maskc.reference_attention(*eager, mask)
-        ref_loss = _loss(*(lambda o, m: (o, m.lse))(*maskc.reference_attention(*eager, mask)))
-        ref_loss.backward()
+        _loss(*_out_lse_of(maskc.reference_attention, *eager, mask)).backward()
         for ours, theirs in zip(leaves, eager):
             torch.testing.assert_close(ours.grad, theirs.grad)
     assert builds.count("build_schedule") == 4 and builds.count("build_backward_schedule") == 4
 
 
-def _out_lse(q, k, v, mask):
-    out, meta = maskc.attention(q, k, v, mask)
+def _out_lse_of(attention: Any, q, k, v, mask):
+    out, meta = attention(q, k, v, mask)
     return out, meta.lse
 
 
