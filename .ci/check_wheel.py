@@ -12,7 +12,8 @@ built wheel (non-editable, with the compiler extra), from a directory outside th
 4. In a second venv that holds only torch, numpy and the wheel (no dependencies: RUNTIME_PYTHON),
    where neither lark nor the CUTLASS DSL is installed (jinja2 comes with torch, but is not
    imported), `maskc.runtime` registers that artifact directory, made read-only, with the
-   runtime library named by $MASKC_CUTE_RUNTIME.
+   runtime library named by $MASKC_CUTE_RUNTIME, and `maskc.attention` runs on the CPU: a
+   padded batch of packed documents, forward and backward, and a prepared mask.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ assert not present, f"the runtime venv has {present}"
 import maskc.runtime
 keys = maskc.runtime.register_artifact(sys.argv[1])
 masks = maskc.runtime.load_artifact(sys.argv[1]).masks
+import pickle, torch, maskc
+mask = maskc.Mask.from_position_ids(torch.tensor([0, 1, 2, 0, 1, 0, 1, 2, 3]), causal=True)
+q, kv = torch.randn(2, 9, 4, 16, requires_grad=True), torch.randn(2, 9, 2, 16, requires_grad=True)
+out, _ = maskc.attention(q, kv, kv, mask, attention_mask=torch.tensor([[1] * 9, [1] * 6 + [0] * 3]))
+out.sum().backward()
+shipped = pickle.loads(pickle.dumps(maskc.prepare(mask, None)))
+assert torch.equal(maskc.attention(q, kv, kv, shipped)[0][0], out[0]) and q.grad is not None
 imported = sorted({"lark", "jinja2", "cutlass"} & {m.split(".")[0] for m in sys.modules})
 assert not imported, f"the runtime imported {imported}"
 print(len(keys), sorted(masks), masks["varlen_block_causal"].shape)
