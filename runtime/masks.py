@@ -20,6 +20,7 @@ import torch
 from maskc.errors import MaskcError, MaskError
 from maskc.ir import Mask
 from maskc.runtime import prepared as preparing
+from maskc.runtime.plan import memoized
 
 _BY_CONTENT: OrderedDict[bytes, Mask] = OrderedDict()
 """Masks by table content, for a table tensor that reaches an op as another tensor object than
@@ -66,27 +67,20 @@ def call_mask(mask: Mask, q_shape: Sequence[int], k_shape: Sequence[int], paddin
             f"({s}, {sk}) or the whole batch ({b * s}, {b * sk}); got {mask.shape}"
         )
     if padding is None:
-        return mask if mask.shape == (b * s, b * sk) else _memo(mask, ("batch", b), lambda: Mask.stack([mask] * b))
+        return mask if mask.shape == (b * s, b * sk) else memoized(mask, ("batch", b), lambda: Mask.stack([mask] * b))
     if sk != s or tuple(padding.shape) != (b, s):
         raise MaskError(f"attention_mask is [B, S] = [{b}, {s}] for self-attention (Sk = S); got {list(padding.shape)} "
                         f"with Sk = {sk}")  # fmt: skip
-    runs = _token_runs(padding)
-    return _memo(mask, ("padded", b, runs.tobytes()), lambda: _without_padding(mask, runs, s, sk))
-
-
-def _memo(mask: Mask, key: tuple, compute) -> Mask:
-    found = mask.memo.get(key)
-    if found is None:
-        found = mask.memo[key] = compute()
-    return found
+    # Kept on the padding tensor, which every layer and the backward pass (it may live on the
+    # GPU: read once), and which goes with its step; a mask's memo would keep every step's.
+    cached = getattr(padding, "_maskc_mask", None)
+    if cached is None or cached[0] != padding._version or cached[1] is not mask:
+        cached = padding._maskc_mask = (padding._version, mask, _without_padding(mask, _token_runs(padding), s, sk))
+    return cached[2]
 
 
 def _token_runs(padding: torch.Tensor) -> np.ndarray:
-    """[B, 2]: where each row's real tokens begin and end (one run: right or left padding),
-    read once per padding tensor (it may live on the GPU; every layer passes the same one)."""
-    cached = getattr(padding, "_maskc_runs", None)
-    if cached is not None and cached[0] == padding._version:
-        return cached[1]
+    """[B, 2]: where each row's real tokens begin and end (one run: right or left padding)."""
     keep = padding.detach().cpu().numpy() != 0
     count = keep.sum(1)
     start = np.where(count > 0, keep.argmax(1), 0)
@@ -96,9 +90,7 @@ def _token_runs(padding: torch.Tensor) -> np.ndarray:
         row = int(np.flatnonzero((inside != keep).any(1))[0])
         raise MaskError(f"attention_mask row {row} has padding between its tokens; each row's tokens must be one run "
                         f"(right or left padding)")  # fmt: skip
-    runs = np.stack([start, start + count], 1)
-    padding._maskc_runs = (padding._version, runs)
-    return runs
+    return np.stack([start, start + count], 1)
 
 
 def _without_padding(mask: Mask, runs: np.ndarray, s: int, sk: int) -> Mask:

@@ -107,7 +107,7 @@ def make_target(capability: tuple[int, int], num_sms: int, dtype: torch.dtype, n
                   None if pack_gqa is None else bool(pack_gqa), deterministic)  # fmt: skip
 
 
-def _memo(mask: Mask, key: tuple, compute: Callable[[], Any]) -> Any:
+def memoized(mask: Mask, key: tuple, compute: Callable[[], Any]) -> Any:
     """`compute()` once per mask and key: a Mask never changes. The keys of the decisions and
     host schedules hold only str, int and bool, so a prepared mask carries them (`maskc.prepare`)."""
     value = mask.memo.get(key)
@@ -127,7 +127,7 @@ def forward_requests(mask: Mask, target: Target) -> tuple[dict[str, Any], dict[s
         return {**request, "pack_gqa": target.pack_gqa}, None
     tiles = target.family.forward.tiles[request["head_dim"]]
     key = ("pack_gqa", hq, hkv, tiles.tile_m, tiles.tile_n, target.num_sms)
-    packed = pack_gqa_supported(hq, hkv) and _memo(
+    packed = pack_gqa_supported(hq, hkv) and memoized(
         mask, key, lambda: select_pack_gqa(mask, hq, hkv, tiles.tile_m, tiles.tile_n, target.num_sms, keep=True)
     )
     return {**request, "pack_gqa": packed}, {**request, "pack_gqa": not packed}
@@ -143,7 +143,7 @@ def backward_requests(mask: Mask, target: Target) -> tuple[dict[str, Any], dict[
         return request, None
     tiles = target.family.backward.tiles[request["head_dim"]]
     # The transposed schedule it looks at is kept for the backward schedule (built from it).
-    partial = _memo(mask, ("partial", tiles.tile_m, tiles.tile_n),
+    partial = memoized(mask, ("partial", tiles.tile_m, tiles.tile_n),
                     lambda: backward_has_partial_blocks(mask, tiles.tile_m, tiles.tile_n,
                                                         heaviest_first=not target.deterministic, keep=True))  # fmt: skip
     return (request, None) if partial else ({**request, "unmasked": True}, request)
@@ -173,7 +173,7 @@ def _host_schedule(mask: Mask, build: Callable, num_ctas: int, *params: int) -> 
         flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays]))
         return HostSchedule(flat, tuple(a.shape[0] for a in arrays), getattr(schedule, "num_slots", 0), num_ctas)
 
-    return _memo(mask, (build.__name__, num_ctas, *params), compute)
+    return memoized(mask, (build.__name__, num_ctas, *params), compute)
 
 
 def forward_schedule(mask: Mask, shape: registry.LaunchShape, num_sms: int) -> HostSchedule:

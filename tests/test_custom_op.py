@@ -152,6 +152,10 @@ def test_padding_is_left_out_of_a_batch(stacked: bool) -> None:
             torch.testing.assert_close(out[b, a:e], ref[a:e])
             torch.testing.assert_close(q.grad[b], leaves[0].grad)
             torch.testing.assert_close(k.grad[b], leaves[1].grad)
+    size = len(mask.memo)
+    with torch.no_grad():
+        maskc.attention(q, k, v, mask, attention_mask=padding.roll(1, 0))  # another step's padding
+    assert len(mask.memo) == size  # kept with its padding tensor: the mask's memo does not grow step by step
     with pytest.raises(maskc.MaskError, match="row 1 has padding between its tokens"):
         maskc.attention(q, k, v, mask, attention_mask=torch.tensor([[True] * s, [True, False] * (s // 2)] * 2))
     with pytest.raises(maskc.MaskError, match="goes with batched q"):
