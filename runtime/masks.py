@@ -24,8 +24,8 @@ from maskc.runtime.plan import memoized
 
 _BY_CONTENT: OrderedDict[bytes, Mask] = OrderedDict()
 """Masks by table content, for a table tensor that reaches an op as another tensor object than
-the one its Mask holds (a few per step: the LRU keeps the latest)."""
-_CONTENT_CACHE = 16
+the one its Mask holds. Small: each Mask keeps its schedules on the GPU while it lives."""
+_CONTENT_CACHE = 2
 
 
 def mask_of(table: torch.Tensor, prepared: torch.Tensor | None = None) -> Mask:
