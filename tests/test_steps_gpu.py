@@ -86,6 +86,26 @@ def test_a_batch_runs_as_one_launch_equal_to_row_by_row() -> None:
                 assert _rel(grad[b], leaf.grad) < 2e-2
 
 
+def test_a_padded_batch_leaves_its_padding_out() -> None:
+    """attention_mask [B, S] with right, left and no padding: each row's real tokens as if alone,
+    the padding's rows 0 and without gradient."""
+    rng = np.random.default_rng(4)
+    row = _packed(rng, 3000, 3001)
+    runs = [(0, 2500), (700, 3000), (0, 3000)]
+    padding = torch.tensor([[a <= i < e for i in range(3000)] for a, e in runs], device="cuda")
+    q, k, v = _inputs((3, 3000, HQ, D), (3, 3000, HKV, D), seed=6)
+    out, meta = maskc.attention(q, k, v, row, attention_mask=padding)
+    (out.float().square().sum() + torch.where(padding[..., None], meta.lse, 0).sum()).backward()
+    for b, (a, e) in enumerate(runs):
+        assert (out[b, :a] == 0).all() and (out[b, e:] == 0).all() and (k.grad[b, :a] == 0).all()
+        leaves = [x[b].detach().float().requires_grad_() for x in (q, k, v)]
+        ref, ref_meta = maskc.reference_attention(*leaves, row.crop((a, e), (a, e)))
+        (ref.square().sum() + ref_meta.lse[a:e].sum()).backward()
+        assert _rel(out[b, a:e], ref[a:e]) < 1e-2
+        for x, leaf in zip((q, k, v), leaves):
+            assert _rel(x.grad[b], leaf.grad) < 2e-2
+
+
 def test_a_prepared_mask_gives_the_same_results_without_planning_in_the_step() -> None:
     mask = _packed(np.random.default_rng(2), 8000, 8001)
     target = maskc.target_for("cuda", num_heads_q=HQ, num_heads_kv=HKV, head_dim=D)
