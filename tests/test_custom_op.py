@@ -384,7 +384,7 @@ def test_a_prepared_mask_crosses_a_process_boundary_and_needs_no_planning(cuda_o
     the training step then builds no schedule and gets the same results."""
     entries, kernels, builds = cuda_on_cpu
     mask = Mask.from_cu_seqlens([0, 300, 1000, 1500], causal=True)
-    ready = prepared.prepare(mask, _target())
+    ready = prepared.prepare(mask, pickle.loads(pickle.dumps(_target())))  # the target crosses to the worker too
     data = pickle.dumps(ready)
     assert len(data) < 4 * (ready.table.numel() + ready.plan.numel()) + 4096  # the tensors, not the Mask they carry
     shipped = pickle.loads(data)
