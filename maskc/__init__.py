@@ -18,6 +18,7 @@ _LAZY = {
     "Builder": "maskc.frontend.python_front",
     "CuSeqLens": "maskc.frontend.params",
     "Mask": "maskc.ir",
+    "PositionMask": "maskc.runtime",
     "PreparedMask": "maskc.runtime",
     "SeqLens": "maskc.frontend.params",
     "attention": "maskc.runtime",
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from maskc.frontend.python_front import Builder, mask
     from maskc.ir import AttnSlice, Mask
     from maskc.reference import AttentionMeta, reference_attention
-    from maskc.runtime import PreparedMask, attention, prepare, target_for
+    from maskc.runtime import PositionMask, PreparedMask, attention, prepare, target_for
 
 
 __getattr__ = lazy_attributes(__name__, globals(), _LAZY)
@@ -70,6 +71,7 @@ __all__ = [
     "MaskSemanticError",
     "MaskSyntaxError",
     "MaskcError",
+    "PositionMask",
     "PreparedMask",
     "SeqLens",
     "attention",

@@ -11,6 +11,7 @@ reads an artifact's masks.
 from maskc.artifact.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, open_manifest, read_manifest
 from maskc.runtime.api import attention
 from maskc.runtime.load import Artifact, load_artifact
+from maskc.runtime.masks import PositionMask
 from maskc.runtime.prepared import PreparedMask, prepare, target_for
 from maskc.runtime.registry import register_artifact
 
@@ -19,6 +20,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "Manifest",
+    "PositionMask",
     "PreparedMask",
     "attention",
     "load_artifact",

@@ -19,18 +19,22 @@ from maskc.reference import AttentionMeta, check_attention_args, check_attention
 from maskc.runtime import ops
 from maskc.runtime.ops import Options
 from maskc.runtime.plan import TORCH_DTYPES, plan_backward, plan_forward
+from maskc.runtime.masks import PositionMask
 from maskc.runtime.prepared import PreparedMask
 
 _DTYPES = {"cuda": (tuple(TORCH_DTYPES), "bfloat16 or float16"), "cpu": ((torch.float32, *TORCH_DTYPES), "float32, bfloat16 or float16")}
 
 
-def _mask_tensors(mask: Mask | PreparedMask) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The tensors a mask reaches the ops as: its table, and a prepared plan if it has one."""
+def _mask_tensors(mask: Mask | PreparedMask | PositionMask) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+    """The tensors a mask reaches the ops as (its table, or its position ids, and a prepared plan
+    if it has one), and the `Options.positions` of a PositionMask."""
     if isinstance(mask, PreparedMask):
-        return mask.table, mask.plan
+        return mask.table, mask.plan, None
     if isinstance(mask, Mask):
-        return mask.table, None
-    raise TypeError(f"mask must be a maskc Mask or PreparedMask (maskc.prepare), got {type(mask).__name__}")
+        return mask.table, None, None
+    if isinstance(mask, PositionMask):
+        return mask.position_ids, None, mask.options()
+    raise TypeError(f"mask must be a maskc Mask, PreparedMask (maskc.prepare) or PositionMask, got {type(mask).__name__}")
 
 
 def _check_inputs(
@@ -71,7 +75,7 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: Mask | PreparedMask,
+    mask: Mask | PreparedMask | PositionMask,
     *,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
@@ -86,7 +90,9 @@ def attention(
     k, v and sink (the gradient flows through lse too). q [T, Hq, D] with k, v [Tk, Hkv, D] and
     a mask of (T, Tk); or a batch q [B, S, Hq, D] with k, v [B, Sk, Hkv, D] and a mask over one
     row (S, Sk), shared by every row, or over the whole batch (B * S, B * Sk; `Mask.stack`):
-    one launch either way, and out, lse come back in q's layout. A batch's `attention_mask`
+    one launch either way, and out, lse come back in q's layout. A `PositionMask` gives packed
+    documents by their position ids, read inside the op (for masks that only exist inside a
+    compiled model). A batch's `attention_mask`
     [B, S] (bool or 0/1, true on real tokens; one run per row: right or left padding) leaves the
     padding out: its queries attend nothing (out 0, lse -inf) and nothing attends it. CUDA
     tensors run maskc's kernels; CPU tensors (float32 too) the reference attention. Inside
@@ -102,9 +108,9 @@ def attention(
     forces the portable ones (no PackGQA yet); False asks for the GPU's own kernels, also the
     experimental Blackwell forward and backward (never run by maskc).
     """
-    table, prepared = _mask_tensors(mask)
+    table, prepared, positions = _mask_tensors(mask)
     scale = _check_inputs(q, k, v, sink, softmax_scale, softcap)
-    options = Options(pack_gqa, bool(deterministic), portable).encode()
+    options = Options(pack_gqa, bool(deterministic), portable, positions).encode()
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"attention_mask must be a [B, S] tensor, got {type(attention_mask).__name__}")
     inputs = (q, k, v, sink, table, prepared, attention_mask, scale, float(softcap), return_max_logits, options)

@@ -1,6 +1,6 @@
 """The mask of an attention call, from what reaches the custom ops as tensors: a mask table
-(`Mask.table`), maybe a plan prepared ahead of time (`maskc.prepare`), the batch layout of q
-and k, and a padding mask.
+(`Mask.table`) or position ids (`PositionMask`), maybe a plan prepared ahead of time
+(`maskc.prepare`), the batch layout of q and k, and a padding mask.
 
 Every layer of a step passes the same tensors, so what is derived from them (the Mask, the
 mask of the whole batch) is kept on them: found again, not rebuilt, by the next layer and by
@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -47,6 +48,55 @@ def mask_of(table: torch.Tensor, prepared: torch.Tensor | None = None) -> Mask:
             mask.memo.setdefault(key, value)
         prepared._maskc_seeded = mask
     return mask
+
+
+@dataclass(frozen=True)
+class PositionMask:
+    """Packed documents given by their position ids, which restart at 0 where a document begins
+    (`Mask.from_position_ids`), built inside the attention op rather than before the call:
+    inside a compiled model the position ids are a tensor of the graph, and the host cannot read
+    them before the op does. `position_ids` is [S], or [B, S] for a batch (one row per batch
+    row, or [1, S] for all); the mask is built once per tensor, for every layer and the backward."""
+
+    position_ids: torch.Tensor
+    causal: bool
+    window: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.position_ids, torch.Tensor) or self.position_ids.is_floating_point():
+            raise MaskError(f"position_ids must be an integer tensor, got {self.position_ids!r:.60}")
+        if not isinstance(self.causal, bool):
+            raise MaskError(f"causal must be True or False, got {self.causal!r}")
+        if self.window is not None and not (
+            isinstance(self.window, tuple) and len(self.window) == 2 and all(isinstance(w, int) and w >= 0 for w in self.window)
+        ):
+            raise MaskError(f"window must be a pair (left, right) of key counts >= 0, got {self.window!r}")
+
+    def options(self) -> tuple[int, int, int]:
+        """(causal, window left, window right; -1 without a window): constants of the op."""
+        left, right = self.window if self.window is not None else (-1, -1)
+        return int(self.causal), left, right
+
+
+def positions_mask(position_ids: torch.Tensor, causal: bool, left: int, right: int) -> Mask:
+    """The mask of a `PositionMask`: over one row when every row of position_ids is alike,
+    else `Mask.stack` of the rows; kept on the tensor per (causal, window), read from it once."""
+    window = None if left < 0 else (left, right)
+    key = (causal, window)
+    cached = getattr(position_ids, "_maskc_positions", None)
+    if cached is None or cached[0] != position_ids._version:  # new, or changed in place
+        cached = position_ids._maskc_positions = (position_ids._version, {})
+    cache = cached[1]
+    if key not in cache:
+        rows = position_ids.detach().cpu().numpy()
+        rows = rows.reshape(1, -1) if rows.ndim == 1 else rows
+        if rows.ndim != 2:
+            raise MaskError(f"position_ids are [S] or [B, S], got shape {tuple(position_ids.shape)}")
+        if (rows == rows[:1]).all():
+            cache[key] = Mask.from_position_ids(rows[0], causal=causal, window=window)
+        else:
+            cache[key] = Mask.stack([Mask.from_position_ids(row, causal=causal, window=window) for row in rows])
+    return cache[key]
 
 
 def call_mask(mask: Mask, q_shape: Sequence[int], k_shape: Sequence[int], padding: torch.Tensor | None = None) -> Mask:

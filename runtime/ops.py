@@ -33,14 +33,18 @@ class Options:
     pack_gqa: bool | None
     deterministic: bool
     portable: bool | None
+    positions: tuple[int, int, int] | None = None
+    """`PositionMask.options()` when the mask tensor holds position ids; None for a table."""
 
     def encode(self) -> list[int]:
-        return [_tristate(self.pack_gqa), int(self.deterministic), _tristate(self.portable)]
+        positions = [1, *self.positions] if self.positions is not None else [0, 0, -1, -1]
+        return [_tristate(self.pack_gqa), int(self.deterministic), _tristate(self.portable), *positions]
 
     @classmethod
     def decode(cls, values: Sequence[int]) -> Options:
-        pack_gqa, deterministic, portable = values
-        return cls(None if pack_gqa < 0 else bool(pack_gqa), bool(deterministic), None if portable < 0 else bool(portable))
+        pack_gqa, deterministic, portable, by_positions, *positions = values
+        return cls(None if pack_gqa < 0 else bool(pack_gqa), bool(deterministic), None if portable < 0 else bool(portable),
+                   tuple(positions) if by_positions else None)  # fmt: skip
 
 
 def _tristate(value: bool | None) -> int:
@@ -60,9 +64,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.view(-1, *x.shape[-2:])
 
 
-def _call_mask(table: torch.Tensor, prepared: torch.Tensor | None, padding: torch.Tensor | None, q: torch.Tensor,
-               k: torch.Tensor) -> Mask:  # fmt: skip
-    return masks.call_mask(masks.mask_of(table, prepared), q.shape, k.shape, padding)
+def _call_mask(mask: torch.Tensor, prepared: torch.Tensor | None, padding: torch.Tensor | None, q: torch.Tensor,
+               k: torch.Tensor, options: Options) -> Mask:  # fmt: skip
+    """The mask over the call's rows, from its table or its position ids (`maskc.runtime.masks`)."""
+    if options.positions is not None:
+        base = masks.positions_mask(mask, bool(options.positions[0]), *options.positions[1:])
+    else:
+        base = masks.mask_of(mask, prepared)
+    return masks.call_mask(base, q.shape, k.shape, padding)
 
 
 def _forward_outputs(q: torch.Tensor, return_max_logits: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -142,8 +151,9 @@ def _config(mask: Mask, scale: float, softcap: float, return_max_logits: bool = 
 
 def attn_fwd_cuda(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, options):
     """out, lse and row_max ([0] unless return_max_logits), shaped like q."""
-    call_mask = _call_mask(mask, prepared, padding, q, k)
-    target = _target(q, k, softcap > 0, sink is not None, return_max_logits, Options.decode(options))
+    decoded = Options.decode(options)
+    call_mask = _call_mask(mask, prepared, padding, q, k, decoded)
+    target = _target(q, k, softcap > 0, sink is not None, return_max_logits, decoded)
     launch = plan.plan_forward(call_mask, target, q.device)
     out, lse, row_max = forward_cuda(_rows(q), _rows(k), _rows(v), sink, launch, softmax_scale, softcap, return_max_logits)
     return out.view(q.shape), lse.view(q.shape[:-1]), row_max.view(q.shape[:-1]) if return_max_logits else row_max
@@ -151,7 +161,8 @@ def attn_fwd_cuda(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap
 
 def attn_fwd_cpu(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, options):
     """The forward on the CPU: the reference attention's tiles."""
-    cfg = _config(_call_mask(mask, prepared, padding, q, k), softmax_scale, softcap, return_max_logits)
+    cfg = _config(_call_mask(mask, prepared, padding, q, k, Options.decode(options)), softmax_scale, softcap,
+                  return_max_logits)  # fmt: skip
     out, lse, max_logits = reference._forward(_rows(q), _rows(k), _rows(v), sink, cfg)
     rows = q.shape[:-1]
     row_max = max_logits.expand(rows).contiguous() if return_max_logits else lse.new_empty(0)
@@ -160,8 +171,9 @@ def attn_fwd_cpu(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap,
 
 def attn_bwd_cuda(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options):
     """dq, dk, dv and dsink (empty without sinks: ops return tensors), shaped like their inputs."""
-    call_mask = _call_mask(mask, prepared, padding, q, k)
-    launch = plan.plan_backward(call_mask, _target(q, k, softcap > 0, False, False, Options.decode(options)), q.device)
+    decoded = Options.decode(options)
+    call_mask = _call_mask(mask, prepared, padding, q, k, decoded)
+    launch = plan.plan_backward(call_mask, _target(q, k, softcap > 0, False, False, decoded), q.device)
     flat = [_rows(x) if x is not None else None for x in (q, k, v, out)]
     lse_rows, dlse_rows = lse.view(-1, lse.shape[-1]), None if dlse is None else dlse.reshape(-1, dlse.shape[-1])
     dq, dk, dv, dsink = backward_cuda(*flat, lse_rows, sink, _rows(dout.contiguous()), dlse_rows, launch, softmax_scale,
@@ -171,7 +183,7 @@ def attn_bwd_cuda(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, 
 
 def attn_bwd_cpu(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options):
     """The backward on the CPU: the reference attention's, recomputing its tiles."""
-    cfg = _config(_call_mask(mask, prepared, padding, q, k), softmax_scale, softcap)
+    cfg = _config(_call_mask(mask, prepared, padding, q, k, Options.decode(options)), softmax_scale, softcap)
     lse_rows = lse.reshape(-1, lse.shape[-1])
     dlse_rows = torch.zeros_like(lse_rows) if dlse is None else dlse.reshape(-1, dlse.shape[-1])
     dq, dk, dv, dsink = reference._backward(_rows(q), _rows(k), _rows(v), _rows(out), lse_rows, sink,

@@ -246,6 +246,45 @@ def test_a_new_mask_every_step_compiles_nothing_after_the_second_step(dynamic: b
     assert graphs[1] <= 2 and graphs[-1] == graphs[1], graphs
 
 
+def _positions(rng: np.random.Generator, total: int) -> torch.Tensor:
+    """The position ids of a packed row of `total` tokens: 1 to 8 documents."""
+    cuts = np.sort(rng.choice(np.arange(1, total), int(rng.integers(0, 8)), replace=False))
+    return torch.cat([torch.arange(n) for n in np.diff(np.r_[0, cuts, total])])
+
+
+def test_position_ids_are_data_inside_a_compiled_step() -> None:
+    """maskc.PositionMask built inside the compiled code from a position_ids input: new packings
+    (rows alike or not) compile nothing after the second step and equal the Mask's results."""
+    rng = np.random.default_rng(5)
+    torch._dynamo.reset()
+    counters.clear()
+
+    def step(q, k, v, position_ids):
+        out, meta = maskc.attention(q, k, v, maskc.PositionMask(position_ids, True, (20, 0)))
+        return _loss(out, meta.lse)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    graphs = []
+    for i in range(8):
+        s = int(rng.integers(64, 513))
+        positions = torch.stack([_positions(rng, s) for _ in range(2)])
+        if i % 2:
+            positions = positions[:1].expand(2, -1).contiguous()  # rows alike: one shared row mask
+        leaves = _inputs(Mask.from_cu_seqlens([0, s]), seed=i, dtype=torch.float32, batch=(2,))
+        compiled(*leaves, positions).backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+        masks_of_rows = [Mask.from_position_ids(row, causal=True, window=(20, 0)) for row in positions]
+        eager = _leaves(leaves)
+        _loss(*_out_lse_of(maskc.attention, *eager, Mask.stack(masks_of_rows))).backward()
+        for ours, theirs in zip(leaves, eager):
+            torch.testing.assert_close(ours.grad, theirs.grad)
+    assert graphs[1] <= 2 and graphs[-1] == graphs[1], graphs
+    with pytest.raises(maskc.MaskError, match="integer tensor"):
+        maskc.PositionMask(torch.zeros(4), True)
+    with pytest.raises(maskc.MaskError, match="window must be a pair"):
+        maskc.PositionMask(torch.zeros(4, dtype=torch.long), True, (3,))
+
+
 @dataclass
 class _Kernels:
     """The CUDA implementations' launches on a CPU 'GPU': reference math, and what they were given."""

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 transformers = pytest.importorskip("transformers")
 
@@ -172,11 +173,11 @@ def test_an_explicit_mask_wins() -> None:
 
 def test_the_mask_is_built_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     builds = []
-    build = hf._build
-    monkeypatch.setattr(hf, "_build", lambda *args: builds.append(args) or build(*args))
+    from_position_ids = maskc.Mask.from_position_ids
+    monkeypatch.setattr(maskc.Mask, "from_position_ids", lambda *a, **kw: builds.append(a) or from_position_ids(*a, **kw))
     llama, _ = twins(llama_config(num_hidden_layers=3))
     tokens, positions = packed(DOCS)
-    llama(tokens, position_ids=positions)
+    llama(tokens, position_ids=positions).logits.sum().backward()
     assert len(builds) == 1
     llama(tokens, position_ids=positions)  # the same tensor, unchanged: cached
     assert len(builds) == 1
@@ -190,13 +191,14 @@ def test_the_mask_is_built_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> 
     assert len(builds) == 5
 
 
-def test_cache_entries_die_with_their_tensors() -> None:
+def test_cu_seq_lens_masks_die_with_their_tensors() -> None:
     ours, _ = twins(llama_config())
     before = len(hf._CACHE._masks)
-    tokens, positions = packed(DOCS)
-    ours(tokens, position_ids=positions)
+    cu = torch.cumsum(torch.tensor([0, *DOCS], dtype=torch.int32), 0)
+    tokens, _ = packed(DOCS)
+    ours(tokens, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(DOCS), max_length_k=max(DOCS))
     assert len(hf._CACHE._masks) == before + 1
-    del positions
+    del cu
     assert len(hf._CACHE._masks) == before
 
 
@@ -279,13 +281,36 @@ def test_chunked_attention_is_a_clear_error() -> None:
         hf.attention_forward(layer, q, kv, kv, unsupported)
 
 
-def test_building_the_mask_under_torch_compile_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.slow
+def test_a_compiled_model_takes_new_documents_every_step_without_recompiling() -> None:
+    """torch.compile of a Llama with attn_implementation="maskc": position_ids are data, so new
+    packings (other document counts and lengths) compile no more after the second step; logits
+    and gradients are the eager model's."""
+    torch._dynamo.reset()
+    counters.clear()
     ours, _ = twins(llama_config())
-    layer = ours.model.layers[0].self_attn
-    q, kv = torch.zeros(1, 4, 10, 16), torch.zeros(1, 2, 10, 16)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    with pytest.raises(hf.TransformersAttentionError, match="outside torch.compile"):
-        hf.attention_forward(layer, q, kv, kv, None)
+    compiled = torch.compile(ours, backend="aot_eager")
+    rng = torch.Generator().manual_seed(3)
+    graphs = []
+    for step in range(6):
+        lengths = torch.randint(2, 12, (int(torch.randint(1, 5, (1,), generator=rng)),), generator=rng).tolist()
+        tokens, positions = packed(lengths, seed=step)
+        logits = compiled(tokens, position_ids=positions).logits
+        logits.square().sum().backward()
+        got = {name: p.grad.clone() for name, p in ours.named_parameters()}
+        ours.zero_grad()
+        eager = ours(tokens, position_ids=positions).logits
+        eager.square().sum().backward()
+        close(logits, eager)
+        for name, p in ours.named_parameters():
+            close(got[name], p.grad)
+        ours.zero_grad()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[1] and graphs[1] <= 2 * graphs[0], graphs
+    # cu_seq_lens are read on the host: a graph break, the same logits.
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+    kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 5, "max_length_k": 5}
+    close(compiled(tokens[:, :10], **kwargs).logits, ours(tokens[:, :10], **kwargs).logits)
 
 
 def test_a_bidirectional_sliding_window_is_a_clear_error() -> None:

@@ -13,7 +13,8 @@ padding of the [B, S] attention_mask (left or right) attends nothing and nothing
 The model's `is_causal`, `sliding_window`, `softcap`, `scaling` and attention sinks (`s_aux`)
 carry over (an explicit mask replaces `is_causal` and `sliding_window`). Every layer of a
 forward gets the same inputs, so the mask is built once per forward and cached on the tensors
-it came from.
+it came from. The position_ids reach maskc's op as data (`maskc.PositionMask`), so a model
+under torch.compile takes new documents every step without recompiling.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
@@ -129,13 +129,8 @@ def attention_forward(
             "attn_implementation"
         )
     else:
-        if torch.compiler.is_compiling():
-            raise TransformersAttentionError(
-                f"maskc builds its mask from position_ids on the host, outside torch.compile: build a maskc.Mask "
-                f"before the compiled region and pass it as {MASK_KWARG}="
-            )
         causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
-        mask = _CACHE.get(batch, seqlen, causal, _window(sliding_window, causal), kwargs)
+        mask = _documents(batch, seqlen, causal, _window(sliding_window, causal), kwargs, query.device)
     padding = attention_mask if isinstance(attention_mask, torch.Tensor) else None
     sink = None if s_aux is None else s_aux.float().reshape(1, -1)
     dtype = _dtype(query)
@@ -185,24 +180,44 @@ def _explicit(mask: Any, batch: int, seqlen: int) -> maskc.Mask | maskc.Prepared
     return mask
 
 
+def _documents(
+    batch: int, seqlen: int, causal: bool, window: tuple[int, int] | None, kwargs: dict[str, Any], device: torch.device
+) -> maskc.Mask | maskc.PositionMask:
+    """The documents of one forward: those of `cu_seq_lens_q/k` (over the flattened batch,
+    built on the host once per forward), else those of `position_ids`, read inside the
+    attention op (`maskc.PositionMask`: once per forward, and as data inside a compiled model),
+    else one document per row."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        if cu_q is None or cu_k is None:
+            raise TransformersAttentionError("got only one of cu_seq_lens_q and cu_seq_lens_k; pass both (or neither)")
+        return _cu_seq_lens_mask(causal, window, cu_q, cu_k)
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        return maskc.PositionMask(torch.arange(seqlen, device=device), causal, window)
+    if position_ids.ndim not in (1, 2) or position_ids.shape[-1] != seqlen or position_ids.ndim == 2 and \
+            position_ids.shape[0] not in (1, batch):  # fmt: skip
+        raise TransformersAttentionError(
+            f"position_ids has shape {tuple(position_ids.shape)}; expected [{batch}, {seqlen}] or [1, {seqlen}]"
+        )
+    return maskc.PositionMask(position_ids, causal, window)
+
+
 class _MaskCache:
-    """Masks by the tensors they were built from: the layers of one forward share those tensors,
-    so only the first layer plans. An entry lives as long as its tensors, and a tensor changed
-    in place (its `_version`) misses."""
+    """Masks by the cu_seq_lens tensors they were built from: the layers of one forward share
+    those tensors, so only the first layer plans. An entry lives as long as its tensors, and a
+    tensor changed in place (its `_version`) misses."""
 
     def __init__(self) -> None:
         self._masks: dict[tuple, tuple[list[weakref.ref], maskc.Mask]] = {}
 
-    def get(
-        self, batch: int, seqlen: int, causal: bool, window: tuple[int, int] | None, kwargs: dict[str, Any]
-    ) -> maskc.Mask:
-        sources = (kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), kwargs.get("position_ids"))
-        key = (batch, seqlen, causal, window, *((id(t), t._version) if t is not None else None for t in sources))
+    def get(self, causal: bool, window: tuple[int, int] | None, cu_q: torch.Tensor, cu_k: torch.Tensor) -> maskc.Mask:
+        key = (causal, window, *((id(t), t._version) for t in (cu_q, cu_k)))
         hit = self._masks.get(key)
         if hit is not None:
             return hit[1]
-        mask = _build(batch, seqlen, causal, window, *sources)
-        refs = [weakref.ref(t, lambda _, key=key: self._masks.pop(key, None)) for t in sources if t is not None]
+        mask = _build(causal, window, cu_q, cu_k)
+        refs = [weakref.ref(t, lambda _, key=key: self._masks.pop(key, None)) for t in (cu_q, cu_k)]
         self._masks[key] = (refs, mask)
         return mask
 
@@ -210,41 +225,17 @@ class _MaskCache:
 _CACHE = _MaskCache()
 
 
-def _host(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy()
+@torch.compiler.disable  # host work: inside a compiled model it runs eagerly, a graph break (position_ids are data)
+def _cu_seq_lens_mask(causal: bool, window: tuple[int, int] | None, cu_q: torch.Tensor, cu_k: torch.Tensor) -> maskc.Mask:
+    return _CACHE.get(causal, window, cu_q, cu_k)
 
 
-def _build(
-    batch: int,
-    seqlen: int,
-    causal: bool,
-    window: tuple[int, int] | None,
-    cu_q: torch.Tensor | None,
-    cu_k: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-) -> maskc.Mask:
-    """The mask of one forward: the documents of cu_seq_lens (over the flattened batch), else
-    those of position_ids (over one row when every row is alike, else stacked), else one
-    document per row. maskc.attention leaves the padding out."""
-    if cu_q is not None or cu_k is not None:
-        if cu_q is None or cu_k is None:
-            raise TransformersAttentionError("got only one of cu_seq_lens_q and cu_seq_lens_k; pass both (or neither)")
-        if window is None:
-            return maskc.Mask.from_cu_seqlens(_host(cu_q), _host(cu_k), causal=causal)
-        return maskc.Mask.sliding_window(_host(cu_q), *window, cu_seqlens_k=_host(cu_k))
-    if position_ids is None:
-        positions = np.arange(seqlen)[None]
-    else:
-        positions = _host(position_ids)
-        if positions.ndim == 1:
-            positions = positions[None]
-        if positions.ndim != 2 or positions.shape[1] != seqlen or positions.shape[0] not in (1, batch):
-            raise TransformersAttentionError(
-                f"position_ids has shape {tuple(position_ids.shape)}; expected [{batch}, {seqlen}] or [1, {seqlen}]"
-            )
-    if (positions == positions[:1]).all():
-        return maskc.Mask.from_position_ids(positions[0], causal=causal, window=window)
-    return maskc.Mask.stack([maskc.Mask.from_position_ids(row, causal=causal, window=window) for row in positions])
+def _build(causal: bool, window: tuple[int, int] | None, cu_q: torch.Tensor, cu_k: torch.Tensor) -> maskc.Mask:
+    """The documents of cu_seq_lens over the flattened batch (maskc.attention leaves the padding out)."""
+    cu_q, cu_k = (t.detach().cpu().numpy() for t in (cu_q, cu_k))
+    if window is None:
+        return maskc.Mask.from_cu_seqlens(cu_q, cu_k, causal=causal)
+    return maskc.Mask.sliding_window(cu_q, *window, cu_seqlens_k=cu_k)
 
 
 register()
