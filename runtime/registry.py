@@ -89,6 +89,8 @@ def entry_for(load: Callable[[], Kernel] | None, fields: Mapping[str, Any]) -> E
 
 KERNELS: dict[tuple, Entry] = {}
 LOADED: list[Entry] = []
+FROM_SOURCE: set[tuple] = set()
+"""The request keys of the kernels the kernel source compiled (not registered by the user)."""
 
 
 def loaded(index: int) -> Entry:
@@ -97,12 +99,15 @@ def loaded(index: int) -> Entry:
 
 
 def find_kernel(request: Mapping[str, Any], alternative: Mapping[str, Any] | None = None) -> Entry:
-    """A registered kernel for `request`; else a registered one for `alternative`, a kernel that
-    serves the same call more slowly (registered artifacts win over compiling); else one from
-    the kernel source."""
+    """A registered kernel for `request`; else one for `alternative`, a kernel that serves the
+    same call more slowly, registered from an artifact (the user's kernels win over compiling)
+    or where nothing can compile; else one from the kernel source. A slower kernel the source
+    compiled for an earlier call never stands in for the one asked for."""
     entry = KERNELS.get(request_key(request))
     if entry is None and alternative is not None:
-        entry = KERNELS.get(request_key(alternative))
+        other = KERNELS.get(request_key(alternative))
+        if other is not None and (request_key(alternative) not in FROM_SOURCE or kernel_source() is None):
+            entry = other
     return entry or _from_source(request)
 
 
@@ -115,7 +120,7 @@ def _from_source(request: Mapping[str, Any]) -> Entry:
             f"no compiled maskc kernel for {dict(request)} and the compiler is not installed; build one with "
             f"`maskc compile` and pass its directory to maskc.runtime.register_artifact, or {install_compiler_hint()}"
         )
-    register_artifact(source(request))
+    FROM_SOURCE.update(_register(source(request)))
     return KERNELS[request_key(request)]
 
 
@@ -125,6 +130,13 @@ def register_artifact(directory: str | Path, sha256: str | None = None) -> list[
     and with it every file of the directory. Nothing is written to the directory, and the
     kernel objects and a runtime library it ships are used as the bytes that were verified."""
     manifest = open_manifest(directory, sha256)
+    FROM_SOURCE.difference_update(_register(directory, manifest))
+    return [v["key"] for v in manifest.body.get("variants", [])]
+
+
+def _register(directory: str | Path, manifest: Manifest | None = None) -> list[tuple]:
+    """Register the kernels of an artifact directory (its `manifest`, opened if None); their request keys."""
+    manifest = manifest or open_manifest(directory)
     variants = manifest.body.get("variants", [])
     if not variants:
         return []
@@ -137,7 +149,7 @@ def register_artifact(directory: str | Path, sha256: str | None = None) -> list[
         abi = ENTRY_POINTS[v["fields"]["direction"]].args
         load = partial(Kernel, runtime, manifest.files[v["object"]], v["function"], abi)
         KERNELS[request_key(v["fields"])] = entry_for(load, v["fields"])
-    return [v["key"] for v in variants]
+    return [request_key(v["fields"]) for v in variants]
 
 
 def _runtime_for(manifest: Manifest) -> CuteRuntime:

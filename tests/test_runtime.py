@@ -176,6 +176,14 @@ def test_the_unmasked_backward_serves_only_masks_without_partial_blocks(monkeypa
     assert plan.backward_kernel(Mask.from_cu_seqlens([0, 1024, 1100]), target) is entries[True]  # at a k tile edge
     del registry.KERNELS[registry.request_key({**request, "unmasked": True})]
     assert plan.backward_kernel(full, target) is entries[False]
+    # The masked kernel compiled by the kernel source for an earlier call is no artifact of the
+    # user's: with a source, the unmasked one is compiled; with none, the masked one serves.
+    monkeypatch.setattr(registry, "FROM_SOURCE", {registry.request_key(request)})
+    with pytest.raises(ArtifactError, match="would compile .*'unmasked': True"):
+        plan.backward_kernel(full, target)
+    monkeypatch.setattr(source, "_source", None)
+    assert plan.backward_kernel(full, target) is entries[False]
+    monkeypatch.setattr(source, "_source", compile_refused)
     del registry.KERNELS[registry.request_key(request)]
     with pytest.raises(ArtifactError, match="'unmasked': True"):
         plan.backward_kernel(full, target)  # neither registered: compile the unmasked one
