@@ -22,7 +22,10 @@ from maskc.runtime.plan import TORCH_DTYPES, plan_backward, plan_forward
 from maskc.runtime.masks import PositionMask
 from maskc.runtime.prepared import PreparedMask
 
-_DTYPES = {"cuda": (tuple(TORCH_DTYPES), "bfloat16 or float16"), "cpu": ((torch.float32, *TORCH_DTYPES), "float32, bfloat16 or float16")}
+_DTYPES = {
+    "cuda": (tuple(TORCH_DTYPES), "bfloat16 or float16"),
+    "cpu": ((torch.float32, *TORCH_DTYPES), "float32, bfloat16 or float16"),
+}
 
 
 def _mask_tensors(mask: Mask | PreparedMask | PositionMask) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
@@ -61,7 +64,7 @@ def _check_inputs(
             raise ValueError(
                 f"batched q, k, v are [B, S, H, D] with one B; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
             )
-        q, k, v = (ops._rows(x) for x in (q, k, v))
+        q, k, v = (ops.packed_rows(x) for x in (q, k, v))
     dtypes, names = _DTYPES[q.device.type]
     if q.dtype not in dtypes:
         raise TypeError(f"q has dtype {q.dtype}; maskc.attention on {q.device.type.upper()} tensors takes {names}")
@@ -92,11 +95,11 @@ def attention(
     row (S, Sk), shared by every row, or over the whole batch (B * S, B * Sk; `Mask.stack`):
     one launch either way, and out, lse come back in q's layout. A `PositionMask` gives packed
     documents by their position ids, read inside the op (for masks that only exist inside a
-    compiled model). A batch's `attention_mask`
-    [B, S] (bool or 0/1, true on real tokens; one run per row: right or left padding) leaves the
-    padding out: its queries attend nothing (out 0, lse -inf) and nothing attends it. CUDA
-    tensors run maskc's kernels; CPU tensors (float32 too) the reference attention. Inside
-    torch.compile(fullgraph=True) the mask is data: a new one every call compiles nothing.
+    compiled model). A batch's `attention_mask` [B, S] (bool or 0/1, true on real tokens; one
+    run per row: right or left padding) leaves the padding out: its queries attend nothing
+    (out 0, lse -inf) and nothing attends it. CUDA tensors run maskc's kernels; CPU tensors
+    (float32 too) the reference attention. Inside torch.compile(fullgraph=True) the mask is
+    data: a new one every call compiles nothing.
 
     pack_gqa: the GQA strategy. None (default) lets maskc.ir.strategy.select_pack_gqa decide
     from the mask and the head counts (PackGQA packs the G = Hq / Hkv query heads of a K/V
@@ -148,7 +151,8 @@ def attention_forward(
     that run their own backward (`attention_backward`), like maskc.dist's stage pipeline.
     `sm_margin` SMs stay free for communication kernels that run alongside."""
     scale = _check_stage(q, k, v, mask, sink, softmax_scale, softcap)
-    target = ops._target(q, k, softcap > 0, sink is not None, return_max_logits, Options(None, False, None), sm_margin)
+    options = Options(None, False, None)
+    target = ops.call_target(q, k, softcap > 0, sink is not None, return_max_logits, options, sm_margin)
     launch = plan_forward(mask, target, q.device)
     out, lse, row_max = ops.forward_cuda(q, k, v, sink, launch, scale, float(softcap), return_max_logits)
     return out, lse, row_max.amax(dim=0) if return_max_logits else None
@@ -178,6 +182,6 @@ def attention_backward(
     scale = _check_stage(q, k, v, mask, sink, softmax_scale, softcap)
     if dq_accum is not None and (dq_accum.shape != q.shape or dq_accum.dtype != torch.float32 or not dq_accum.is_contiguous()):
         raise MaskcError(f"dq_accum must be a contiguous float32 tensor of shape {tuple(q.shape)}")
-    target = ops._target(q, k, softcap > 0, sink is not None, False, Options(None, False, None), sm_margin)
+    target = ops.call_target(q, k, softcap > 0, sink is not None, False, Options(None, False, None), sm_margin)
     launch = plan_backward(mask, target, q.device)
     return ops.backward_cuda(q, k, v, out, lse, sink, dout.contiguous(), dlse, launch, scale, float(softcap), dq_accum)

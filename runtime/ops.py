@@ -2,9 +2,10 @@
 implementations for tracing, autograd through `register_autograd`), so `maskc.attention` runs
 inside `torch.compile(fullgraph=True)`.
 
-The mask reaches the ops as data: its table (`Mask.table`), a prepared plan (`maskc.prepare`)
-and a batch's padding mask are tensor arguments, and only the call's options are constants. A compiled
-graph is therefore specialised to shapes and options, never to a mask: each call plans its
+The mask reaches the ops as data: its table (`Mask.table`) or position ids (`PositionMask`),
+a prepared plan (`maskc.prepare`) and a batch's padding mask are tensor arguments, and only
+the call's options are constants. A compiled graph is therefore specialised to shapes and
+options, never to a mask: each call plans its
 mask inside the op (`maskc.runtime.plan`, cached on the mask, which is found again from its
 table by every layer and by the backward: `maskc.runtime.masks`). On CUDA the ops launch
 maskc's kernels; on the CPU they compute the reference attention (`maskc.reference`), so a
@@ -51,15 +52,16 @@ def _tristate(value: bool | None) -> int:
     return -1 if value is None else int(value)
 
 
-def _target(q: torch.Tensor, k: torch.Tensor, has_softcap: bool, has_sink: bool, return_max_logits: bool,
-            options: Options, sm_margin: int = 0) -> Target:  # fmt: skip
+def call_target(q: torch.Tensor, k: torch.Tensor, has_softcap: bool, has_sink: bool, return_max_logits: bool,
+                options: Options, sm_margin: int = 0) -> Target:  # fmt: skip
+    """The `Target` of a call on q's GPU with these shapes and options."""
     capability, num_sms = plan.device_info(q.device)
     *_, hq, d = q.shape
     return plan.make_target(capability, num_sms, q.dtype, hq, k.shape[-2], d, has_softcap, has_sink, return_max_logits,
                             options.pack_gqa, options.deterministic, sm_margin, options.portable)  # fmt: skip
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def packed_rows(x: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] or [B, S, H, D] as [T, H, D] (a view: the kernels read the packed batch)."""
     return x.view(-1, *x.shape[-2:])
 
@@ -153,9 +155,10 @@ def attn_fwd_cuda(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap
     """out, lse and row_max ([0] unless return_max_logits), shaped like q."""
     decoded = Options.decode(options)
     call_mask = _call_mask(mask, prepared, padding, q, k, decoded)
-    target = _target(q, k, softcap > 0, sink is not None, return_max_logits, decoded)
+    target = call_target(q, k, softcap > 0, sink is not None, return_max_logits, decoded)
     launch = plan.plan_forward(call_mask, target, q.device)
-    out, lse, row_max = forward_cuda(_rows(q), _rows(k), _rows(v), sink, launch, softmax_scale, softcap, return_max_logits)
+    q_rows, k_rows, v_rows = (packed_rows(x) for x in (q, k, v))
+    out, lse, row_max = forward_cuda(q_rows, k_rows, v_rows, sink, launch, softmax_scale, softcap, return_max_logits)
     return out.view(q.shape), lse.view(q.shape[:-1]), row_max.view(q.shape[:-1]) if return_max_logits else row_max
 
 
@@ -163,7 +166,7 @@ def attn_fwd_cpu(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap,
     """The forward on the CPU: the reference attention's tiles."""
     cfg = _config(_call_mask(mask, prepared, padding, q, k, Options.decode(options)), softmax_scale, softcap,
                   return_max_logits)  # fmt: skip
-    out, lse, max_logits = reference._forward(_rows(q), _rows(k), _rows(v), sink, cfg)
+    out, lse, max_logits = reference._forward(packed_rows(q), packed_rows(k), packed_rows(v), sink, cfg)
     rows = q.shape[:-1]
     row_max = max_logits.expand(rows).contiguous() if return_max_logits else lse.new_empty(0)
     return out.view(q.shape), lse.view(rows), row_max
@@ -173,11 +176,11 @@ def attn_bwd_cuda(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, 
     """dq, dk, dv and dsink (empty without sinks: ops return tensors), shaped like their inputs."""
     decoded = Options.decode(options)
     call_mask = _call_mask(mask, prepared, padding, q, k, decoded)
-    launch = plan.plan_backward(call_mask, _target(q, k, softcap > 0, False, False, decoded), q.device)
-    flat = [_rows(x) if x is not None else None for x in (q, k, v, out)]
+    launch = plan.plan_backward(call_mask, call_target(q, k, softcap > 0, False, False, decoded), q.device)
+    flat = [packed_rows(x) for x in (q, k, v, out)]
     lse_rows, dlse_rows = lse.view(-1, lse.shape[-1]), None if dlse is None else dlse.reshape(-1, dlse.shape[-1])
-    dq, dk, dv, dsink = backward_cuda(*flat, lse_rows, sink, _rows(dout.contiguous()), dlse_rows, launch, softmax_scale,
-                                      softcap)  # fmt: skip
+    dq, dk, dv, dsink = backward_cuda(*flat, lse_rows, sink, packed_rows(dout.contiguous()), dlse_rows, launch,
+                                      softmax_scale, softcap)  # fmt: skip
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dsink if dsink is not None else lse.new_empty(0)
 
 
@@ -186,8 +189,8 @@ def attn_bwd_cpu(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, s
     cfg = _config(_call_mask(mask, prepared, padding, q, k, Options.decode(options)), softmax_scale, softcap)
     lse_rows = lse.reshape(-1, lse.shape[-1])
     dlse_rows = torch.zeros_like(lse_rows) if dlse is None else dlse.reshape(-1, dlse.shape[-1])
-    dq, dk, dv, dsink = reference._backward(_rows(q), _rows(k), _rows(v), _rows(out), lse_rows, sink,
-                                            dout.reshape(-1, *dout.shape[-2:]), dlse_rows, cfg)  # fmt: skip
+    flat = [packed_rows(x) for x in (q, k, v, out)]
+    dq, dk, dv, dsink = reference._backward(*flat, lse_rows, sink, dout.reshape(-1, *dout.shape[-2:]), dlse_rows, cfg)
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dsink if dsink is not None else lse.new_empty(0)
 
 
