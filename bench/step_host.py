@@ -76,11 +76,11 @@ def fresh(mask: Mask) -> Mask:
 
 
 def forward_decisions(mask: Mask) -> Any:
-    return _shape(TARGET, *plan.forward_requests(mask, TARGET))
+    return _shape(TARGET, plan.forward_requests(mask, TARGET)[0])
 
 
 def backward_decisions(mask: Mask) -> Any:
-    return _shape(TARGET, *plan.backward_requests(mask, TARGET))
+    return _shape(TARGET, plan.backward_requests(mask, TARGET)[0])
 
 
 def plan_inline(mask: Mask) -> None:

@@ -267,13 +267,18 @@ def check_attention_args(
     """Check the arguments against the attention contract every implementation shares
     (`check_attention_tensors`, and the mask's lengths); return the effective softmax scale."""
     scale = check_attention_tensors(q, k, v, softmax_scale=softmax_scale, softcap=softcap, sink=sink)
+    check_mask_lengths(q, k, mask)
+    return scale
+
+
+def check_mask_lengths(q: torch.Tensor, k: torch.Tensor, mask: Mask) -> None:
+    """The mask is a Mask over q's and k's sequence lengths."""
     if not isinstance(mask, Mask):
         raise TypeError(f"mask must be a maskc Mask, got {type(mask).__name__}")
     if q.shape[0] != mask.seqlen_q or k.shape[0] != mask.seqlen_k:
         raise ValueError(
             f"q/k sequence lengths ({q.shape[0]}, {k.shape[0]}) do not match the mask ({mask.seqlen_q}, {mask.seqlen_k})"
         )
-    return scale
 
 
 def check_attention_tensors(

@@ -15,7 +15,7 @@ import torch
 from maskc.artifact.families import HEAD_DIMS
 from maskc.errors import MaskcError
 from maskc.ir import Mask
-from maskc.reference import AttentionMeta, check_attention_args, check_attention_tensors
+from maskc.reference import AttentionMeta, check_attention_tensors, check_mask_lengths
 from maskc.runtime import ops
 from maskc.runtime.ops import Options
 from maskc.runtime.plan import TORCH_DTYPES, plan_backward, plan_forward
@@ -131,8 +131,9 @@ def _check_stage(q, k, v, mask: Mask, sink, softmax_scale, softcap) -> float:
     """The checks of `attention_forward` and `attention_backward`: [T, H, D] CUDA tensors."""
     if q.device.type != "cuda":
         raise ValueError(f"attention_forward and attention_backward run on CUDA tensors; q is on {q.device}")
-    _check_inputs(q, k, v, sink, softmax_scale, softcap)
-    return check_attention_args(q, k, v, mask, softmax_scale=softmax_scale, softcap=softcap, sink=sink)
+    scale = _check_inputs(q, k, v, sink, softmax_scale, softcap)
+    check_mask_lengths(q, k, mask)
+    return scale
 
 
 def attention_forward(

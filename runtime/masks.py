@@ -20,6 +20,7 @@ import torch
 
 from maskc.errors import MaskcError, MaskError
 from maskc.ir import Mask
+from maskc.ir.mask import window_band
 from maskc.runtime import prepared as preparing
 from maskc.runtime.plan import memoized
 
@@ -65,12 +66,7 @@ class PositionMask:
     def __post_init__(self) -> None:
         if not isinstance(self.position_ids, torch.Tensor) or self.position_ids.is_floating_point():
             raise MaskError(f"position_ids must be an integer tensor, got {self.position_ids!r:.60}")
-        if not isinstance(self.causal, bool):
-            raise MaskError(f"causal must be True or False, got {self.causal!r}")
-        if self.window is not None and not (
-            isinstance(self.window, tuple) and len(self.window) == 2 and all(isinstance(w, int) and w >= 0 for w in self.window)
-        ):
-            raise MaskError(f"window must be a pair (left, right) of key counts >= 0, got {self.window!r}")
+        window_band(self.causal, self.window)  # the document constructors' checks of causal and window
 
     def options(self) -> tuple[int, int, int]:
         """(causal, window left, window right; -1 without a window): constants of the op."""

@@ -230,14 +230,29 @@ def _launch(mask: Mask, kernel: registry.Entry, host: HostSchedule, device: torc
 
 def plan_forward(mask: Mask, target: Target, device: torch.device) -> Launch:
     """The forward launch of a call: its kernel (registered or compiled) and schedule."""
-    kernel = registry.find_kernel(*forward_requests(mask, target))
-    return _launch(mask, kernel, forward_schedule(mask, kernel.shape, target.num_sms), device)
+
+    def compute() -> Launch:
+        kernel = registry.find_kernel(*forward_requests(mask, target))
+        return _launch(mask, kernel, forward_schedule(mask, kernel.shape, target.num_sms), device)
+
+    return _launch_of(mask, "forward", target, device, compute)
 
 
 def plan_backward(mask: Mask, target: Target, device: torch.device) -> Launch:
     """The backward launch of a call."""
-    kernel = backward_kernel(mask, target)
-    return _launch(mask, kernel, backward_schedule(mask, kernel.shape, target.num_sms), device)
+
+    def compute() -> Launch:
+        kernel = backward_kernel(mask, target)
+        return _launch(mask, kernel, backward_schedule(mask, kernel.shape, target.num_sms), device)
+
+    return _launch_of(mask, "backward", target, device, compute)
+
+
+def _launch_of(mask: Mask, direction: str, target: Target, device: torch.device, compute: Callable[[], Launch]) -> Launch:
+    """A call's launch, found in one lookup from the second call with the mask on (every layer,
+    every step with the same mask). The key counts the loaded kernels, so registering artifacts
+    later plans anew; it holds a Target, so a prepared plan never carries it."""
+    return memoized(mask, (direction, target, device, len(registry.LOADED)), compute)
 
 
 def _family(arch: str, portable: bool | None) -> KernelFamily:

@@ -22,7 +22,7 @@ from maskc.errors import MaskcError
 from maskc.ir import Mask
 from maskc.ir.schedule import build_backward_schedule, build_deterministic_backward_schedule, build_schedule
 from maskc.runtime import plan
-from maskc.runtime.registry import launch_shape
+from maskc.runtime.registry import LaunchShape, launch_shape
 
 _NAMES = ("pack_gqa", "partial", build_schedule.__name__, build_backward_schedule.__name__,
           build_deterministic_backward_schedule.__name__)  # fmt: skip
@@ -70,14 +70,16 @@ def prepare(mask: Mask, target: plan.Target | None, *, backward: bool = True) ->
         raise TypeError(f"prepare takes a maskc Mask, got {type(mask).__name__}")
     if target is None:
         return PreparedMask(mask.table, torch.zeros(0, dtype=torch.int32))
-    forward = _shape(target, *plan.forward_requests(mask, target))
-    plan.forward_schedule(mask, forward, target.num_sms)
+    forward, _ = plan.forward_requests(mask, target)
+    plan.forward_schedule(mask, _shape(target, forward), target.num_sms)
     if backward:
-        plan.backward_schedule(mask, _shape(target, *plan.backward_requests(mask, target)), target.num_sms)
+        request, _ = plan.backward_requests(mask, target)
+        plan.backward_schedule(mask, _shape(target, request), target.num_sms)
     return PreparedMask(mask.table, encode(mask.table, mask.memo))
 
 
-def _shape(target: plan.Target, request: dict[str, Any], alternative: Any) -> Any:
+def _shape(target: plan.Target, request: dict[str, Any]) -> LaunchShape:
+    """The launch shape of `request`'s kernel with the family table's tiles (those it is compiled with)."""
     tiles = target.family.kernel(request["direction"]).tiles[request["head_dim"]]
     return launch_shape({**request, "tile_m": tiles.tile_m, "tile_n": tiles.tile_n})
 

@@ -73,6 +73,18 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.detach().abs().max()))
 
 
+def eager_by_document(eager: torch.nn.Module, tokens: torch.Tensor, weights: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """The eager model's logits of each document alone, side by side, with the gradients of the
+    weighted loss accumulated in the model."""
+    pieces, start = [], 0
+    for n in lengths:
+        piece = eager(tokens[:, start : start + n]).logits
+        (piece * weights[:, start : start + n]).sum().backward()
+        pieces.append(piece)
+        start += n
+    return torch.cat(pieces, dim=1)
+
+
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
@@ -86,13 +98,7 @@ def test_packed_documents_match_eager_on_each_document_alone(family: str) -> Non
     logits = ours(tokens, position_ids=positions).logits
     (logits * weights).sum().backward()
 
-    pieces, start = [], 0
-    for n in DOCS:
-        piece = eager(tokens[:, start : start + n]).logits
-        (piece * weights[:, start : start + n]).sum().backward()
-        pieces.append(piece)
-        start += n
-    close(logits, torch.cat(pieces, dim=1))
+    close(logits, eager_by_document(eager, tokens, weights, DOCS))
     ours_grads, eager_grads = grads(ours), grads(eager)
     assert ours_grads.keys() == eager_grads.keys() and len(ours_grads) > 0
     for name, g in ours_grads.items():
@@ -351,13 +357,7 @@ def test_packed_documents_on_the_gpu_match_eager_on_each_document_alone(family: 
     weights = torch.randn(1, sum(GPU_DOCS), VOCAB, device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     logits = ours(tokens, position_ids=positions).logits
     (logits.float() * weights).sum().backward()
-    pieces, start = [], 0
-    for n in GPU_DOCS:
-        piece = eager(tokens[:, start : start + n]).logits
-        (piece * weights[:, start : start + n]).sum().backward()
-        pieces.append(piece)
-        start += n
-    assert _relative(logits, torch.cat(pieces, dim=1)) < 2e-2
+    assert _relative(logits, eager_by_document(eager, tokens, weights, GPU_DOCS)) < 2e-2
     ours_grads, eager_grads = grads(ours), grads(eager)
     assert ours_grads.keys() == eager_grads.keys()
     for name, g in ours_grads.items():

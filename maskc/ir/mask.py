@@ -144,7 +144,7 @@ class Mask:
     def from_cu_seqlens(cls, cu_seqlens_q: Any, cu_seqlens_k: Any = None, *, causal: bool = False, prefix: int = 0) -> Mask:
         """Packed documents: document i's queries attend its own keys (fully, or causally), and
         its first `prefix` keys in any case (see `_documents`)."""
-        return cls._documents(*_cu_documents(cu_seqlens_q, cu_seqlens_k, "cu_seqlens_q"), _band(causal, None), prefix)
+        return cls._documents(*_cu_documents(cu_seqlens_q, cu_seqlens_k, "cu_seqlens_q"), window_band(causal, None), prefix)
 
     @classmethod
     def sliding_window(cls, cu_seqlens: Any, left: int, right: int = 0, *, cu_seqlens_k: Any = None, prefix: int = 0) -> Mask:
@@ -172,7 +172,7 @@ class Mask:
         With `key_document_ids` (one per key, as many as there are keys) it is cross-attention:
         the queries of document d attend the keys of key document d, matched by id in any order;
         a document missing on either side attends, or is attended by, nothing."""
-        band = _band(causal, window)
+        band = window_band(causal, window)
         q_docs, q_ids, sq = _id_documents(document_ids, "document_ids")
         if key_document_ids is None:
             return cls._documents(q_docs, q_docs, sq, sq, band, prefix)
@@ -197,7 +197,7 @@ class Mask:
         `_documents` for `causal`, `window` and `prefix`. Tokens whose `attention_mask` (bools or
         0/1, shaped like `position_ids`) is 0 are padding: they attend nothing and nothing attends
         them, their positions are ignored, and the first token after them begins a document."""
-        band = _band(causal, window)
+        band = window_band(causal, window)
         positions = _token_row(position_ids, "position_ids")
         breaks, real = positions[1:] == 0, None
         if attention_mask is not None:
@@ -519,7 +519,7 @@ def _cu_documents(cu_q: Any, cu_k: Any, name: str) -> tuple[np.ndarray, np.ndarr
     return np.stack([cq[:-1], cq[1:]]), np.stack([ck[:-1], ck[1:]]), int(cq[-1]), int(ck[-1])
 
 
-def _band(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
+def window_band(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
     """The keys a query sees as (left, right) keys around its diagonal, MAX_TOKENS for no bound:
     all of them, or with `causal` those up to the diagonal; with `window=(left, right)`, only
     those from `left` before to `right` after it (right is 0 when causal)."""
