@@ -1,19 +1,28 @@
-"""Kernel benchmark on MagiAttention's settings: b=1, heads 64:8, d=128, bf16, seqlen 1k..64k.
+"""Kernel benchmark on MagiAttention's settings: b=1, heads 64:8, bf16, seqlen 1k..64k, head dim
+128 or a sweep of head dims.
 
 maskc beside FlashAttention-4 (where it supports the mask natively), torch SDPA (cuDNN and
 flash backends, full/causal) and FlexAttention, in one run, forward TFLOP/s with the seeds'
-formula (4 * area * Hq * D / time). Varlen documents come from the real length histogram
+formula, counting the q/k and v head dims apart: 2 * area * Hq * (Dqk + Dv) / time (4 * area *
+Hq * D where they are equal). Varlen documents come from the real length histogram
 (`common.pack_documents`). Masks are the shipped examples, lowered by maskc.
 
+--head-dims measures every mask and seqlen at each head dim (default 128): D, or Dqk/Dv like
+192/128 (q and k 192, v 128, as in MLA-style models), so q is [S, 64, Dqk], k [S, 8, Dqk] and
+v [S, 8, Dv]. A library that cannot run a head dim records an error row for it, and the run
+goes on.
+
 With --backward, also the backward TFLOP/s (2.5 x the forward FLOPs, `out.backward` timed alone)
-and the peak memory of one forward + backward of every implementation; --deterministic adds maskc
-with deterministic=True, --portable maskc's portable kernels. The host time of one
-maskc.attention call is measured first.
+and the peak memory of one forward + backward of every implementation; maskc's backward exists
+for head dims 64, 96 and 128, so at the others its backward and memory rows are errors (its
+forward is still measured). --deterministic adds maskc with deterministic=True, --portable
+maskc's portable kernels. The host time of one maskc.attention call (d=128) is measured first.
 
 Run on the GPU machine: `python bench/kernel.py --artifacts DIR... [--seqlens 16384,65536]
-[--backward] [--deterministic] [--portable]` (DIR: `maskc compile` directories holding the d=128
-bf16 64:8 kernels). Appends kernel, memory and host rows to bench/results (or --out; see
-bench/README.md) and prints the run's tables.
+[--head-dims 64,128,192/128] [--backward] [--deterministic] [--portable]` (DIR: `maskc compile`
+directories holding the bf16 64:8 kernels of those head dims, and d=128's for the host time).
+Appends kernel, memory and host rows to bench/results (or --out; see bench/README.md) and
+prints the run's tables.
 """
 
 from __future__ import annotations
@@ -21,8 +30,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -31,15 +40,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import maskc  # noqa: E402
-from maskc.frontend import load  # noqa: E402
-from maskc.ir import Mask  # noqa: E402
+from common import pack_documents
+from record import RESULTS, Run
+from report import kernel_tables
 
-from common import pack_documents  # noqa: E402
-from record import RESULTS, Run  # noqa: E402
-from report import kernel_tables  # noqa: E402
+import maskc
+from maskc.artifact.families import HeadDim
+from maskc.frontend import load
+from maskc.ir import Mask
 
-HQ, HKV, D = 64, 8, 128
+HQ, HKV = 64, 8
+#: The head dim of the host time (and of bench/dist.py).
+D = 128
 WINDOW = 1024
 BLOCK = 1024
 HOST_CALLS = 2000
@@ -66,23 +78,44 @@ def build_masks(seqlen: int) -> tuple[dict[str, Mask], np.ndarray]:
     return masks, lens
 
 
-def timed_tflops(fn: Callable[[], object], area: int) -> float:
+def parse_head_dims(text: str) -> list[HeadDim]:
+    """--head-dims: comma-separated head dims, each D or Dqk/Dv (like 192/128)."""
+    try:
+        return [HeadDim.parse(part) for part in text.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def head_dim_field(head_dim: HeadDim) -> int | str:
+    """A row's head_dim: the int D where q/k and v agree (as in every row before asymmetric head
+    dims), else "Dqk/Dv"."""
+    return head_dim.qk if head_dim.qk == head_dim.v else str(head_dim)
+
+
+def forward_flops(area: int, head_dim: HeadDim) -> int:
+    """FLOPs of the forward: Q K^T over Dqk and P V over Dv on every unmasked (query, key) pair
+    of every query head; the seeds' 4 * area * Hq * D where Dqk = Dv = D."""
+    return 2 * area * HQ * (head_dim.qk + head_dim.v)
+
+
+def timed_tflops(fn: Callable[[], object], flops: int) -> float:
+    """TFLOP/s of `fn`, which does `flops` FLOPs a call."""
     from triton.testing import do_bench
 
     fn()
     ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-    return 4 * area * HQ * D / ms / 1e9
+    return flops / ms / 1e9
 
 
-def timed_backward_tflops(fn: Callable[[], object], area: int, leaves: list[torch.Tensor]) -> float:
-    """Backward TFLOP/s (the seeds' 2.5 x forward FLOPs) of `fn`'s output, timed alone."""
+def timed_backward_tflops(fn: Callable[[], object], flops: int, leaves: list[torch.Tensor]) -> float:
+    """Backward TFLOP/s of `fn`'s output, timed alone: the seeds' 2.5 x the forward's `flops`."""
     from triton.testing import do_bench
 
     out = fn()
     out = out[0] if isinstance(out, tuple) else out
     grad = torch.randn_like(out)
     ms = do_bench(lambda: out.backward(grad, retain_graph=True), warmup=10, rep=60, return_mode="median", grad_to_none=leaves)
-    return 2.5 * 4 * area * HQ * D / ms / 1e9
+    return 2.5 * flops / ms / 1e9
 
 
 def peak_memory_mib(fn: Callable[[], object], leaves: list[torch.Tensor]) -> float:
@@ -170,19 +203,34 @@ def baselines(name: str, seqlen: int, lens: np.ndarray, q: torch.Tensor, k: torc
     return calls
 
 
+def inputs(seqlen: int, head_dim: HeadDim, requires_grad: bool, device: str = "cuda") -> tuple[torch.Tensor, ...]:
+    """q [S, Hq, Dqk], k [S, Hkv, Dqk], v [S, Hkv, Dv] in bf16, the same for every run at `seqlen`."""
+    torch.manual_seed(seqlen)
+    shapes = ((HQ, head_dim.qk), (HKV, head_dim.qk), (HKV, head_dim.v))
+    return tuple(torch.randn(seqlen, h, d, device=device, dtype=torch.bfloat16, requires_grad=requires_grad) for h, d in shapes)
+
+
+def maskc_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, **options: bool) -> Callable[[], torch.Tensor]:
+    """maskc.attention's output on these inputs, with `options`."""
+    return lambda: maskc.attention(q, k, v, mask, **options)[0]
+
+
 def measure(run: Run, case: dict, impl: str, call: Callable[[], object], leaves: list[torch.Tensor] | None) -> list[dict]:
-    """The rows of `impl` on `case`: forward TFLOP/s; with `leaves` (the inputs whose gradients
-    the backward computes) also backward TFLOP/s and the peak memory of a forward + backward."""
+    """The rows of `impl` on `case` (whose head_dim gives the FLOPs): forward TFLOP/s; with
+    `leaves` (the inputs whose gradients the backward computes) also backward TFLOP/s and the
+    peak memory of a forward + backward. Whatever raises (a library without a kernel for the
+    case, maskc without a backward at the head dim) is recorded as the rows' error."""
+    flops = forward_flops(case["area"], HeadDim.parse(str(case["head_dim"])))
 
     def forward() -> list[dict]:
         with torch.no_grad():
-            return [{"tflops": timed_tflops(call, case["area"])}]
+            return [{"tflops": timed_tflops(call, flops)}]
 
     rows = run.write_measured([("kernel", {**case, "impl": impl, "direction": "fwd"})], forward)
     if leaves is not None:
         rows += run.write_measured(
             [("kernel", {**case, "impl": impl, "direction": "bwd"}), ("memory", {**case, "impl": impl})],
-            lambda: [{"tflops": timed_backward_tflops(call, case["area"], leaves)}, {"peak_mib": peak_memory_mib(call, leaves)}],
+            lambda: [{"tflops": timed_backward_tflops(call, flops, leaves)}, {"peak_mib": peak_memory_mib(call, leaves)}],
         )
     return rows
 
@@ -190,11 +238,16 @@ def measure(run: Run, case: dict, impl: str, call: Callable[[], object], leaves:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--artifacts", required=True, type=Path, nargs="+", help="maskc compile directories with the 64:8 d=128 bf16 kernels"
+        "--artifacts", required=True, type=Path, nargs="+",
+        help="maskc compile directories with the 64:8 bf16 kernels of the --head-dims (and of d=128, for the host time)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the results files (default: bench/results)")
     parser.add_argument("--seqlens", default="1024,2048,4096,8192,16384,32768,65536")
     parser.add_argument("--masks", default=",".join(MASKS))
+    parser.add_argument(
+        "--head-dims", type=parse_head_dims, default=[HeadDim(D, D)],
+        help="comma-separated head dims, each D or Dqk/Dv (q and k Dqk, v Dv), e.g. 64,128,192/128 (default: 128)",
+    )
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--backward", action="store_true", help="also time the backward of every implementation")
     parser.add_argument(
@@ -211,27 +264,25 @@ def main() -> None:
     print(f"{host['step']}: {host['ms'] * 1e3:.1f} us", flush=True)
     rows = []
     for seqlen in map(int, args.seqlens.split(",")):
-        torch.manual_seed(seqlen)
-        q = torch.randn(seqlen, HQ, D, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
-        k = torch.randn(seqlen, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
-        v = torch.randn(seqlen, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
         masks, lens = build_masks(seqlen)
-        for name in args.masks.split(","):
-            mask = masks[name]
-            case = {"mask": name, "seqlen": seqlen, "heads": f"{HQ}:{HKV}", "head_dim": D, "dtype": "bf16",
-                    "docs": len(lens), "area": mask.area()}
-            calls = {"maskc": lambda: maskc.attention(q, k, v, mask)[0]}
-            if args.deterministic:
-                calls["maskc_det"] = lambda: maskc.attention(q, k, v, mask, deterministic=True)[0]
-            if args.portable:
-                calls["maskc_portable"] = lambda: maskc.attention(q, k, v, mask, portable=True)[0]
-            if not args.no_baselines:
-                calls.update(baselines(name, seqlen, lens, q, k, v))
-            for impl, call in calls.items():
-                for row in measure(run, case, impl, call, [q, k, v] if args.backward else None):
-                    rows.append(row)
-                    value = row.get("tflops", row.get("peak_mib", row.get("error")))
-                    print(f"{seqlen} {name} {impl} {row['kind']} {row.get('direction', '')} {value}", flush=True)
+        for head_dim in args.head_dims:
+            q, k, v = inputs(seqlen, head_dim, args.backward)
+            for name in args.masks.split(","):
+                mask = masks[name]
+                case = {"mask": name, "seqlen": seqlen, "heads": f"{HQ}:{HKV}", "head_dim": head_dim_field(head_dim),
+                        "dtype": "bf16", "docs": len(lens), "area": mask.area()}
+                calls = {"maskc": maskc_call(q, k, v, mask)}
+                if args.deterministic:
+                    calls["maskc_det"] = maskc_call(q, k, v, mask, deterministic=True)
+                if args.portable:
+                    calls["maskc_portable"] = maskc_call(q, k, v, mask, portable=True)
+                if not args.no_baselines:
+                    calls.update(baselines(name, seqlen, lens, q, k, v))
+                for impl, call in calls.items():
+                    for row in measure(run, case, impl, call, [q, k, v] if args.backward else None):
+                        rows.append(row)
+                        value = row.get("tflops", row.get("peak_mib", row.get("error")))
+                        print(f"{seqlen} d={head_dim} {name} {impl} {row['kind']} {row.get('direction', '')} {value}", flush=True)
     all_impls = {impl: impl for impl in dict.fromkeys(row["impl"] for row in rows)}
     print("\n".join(["", f"run {run.run}", "", *kernel_tables(rows, all_impls)]))
 

@@ -15,18 +15,32 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 DIRECTIONS = ("fwd", "bwd")
-#: A field's type: a Python type (float also takes int), or the tuple of the strings it may be.
-Check = type | tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    """A field that passes any of `checks`; `what` says what it may be, in errors."""
+
+    checks: tuple[Check, ...]
+    what: str
+
+
+#: A field's type: a Python type (float also takes int), the tuple of the strings it may be, a
+#: pattern the whole string matches, or AnyOf those.
+Check = type | tuple[str, ...] | re.Pattern[str] | AnyOf
+#: A head dim: D where q/k and v agree (every row before asymmetric head dims), else "Dqk/Dv".
+HEAD_DIM = AnyOf((int, re.compile(r"\d+/\d+")), "an int or Dqk/Dv like '192/128'")
 
 
 @dataclass(frozen=True)
@@ -40,7 +54,7 @@ class Kind:
     extra: dict[str, Check] = field(default_factory=dict)
 
 
-ATTENTION = {"mask": str, "seqlen": int, "heads": str, "head_dim": int, "dtype": str}
+ATTENTION = {"mask": str, "seqlen": int, "heads": str, "head_dim": HEAD_DIM, "dtype": str}
 
 KINDS: dict[str, Kind] = {
     "kernel": Kind({"impl": str, **ATTENTION, "direction": DIRECTIONS}, {"tflops": float}, {"docs": int, "area": int}),
@@ -81,8 +95,14 @@ class RowError(ValueError):
 
 
 def _check(name: str, value: Any, check: Check) -> str | None:
+    if isinstance(check, AnyOf):
+        if any(_check(name, value, each) is None for each in check.checks):
+            return None
+        return f"{name} must be {check.what}, got {value!r}"
     if isinstance(check, tuple):
         return None if value in check else f"{name} must be one of {', '.join(check)}, got {value!r}"
+    if isinstance(check, re.Pattern):
+        return None if isinstance(value, str) and check.fullmatch(value) else f"{name} must match {check.pattern}, got {value!r}"
     if check is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     elif check is int:
@@ -241,7 +261,7 @@ class Run:
         is recorded, not fatal."""
         try:
             values = list(measure())
-        except Exception as exc:  # a failure of the measured library is a result
+        except Exception as exc:  # noqa: BLE001 (a failure of the measured library is a result)
             error = f"{type(exc).__name__}: {str(exc)[:160]}"
             return [self.write(kind, **fields, error=error) for kind, fields in specs]
         return [self.write(kind, **fields, **value) for (kind, fields), value in zip(specs, values, strict=True)]

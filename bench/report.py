@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from record import RESULTS, ROOT, key, read_results
 
@@ -36,6 +37,8 @@ DIST_IMPLS = {"maskc": "maskc", "torch_ring": "PyTorch ring CP", "flex_allgather
 KERNEL_PLOT = "kernel.png"
 DIST_PLOT = "dist_scaling.png"
 PLOT_SEQLENS = (16384, 65536)
+#: The head dim of the kernel figure (the page's settings), in a run that measured several.
+PLOT_HEAD_DIM = 128
 DASH = "—"
 
 INTRO = """\
@@ -220,9 +223,30 @@ def memory_table(rows: Sequence[dict]) -> list[str]:
 
 
 def kernel_tables(rows: Sequence[dict], impls: dict[str, str] = KERNEL_IMPLS) -> list[str]:
-    """The TFLOP/s table of one run's kernel rows, and its memory table if it measured memory."""
+    """The TFLOP/s table of one run's kernel rows, and its memory table if it measured memory;
+    where the run measured several head dims, those tables for each under its own heading."""
     kernel = [row for row in rows if row["kind"] == "kernel" and row["impl"] in impls]
     memory = [row for row in rows if row["kind"] == "memory" and row["impl"] in impls]
+    head_dims = list(dict.fromkeys(row["head_dim"] for row in [*kernel, *memory]))
+    if len(head_dims) <= 1:
+        return head_dim_tables(kernel, memory, impls)
+    lines = []
+    for head_dim in head_dims:
+        mine = ([row for row in group if row["head_dim"] == head_dim] for group in (kernel, memory))
+        lines += ["", f"#### {head_dim_title(head_dim)}", "", *head_dim_tables(*mine, impls)]
+    return lines[1:]
+
+
+def head_dim_title(head_dim: int | str) -> str:
+    """'Head dim 128', or 'Head dim 192/128 (q and k 192, v 128)' (a row's head_dim)."""
+    if isinstance(head_dim, int):
+        return f"Head dim {head_dim}"
+    qk, v = head_dim.split("/")
+    return f"Head dim {head_dim} (q and k {qk}, v {v})"
+
+
+def head_dim_tables(kernel: list[dict], memory: list[dict], impls: dict[str, str]) -> list[str]:
+    """The TFLOP/s table of one head dim's kernel rows, and the memory table of its memory rows if any."""
     names = {"fwd": "forward", "bwd": "backward"}
     directions = " / ".join(names[d] for d in names if any(row["direction"] == d for row in kernel))
     lines = [f"TFLOP/s, {directions}:", "", *attention_table(kernel, "seqlen", impls)]
@@ -245,8 +269,8 @@ def dist_tables(rows: Sequence[dict], impls: dict[str, str] = DIST_IMPLS) -> lis
     lines = [f"{name.capitalize()} bandwidth per rank and direction: {', '.join(at)}." for name, at in links.items()]
     if lines:
         lines.append("")
-    return [*lines, "Per-GPU TFLOP/s of the slowest rank, forward / backward (plan: maskc's stages, `f` when the first "
-            "joins the local call):", "", *attention_table(dist, "gpus", impls, {"plan": plan})]
+    return [*lines, ("Per-GPU TFLOP/s of the slowest rank, forward / backward (plan: maskc's stages, `f` when the first "
+                     "joins the local call):"), "", *attention_table(dist, "gpus", impls, {"plan": plan})]
 
 
 #: The columns of the plan and stages tables: each field's title and format.
@@ -282,12 +306,12 @@ def run_heading(rows: Sequence[dict]) -> list[str]:
 
 def plot_runs(rows: Sequence[dict]) -> dict[str, str]:
     """The run each figure shows: for the kernels, the shown run with both directions at 16k and
-    64k beside the most other libraries (the newest of equals); for the scaling, the newest shown
-    run over several GPU counts."""
+    64k (at PLOT_HEAD_DIM) beside the most other libraries (the newest of equals); for the
+    scaling, the newest shown run over several GPU counts."""
     chosen = {}
     candidates = []
     for run in current_runs(rows, "kernel", KERNEL_IMPLS):
-        mine = of_run(rows, run, "kernel")
+        mine = plotted_kernel_rows(rows, run)
         both = all(any(r["seqlen"] == s and r["direction"] == d and r["impl"] == "maskc" and "error" not in r for r in mine)
                    for s in PLOT_SEQLENS for d in ("fwd", "bwd"))
         if both:
@@ -299,6 +323,11 @@ def plot_runs(rows: Sequence[dict]) -> dict[str, str]:
             chosen[DIST_PLOT] = run
             break
     return chosen
+
+
+def plotted_kernel_rows(rows: Sequence[dict], run: str) -> list[dict]:
+    """The kernel rows of `run` the figure can show: those of PLOT_HEAD_DIM."""
+    return [row for row in of_run(rows, run, "kernel") if row["head_dim"] == PLOT_HEAD_DIM]
 
 
 def describe(rows: Sequence[dict], run: str) -> str:
@@ -346,7 +375,7 @@ def draw(rows: Sequence[dict], img: Path = IMG) -> list[Path]:
     written = []
     for name, run in plot_runs(rows).items():
         if name == KERNEL_PLOT:
-            fig = _kernel_figure(plt, of_run(rows, run, "kernel"))
+            fig = _kernel_figure(plt, plotted_kernel_rows(rows, run))
         else:
             fig = _dist_figure(plt, of_run(rows, run, "dist"))
         fig.suptitle(describe(rows, run).replace("`", ""), fontsize=9)

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import maskc  # noqa: E402
+from maskc.artifact.families import HeadDim  # noqa: E402
 from maskc.frontend import load  # noqa: E402
 from maskc.ir import Mask  # noqa: E402
 from maskc.runtime import masks as runtime_masks  # noqa: E402
@@ -54,7 +55,7 @@ CASES = {
     "128k": ("128k tokens, 100 documents", 1 << 17, 100, 1.0),
     "1m": ("1M tokens, 4,000 documents", 1 << 20, 4000, 10.0),
 }
-TARGET = plan.make_target((9, 0), 132, torch.bfloat16, 64, 8, 128, False, False, False, None, False)
+TARGET = plan.make_target((9, 0), 132, torch.bfloat16, 64, 8, HeadDim(128, 128), False, False, False, None, False)
 TARGET_NAME = "H100/H200 target: sm_90a, 132 SMs, 64:8 heads, d=128, bf16"
 
 

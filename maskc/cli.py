@@ -286,8 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     kernel = comp.add_argument_group("kernels (compiled ahead of time; no GPU needed)")
     kernel.add_argument("--arch", type=_csv(str, "archs", families.ARCH_NAMES), default=["sm_90a"], help=_arch_help())
     head_dims, dtypes = ",".join(map(str, families.HEAD_DIMS)), ",".join(families.DTYPE_NAMES)
-    kernel.add_argument("--head-dim", type=_csv(int, "ints", families.HEAD_DIMS), default=[128],
-                        help=f"head dims among {head_dims} (default: 128)")  # fmt: skip
+    kernel.add_argument("--head-dim", type=_csv(families.HeadDim.parse, "head dims (D, or QK/V like 192/128)",
+                        families.HEAD_DIMS), default=[families.HeadDim(128, 128)],
+                        help=f"head dims among {head_dims} (QK/V: q and k QK, v V; default: 128)")  # fmt: skip
     kernel.add_argument("--heads", type=_csv(_heads, "HQ:HKV pairs"), default=[(64, 8)], help="query:kv heads, e.g. 64:8,8:8 (default: 64:8)")
     kernel.add_argument("--dtype", type=_csv(str, "dtypes", families.DTYPE_NAMES), default=["bf16"],
                         help=f"dtypes among {dtypes} (default: bf16)")  # fmt: skip

@@ -143,7 +143,7 @@ def _forward(
     tq, hq, _ = q.shape
     hkv = k.shape[1]
     kc, vc = k.to(ct), v.to(ct)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty((tq, hq, v.shape[2]), dtype=q.dtype, device=q.device)
     lse = torch.empty((tq, hq), dtype=ct, device=q.device)
     max_logits = torch.full((hkv, hq // hkv), -math.inf, dtype=ct, device=q.device)
     # The sinks act as one value-less key whose logit is their logsumexp (-inf without sinks).
@@ -152,7 +152,7 @@ def _forward(
         qh = _scaled_queries(q, tile, hkv, cfg)
         m = sink_lse.expand(*qh.shape[:-1]).clone()
         den = (m > -math.inf).to(ct)
-        acc = torch.zeros_like(qh)
+        acc = qh.new_zeros(*qh.shape[:-1], v.shape[-1])
         for kt in tile.ktiles:
             s = _masked(_logits(qh, _kv(kc, kt), cfg), kt)
             if cfg.want_max_logits:
@@ -302,8 +302,8 @@ def check_attention_tensors(
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v must share a device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same keys and heads, got {tuple(k.shape)} and {tuple(v.shape)}")
     _, hq, d = q.shape
     _, hkv, dk = k.shape
     if dk != d:
@@ -343,7 +343,8 @@ def reference_attention(
 ) -> tuple[torch.Tensor, AttentionMeta]:
     """Masked (GQA) attention, differentiable in q, k, v and sink; the oracle for kernels.
 
-    q [Tq, Hq, D], k/v [Tk, Hkv, D] with Hq % Hkv == 0; logits are softmax_scale * q.k,
+    q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv] (Dv = D but in MLA-style models) with
+    Hq % Hkv == 0, out [Tq, Hq, Dv]; logits are softmax_scale * q.k (default scale 1/sqrt(D)),
     softcapped as c * tanh(s / c) when softcap > 0. sink [S, Hq] holds raw logits that join
     every row's denominator without a value. Rows without an allowed key give out = 0 and
     lse = -inf (logsumexp of the sinks with a sink). _block_q/_block_k size the tiles; tests

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from maskc.artifact.families import HEAD_DIMS
+from maskc.artifact.families import HEAD_DIMS, HeadDim
 from maskc.errors import MaskcError
 from maskc.ir import Mask
 from maskc.reference import AttentionMeta, check_attention_tensors, check_mask_lengths
@@ -69,8 +69,11 @@ def _check_inputs(
     if q.dtype not in dtypes:
         raise TypeError(f"q has dtype {q.dtype}; maskc.attention on {q.device.type.upper()} tensors takes {names}")
     scale = check_attention_tensors(q, k, v, softmax_scale=softmax_scale, softcap=softcap, sink=sink)
-    if q.device.type == "cuda" and q.shape[2] not in HEAD_DIMS:
-        raise MaskcError(f"head_dim {q.shape[2]} is not supported; supported head dims: {HEAD_DIMS}")
+    if q.device.type == "cuda" and HeadDim(q.shape[2], v.shape[2]) not in HEAD_DIMS:
+        raise MaskcError(
+            f"head_dim {HeadDim(q.shape[2], v.shape[2])} is not supported; supported head dims (q and k / v): "
+            f"{', '.join(map(str, HEAD_DIMS))}"
+        )
     return scale
 
 
@@ -120,6 +123,8 @@ def attention(
     if torch.compiler.is_compiling():
         out, lse, row_max = torch.ops.maskc.attn_fwd(*inputs)
     elif torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sink)):
+        if q.device.type == "cuda":  # a head dim with a forward but no backward fails now, not after the forward
+            ops.call_target(q, k, v, softcap > 0, sink is not None, return_max_logits, Options.decode(options)).tiles("bwd")
         out, lse, row_max = ops.EagerAttention.apply(*inputs)
     else:
         out, lse, row_max = ops.attn_fwd_impl(*inputs)
@@ -153,7 +158,7 @@ def attention_forward(
     `sm_margin` SMs stay free for communication kernels that run alongside."""
     scale = _check_stage(q, k, v, mask, sink, softmax_scale, softcap)
     options = Options(None, False, None)
-    target = ops.call_target(q, k, softcap > 0, sink is not None, return_max_logits, options, sm_margin)
+    target = ops.call_target(q, k, v, softcap > 0, sink is not None, return_max_logits, options, sm_margin)
     launch = plan_forward(mask, target, q.device)
     out, lse, row_max = ops.forward_cuda(q, k, v, sink, launch, scale, float(softcap), return_max_logits)
     return out, lse, row_max.amax(dim=0) if return_max_logits else None
@@ -183,6 +188,6 @@ def attention_backward(
     scale = _check_stage(q, k, v, mask, sink, softmax_scale, softcap)
     if dq_accum is not None and (dq_accum.shape != q.shape or dq_accum.dtype != torch.float32 or not dq_accum.is_contiguous()):
         raise MaskcError(f"dq_accum must be a contiguous float32 tensor of shape {tuple(q.shape)}")
-    target = ops.call_target(q, k, softcap > 0, sink is not None, False, Options(None, False, None), sm_margin)
+    target = ops.call_target(q, k, v, softcap > 0, sink is not None, False, Options(None, False, None), sm_margin)
     launch = plan_backward(mask, target, q.device)
     return ops.backward_cuda(q, k, v, out, lse, sink, dout.contiguous(), dlse, launch, scale, float(softcap), dq_accum)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import maskc.reference as reference
-from maskc.artifact.families import WARPGROUP_ROWS
+from maskc.artifact.families import WARPGROUP_ROWS, HeadDim
 from maskc.ir import Mask
 from maskc.runtime import masks, plan
 from maskc.runtime.plan import Launch, Target, schedule_views
@@ -52,13 +52,13 @@ def _tristate(value: bool | None) -> int:
     return -1 if value is None else int(value)
 
 
-def call_target(q: torch.Tensor, k: torch.Tensor, has_softcap: bool, has_sink: bool, return_max_logits: bool,
-                options: Options, sm_margin: int = 0) -> Target:  # fmt: skip
+def call_target(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_softcap: bool, has_sink: bool,
+                return_max_logits: bool, options: Options, sm_margin: int = 0) -> Target:  # fmt: skip
     """The `Target` of a call on q's GPU with these shapes and options."""
     capability, num_sms = plan.device_info(q.device)
     *_, hq, d = q.shape
-    return plan.make_target(capability, num_sms, q.dtype, hq, k.shape[-2], d, has_softcap, has_sink, return_max_logits,
-                            options.pack_gqa, options.deterministic, sm_margin, options.portable)  # fmt: skip
+    return plan.make_target(capability, num_sms, q.dtype, hq, k.shape[-2], HeadDim(d, v.shape[-1]), has_softcap, has_sink,
+                            return_max_logits, options.pack_gqa, options.deterministic, sm_margin, options.portable)  # fmt: skip
 
 
 def packed_rows(x: torch.Tensor) -> torch.Tensor:
@@ -76,11 +76,11 @@ def _call_mask(mask: torch.Tensor, prepared: torch.Tensor | None, padding: torch
     return masks.call_mask(base, q.shape, k.shape, padding)
 
 
-def _forward_outputs(q: torch.Tensor, return_max_logits: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """out (like q), lse and row_max (q's shape without head_dim; row_max empty unless asked for:
-    op outputs never alias)."""
+def _forward_outputs(q: torch.Tensor, v: torch.Tensor, return_max_logits: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out (q's rows and heads, v's head dim), lse and row_max (q's shape without head_dim;
+    row_max empty unless asked for: op outputs never alias)."""
     rows = q.shape[:-1]
-    out = torch.empty_like(q)
+    out = q.new_empty(*rows, v.shape[-1])
     lse = q.new_empty(rows, dtype=torch.float32)
     row_max = q.new_empty(rows if return_max_logits else (0,), dtype=torch.float32)
     return out, lse, row_max
@@ -94,7 +94,7 @@ def _run(launch: Launch, tensors: dict, scale: float, softcap: float, device: to
 
 def forward_cuda(q, k, v, sink, launch: Launch, scale: float, softcap: float, return_max_logits: bool):
     """out, lse and row_max from the forward kernel, for q [T, H, D]."""
-    out, lse, row_max = _forward_outputs(q, return_max_logits)
+    out, lse, row_max = _forward_outputs(q, v, return_max_logits)
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "row_max": row_max if return_max_logits else lse}
     tensors["sink"] = sink if sink is not None else lse[:1]
     _run(launch, tensors, scale, softcap, q.device)
@@ -132,7 +132,7 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
     # Split items' fp32 dK / dV sums and piece counters in one zeroed buffer (never read, and
     # not filled, when nothing is split).
     slots = max(launch.slots, 1)
-    sums, counts = slots * 2 * entry.tile_n * d, slots * (entry.tile_n // WARPGROUP_ROWS)
+    sums, counts = slots * entry.tile_n * (d + v.shape[-1]), slots * (entry.tile_n // WARPGROUP_ROWS)
     split = (torch.zeros if launch.slots else torch.empty)(sums + counts, dtype=torch.float32, device=q.device)
     tensors["dkv_accum"], tensors["dkv_count"] = split[:sums], split[sums:].view(torch.int32)
     _run(launch, tensors, scale, softcap, q.device)
@@ -155,11 +155,12 @@ def attn_fwd_cuda(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap
     """out, lse and row_max ([0] unless return_max_logits), shaped like q."""
     decoded = Options.decode(options)
     call_mask = _call_mask(mask, prepared, padding, q, k, decoded)
-    target = call_target(q, k, softcap > 0, sink is not None, return_max_logits, decoded)
+    target = call_target(q, k, v, softcap > 0, sink is not None, return_max_logits, decoded)
     launch = plan.plan_forward(call_mask, target, q.device)
     q_rows, k_rows, v_rows = (packed_rows(x) for x in (q, k, v))
     out, lse, row_max = forward_cuda(q_rows, k_rows, v_rows, sink, launch, softmax_scale, softcap, return_max_logits)
-    return out.view(q.shape), lse.view(q.shape[:-1]), row_max.view(q.shape[:-1]) if return_max_logits else row_max
+    rows = q.shape[:-1]
+    return out.view(*rows, v.shape[-1]), lse.view(rows), row_max.view(rows) if return_max_logits else row_max
 
 
 def attn_fwd_cpu(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, options):
@@ -169,14 +170,14 @@ def attn_fwd_cpu(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap,
     out, lse, max_logits = reference._forward(packed_rows(q), packed_rows(k), packed_rows(v), sink, cfg)
     rows = q.shape[:-1]
     row_max = max_logits.expand(rows).contiguous() if return_max_logits else lse.new_empty(0)
-    return out.view(q.shape), lse.view(rows), row_max
+    return out.view(*rows, v.shape[-1]), lse.view(rows), row_max
 
 
 def attn_bwd_cuda(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options):
     """dq, dk, dv and dsink (empty without sinks: ops return tensors), shaped like their inputs."""
     decoded = Options.decode(options)
     call_mask = _call_mask(mask, prepared, padding, q, k, decoded)
-    launch = plan.plan_backward(call_mask, call_target(q, k, softcap > 0, False, False, decoded), q.device)
+    launch = plan.plan_backward(call_mask, call_target(q, k, v, softcap > 0, False, False, decoded), q.device)
     flat = [packed_rows(x) for x in (q, k, v, out)]
     lse_rows, dlse_rows = lse.view(-1, lse.shape[-1]), None if dlse is None else dlse.reshape(-1, dlse.shape[-1])
     dq, dk, dv, dsink = backward_cuda(*flat, lse_rows, sink, packed_rows(dout.contiguous()), dlse_rows, launch,
@@ -190,7 +191,7 @@ def attn_bwd_cpu(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, s
     lse_rows = lse.reshape(-1, lse.shape[-1])
     dlse_rows = torch.zeros_like(lse_rows) if dlse is None else dlse.reshape(-1, dlse.shape[-1])
     flat = [packed_rows(x) for x in (q, k, v, out)]
-    dq, dk, dv, dsink = reference._backward(*flat, lse_rows, sink, dout.reshape(-1, *dout.shape[-2:]), dlse_rows, cfg)
+    dq, dk, dv, dsink = reference._backward(*flat, lse_rows, sink, packed_rows(dout), dlse_rows, cfg)
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dsink if dsink is not None else lse.new_empty(0)
 
 
@@ -220,7 +221,7 @@ _attn_fwd = torch.library.custom_op("maskc::attn_fwd", attn_fwd_impl, mutates_ar
 
 @_attn_fwd.register_fake
 def _attn_fwd_fake(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, options):
-    return _forward_outputs(q, return_max_logits)
+    return _forward_outputs(q, v, return_max_logits)
 
 
 def attn_bwd_impl(

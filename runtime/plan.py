@@ -18,8 +18,11 @@ from maskc.artifact.abi import BACKWARD_ABI, TensorArg
 from maskc.artifact.families import (
     ARCHS,
     DTYPES,
+    HeadDim,
     KernelFamily,
+    Tiles,
     arch_of_capability,
+    check_head_dim,
     default_family,
     family_of,
     native_family,
@@ -73,6 +76,14 @@ class Target:
     def family(self) -> KernelFamily:
         return family_of(self.arch, self.portable)
 
+    def tiles(self, direction: str) -> Tiles:
+        """The tile shape of the family's `direction` kernel for the call's head dims; an error
+        naming the head dims it has where it has none (a backward of a forward-only head dim)."""
+        fields = dict(self.base)
+        head_dim = HeadDim(fields["head_dim"], fields["head_dim_v"])
+        check_head_dim(self.family, direction, head_dim)
+        return self.family.kernel(direction).tiles[head_dim]
+
     @property
     def fields(self) -> dict[str, Any]:
         return dict(self.base)
@@ -80,7 +91,7 @@ class Target:
 
 @lru_cache(maxsize=256)
 def make_target(capability: tuple[int, int], num_sms: int, dtype: torch.dtype, num_heads_q: int, num_heads_kv: int,
-                head_dim: int, has_softcap: bool, has_sink: bool, return_max_logits: bool, pack_gqa: bool | None,
+                head_dim: HeadDim, has_softcap: bool, has_sink: bool, return_max_logits: bool, pack_gqa: bool | None,
                 deterministic: bool, sm_margin: int = 0, portable: bool | None = None) -> Target:  # fmt: skip
     """The target of a call on a GPU of `capability` with `num_sms` SMs, validated: every
     error a call's options can cause is raised here, before any kernel is looked for."""
@@ -93,7 +104,9 @@ def make_target(capability: tuple[int, int], num_sms: int, dtype: torch.dtype, n
         )
     family = _family(arch.name, portable)
     if head_dim not in family.head_dims:
-        raise MaskcError(f"head_dim {head_dim} is not supported on {arch.name}; supported head dims: {family.head_dims}")
+        raise MaskcError(
+            f"head_dim {head_dim} is not supported on {arch.name}; supported head dims: {', '.join(map(str, family.head_dims))}"
+        )
     if pack_gqa and not family.has("fwd", "pack_gqa"):
         raise MaskcError(
             f"the {family.title} kernel (the one used on {arch.name}) has no PackGQA yet"
@@ -101,8 +114,9 @@ def make_target(capability: tuple[int, int], num_sms: int, dtype: torch.dtype, n
         )
     if pack_gqa and not pack_gqa_supported(num_heads_q, num_heads_kv):
         raise MaskcError(f"pack_gqa needs Hq / Hkv a power of two in [2, 64]; got {num_heads_q} / {num_heads_kv}")
-    base = {"arch": arch.name, "head_dim": head_dim, "dtype": TORCH_DTYPES[dtype], "num_heads_q": num_heads_q,
-            "num_heads_kv": num_heads_kv, "has_softcap": has_softcap, "portable": family.portable}  # fmt: skip
+    base = {"arch": arch.name, "head_dim": head_dim.qk, "head_dim_v": head_dim.v, "dtype": TORCH_DTYPES[dtype],
+            "num_heads_q": num_heads_q, "num_heads_kv": num_heads_kv, "has_softcap": has_softcap,
+            "portable": family.portable}  # fmt: skip
     return Target(arch.name, num_sms - sm_margin, family.portable, tuple(base.items()), has_sink, return_max_logits,
                   None if pack_gqa is None else bool(pack_gqa), deterministic)  # fmt: skip
 
@@ -125,7 +139,7 @@ def forward_requests(mask: Mask, target: Target) -> tuple[dict[str, Any], dict[s
         return {**request, "pack_gqa": False}, None
     if target.pack_gqa is not None:
         return {**request, "pack_gqa": target.pack_gqa}, None
-    tiles = target.family.forward.tiles[request["head_dim"]]
+    tiles = target.tiles("fwd")
     key = ("pack_gqa", hq, hkv, tiles.tile_m, tiles.tile_n, target.num_sms)
     packed = pack_gqa_supported(hq, hkv) and memoized(
         mask, key, lambda: select_pack_gqa(mask, hq, hkv, tiles.tile_m, tiles.tile_n, target.num_sms, keep=True)
@@ -141,7 +155,7 @@ def backward_requests(mask: Mask, target: Target) -> tuple[dict[str, Any], dict[
                "deterministic": target.deterministic}  # fmt: skip
     if not target.family.has("bwd", "unmasked"):
         return request, None
-    tiles = target.family.backward.tiles[request["head_dim"]]
+    tiles = target.tiles("bwd")
     # The transposed schedule it looks at is kept for the backward schedule (built from it).
     partial = memoized(mask, ("partial", tiles.tile_m, tiles.tile_n),
                     lambda: backward_has_partial_blocks(mask, tiles.tile_m, tiles.tile_n,

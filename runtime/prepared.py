@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from maskc.artifact.families import HeadDim
 from maskc.errors import MaskcError
 from maskc.ir import Mask
 from maskc.ir.schedule import build_backward_schedule, build_deterministic_backward_schedule, build_schedule
@@ -49,16 +50,17 @@ class PreparedMask:
 
 
 def target_for(device: torch.device | str, *, num_heads_q: int, num_heads_kv: int, head_dim: int,
-               dtype: torch.dtype = torch.bfloat16, pack_gqa: bool | None = None, deterministic: bool = False,
-               sm_margin: int = 0, portable: bool | None = None) -> plan.Target:  # fmt: skip
-    """What to prepare masks for: the calls on `device` (a GPU) with these heads, head dim and
-    options (`maskc.attention`'s). Ask it in the training process; it is plain data that
-    pickles to DataLoader workers, which never touch the GPU."""
+               head_dim_v: int | None = None, dtype: torch.dtype = torch.bfloat16, pack_gqa: bool | None = None,
+               deterministic: bool = False, sm_margin: int = 0, portable: bool | None = None) -> plan.Target:  # fmt: skip
+    """What to prepare masks for: the calls on `device` (a GPU) with these heads, head dims (v's
+    where it differs from q and k's) and options (`maskc.attention`'s). Ask it in the training
+    process; it is plain data that pickles to DataLoader workers, which never touch the GPU."""
     device = torch.device(device)
     if device.type != "cuda":
         raise MaskcError(f"masks are planned for a GPU; {device} runs the reference path, which needs no plan")
     capability, num_sms = plan.device_info(device)
-    return plan.make_target(capability, num_sms, dtype, num_heads_q, num_heads_kv, head_dim, False, False, False,
+    head_dims = HeadDim(head_dim, head_dim if head_dim_v is None else head_dim_v)
+    return plan.make_target(capability, num_sms, dtype, num_heads_q, num_heads_kv, head_dims, False, False, False,
                             pack_gqa, bool(deterministic), sm_margin, portable)  # fmt: skip
 
 
@@ -80,7 +82,7 @@ def prepare(mask: Mask, target: plan.Target | None, *, backward: bool = True) ->
 
 def _shape(target: plan.Target, request: dict[str, Any]) -> LaunchShape:
     """The launch shape of `request`'s kernel with the family table's tiles (those it is compiled with)."""
-    tiles = target.family.kernel(request["direction"]).tiles[request["head_dim"]]
+    tiles = target.tiles(request["direction"])
     return launch_shape({**request, "tile_m": tiles.tile_m, "tile_n": tiles.tile_n})
 
 

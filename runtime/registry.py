@@ -28,7 +28,9 @@ _OPTIONAL_FIELDS = ("pack_gqa", "deterministic", "unmasked", "portable")  # Fals
 
 
 def request_key(fields: Mapping[str, Any]) -> tuple:
-    return tuple(fields.get(f, False) if f in _OPTIONAL_FIELDS else fields[f] for f in REQUEST_FIELDS)
+    """The fields that find a kernel; head_dim_v is head_dim's where a request or manifest leaves it out."""
+    key = tuple(fields.get(f, False) if f in _OPTIONAL_FIELDS else fields[f] for f in REQUEST_FIELDS)
+    return (*key, fields.get("head_dim_v") or fields["head_dim"])
 
 
 class LaunchShape(NamedTuple):

@@ -75,7 +75,7 @@ def test_fake_arguments_are_what_the_signature_declares(family: KernelFamily, di
         fakes = fake_arguments(v)
         args = ENTRY_POINTS[direction].args
         assert len(fakes) == len(args)
-        static = {"Hq": v.num_heads_q, "Hkv": v.num_heads_kv, "D": v.head_dim}
+        static = {"Hq": v.num_heads_q, "Hkv": v.num_heads_kv, "D": v.head_dim, "Dv": v.head_dim_v}
         for fake, arg in zip(fakes, args):
             if isinstance(arg, StreamArg):
                 assert "Stream" in type(fake).__name__, arg.name

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import maskc
+from maskc.artifact.families import HeadDim
 from maskc.frontend import load
 from maskc.ir import AttnSlice, Mask
 from maskc.runtime import plan, registry
@@ -82,8 +83,8 @@ def _poisoned_call(q, k, v, mask, **kwargs):
     just before the second call go to its outputs.
     """
     maskc.attention(q, k, v, mask, **kwargs)
-    tq, hq, d = q.shape
-    sizes = [(tq, hq, d, q.dtype), (tq, hq, torch.float32), (tq, hq, torch.float32)]
+    tq, hq, _ = q.shape
+    sizes = [(tq, hq, v.shape[2], q.dtype), (tq, hq, torch.float32), (tq, hq, torch.float32)]
     poison = [torch.full(s[:-1], math.nan, dtype=s[-1], device="cuda") for s in sizes]
     ptrs = {p.data_ptr() for p in poison}
     del poison
@@ -96,12 +97,18 @@ def _max_abs(x: torch.Tensor) -> float:
     return float(x.abs().max()) if x.numel() else 0.0
 
 
-def _check(mask: Mask, hq: int, hkv: int, d: int, dtype: str, *, softcap: float = 0.0, sink: bool = False, max_logits: bool = False, seed: int = 0, pack_gqa: bool | None = None, portable: bool | None = None) -> None:
+def _dims(d: int | str) -> HeadDim:
+    """A test's head dim: an int, or "QK/V"."""
+    return HeadDim.parse(str(d))
+
+
+def _check(mask: Mask, hq: int, hkv: int, d: int | str, dtype: str, *, softcap: float = 0.0, sink: bool = False, max_logits: bool = False, seed: int = 0, pack_gqa: bool | None = None, portable: bool | None = None) -> None:
     g = torch.Generator(device="cuda").manual_seed(seed)
     tq, tk = mask.shape
-    q = torch.randn(tq, hq, d, device="cuda", generator=g).to(DTYPES[dtype])
-    k = torch.randn(tk, hkv, d, device="cuda", generator=g).to(DTYPES[dtype])
-    v = torch.randn(tk, hkv, d, device="cuda", generator=g).to(DTYPES[dtype])
+    dims = _dims(d)
+    q = torch.randn(tq, hq, dims.qk, device="cuda", generator=g).to(DTYPES[dtype])
+    k = torch.randn(tk, hkv, dims.qk, device="cuda", generator=g).to(DTYPES[dtype])
+    v = torch.randn(tk, hkv, dims.v, device="cuda", generator=g).to(DTYPES[dtype])
     sinks = torch.randn(3, hq, device="cuda", generator=g) * 2 if sink else None
     out, meta = _poisoned_call(
         q, k, v, mask, softcap=softcap, sink=sinks, return_max_logits=max_logits, pack_gqa=pack_gqa, portable=portable
@@ -157,6 +164,44 @@ def test_sequence_lengths_from_1_to_64k(n: int, portable: bool | None) -> None:
     _check(Mask.from_cu_seqlens([0, n], causal=True), 8, 8, 128, "bf16", portable=portable)
 
 
+# ---- Head dims beyond 64 and 128 (the Hopper kernels: the portable ones have 64 and 128) --------
+
+NEW_HEAD_DIMS = ["96", "192", "256", "192/128"]
+
+
+@pytest.mark.parametrize("d", NEW_HEAD_DIMS)
+@pytest.mark.parametrize("name", list(MASKS))
+def test_every_mask_family_at_every_head_dim(name: str, d: str) -> None:
+    _check(MASKS[name](), 64, 8, d, "bf16", seed=hash(name) % 1000)
+
+
+@pytest.mark.parametrize("d", NEW_HEAD_DIMS)
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 1)])
+def test_head_dims_with_head_layouts_fp16_and_options(d: str, hq: int, hkv: int) -> None:
+    for name in ("varlen_causal", "random_overlapping", "rows_without_keys"):
+        _check(MASKS[name](), hq, hkv, d, "fp16", seed=hash(name) % 1000)
+    for pack_gqa in (True, False):
+        _check(MASKS["varlen_block_causal"](), 8, 1, d, "bf16", softcap=5.0, sink=True, max_logits=True, pack_gqa=pack_gqa)
+
+
+@pytest.mark.parametrize("d", NEW_HEAD_DIMS)
+@pytest.mark.parametrize("n", [1, 129, 16411])
+def test_head_dims_at_sequence_edges(d: str, n: int) -> None:
+    _check(Mask.from_cu_seqlens([0, n], causal=True), 8, 2, d, "bf16")
+
+
+@pytest.mark.parametrize("d", ["192", "256", "192/128"])
+def test_a_head_dim_without_a_backward_says_so_before_the_forward(d: str) -> None:
+    mask, dims = MASKS["causal"](), _dims(d)
+    q = torch.randn(mask.seqlen_q, 8, dims.qk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(mask.seqlen_k, 2, dims.qk, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(mask.seqlen_k, 2, dims.v, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(maskc.MaskcError, match=f"the SM90 backward has no kernel for head_dim {d}; it supports 64, 96, 128"):
+        maskc.attention(q, k, v, mask)
+    with torch.no_grad():
+        assert maskc.attention(q, k, v, mask)[0].shape == (mask.seqlen_q, 8, dims.v)
+
+
 def test_the_portable_kernel_has_no_pack_gqa_yet() -> None:
     q, k = (torch.randn(100, h, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 2))
     with pytest.raises(maskc.MaskcError, match="has no PackGQA yet; on sm_90a pass portable=None"):
@@ -187,9 +232,11 @@ def test_gpu_input_errors() -> None:
         maskc.attention(q.transpose(0, 1).contiguous().transpose(0, 1), q, q, mask)
     with pytest.raises(ValueError, match="do not match the mask"):
         maskc.attention(q[:-1], q[:-1], q[:-1], mask)
-    with pytest.raises(maskc.MaskcError, match="head_dim 96 is not supported"):
-        x = torch.randn(mask.seqlen_q, 8, 96, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(maskc.MaskcError, match="head_dim 80 is not supported"):
+        x = torch.randn(mask.seqlen_q, 8, 80, device="cuda", dtype=torch.bfloat16)
         maskc.attention(x, x, x, mask)
+    with pytest.raises(maskc.MaskcError, match="head_dim 128/192 is not supported"):
+        maskc.attention(q, q, torch.randn(mask.seqlen_k, 8, 192, device="cuda", dtype=torch.bfloat16), mask)
     # Contiguous but 2 bytes off a 16-byte boundary: TMA cannot read it.
     shifted = torch.empty(q.numel() + 1, device="cuda", dtype=torch.bfloat16)[1:].view(q.shape).copy_(q)
     with pytest.raises(ValueError, match="16-byte aligned"):
@@ -256,11 +303,12 @@ def _check_grads(
     returning that dtype can do better."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     tq, tk = mask.shape
-    q = torch.randn(tq, hq, d, device="cuda", generator=g).to(DTYPES[dtype])
-    k = torch.randn(tk, hkv, d, device="cuda", generator=g).to(DTYPES[dtype])
-    v = torch.randn(tk, hkv, d, device="cuda", generator=g).to(DTYPES[dtype])
+    dims = _dims(d)
+    q = torch.randn(tq, hq, dims.qk, device="cuda", generator=g).to(DTYPES[dtype])
+    k = torch.randn(tk, hkv, dims.qk, device="cuda", generator=g).to(DTYPES[dtype])
+    v = torch.randn(tk, hkv, dims.v, device="cuda", generator=g).to(DTYPES[dtype])
     sinks = torch.randn(2, hq, device="cuda", generator=g) if sink else None
-    dout = torch.randn(tq, hq, d, device="cuda", generator=g)
+    dout = torch.randn(tq, hq, dims.v, device="cuda", generator=g)
     dlse = torch.randn(tq, hq, device="cuda", generator=g) if lse_grad else None
     exact = _grads(
         maskc.reference_attention, q.double(), k.double(), v.double(), sinks, mask, dout.double(),
@@ -296,6 +344,17 @@ def test_gradients_every_mask_family_gqa_8_2_d128_bf16(name: str, portable: bool
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_gradients_head_layouts_dims_and_dtypes(hq: int, hkv: int, d: int, dtype: str, portable: bool | None) -> None:
     _check_grads(MASKS["varlen_causal"](), hq, hkv, d, dtype, portable=portable)
+
+
+@pytest.mark.parametrize("name", GRAD_MASKS)
+def test_gradients_every_mask_family_d96(name: str) -> None:
+    _check_grads(MASKS[name](), 8, 2, 96, "bf16", seed=hash(name) % 1000)
+
+
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 1)])
+def test_gradients_d96_head_layouts_fp16_and_options(hq: int, hkv: int) -> None:
+    _check_grads(MASKS["varlen_causal"](), hq, hkv, 96, "fp16")
+    _check_grads(MASKS["rows_without_keys"](), hq, hkv, 96, "bf16", softcap=5.0, sink=True, deterministic=True)
 
 
 @KERNELS
@@ -356,8 +415,8 @@ def test_gradients_of_masks_without_partial_blocks(cu_seqlens: list[int]) -> Non
     _check_grads(mask, 8, 8, 64, "fp16", deterministic=True)
     unmasked = {entry for key, entry in registry.KERNELS.items() if key[registry.REQUEST_FIELDS.index("unmasked")]}
     capability, num_sms = plan.device_info(torch.device("cuda"))
-    targets = [plan.make_target(capability, num_sms, torch.bfloat16, 8, 2, 128, True, True, False, None, False),
-               plan.make_target(capability, num_sms, torch.float16, 8, 8, 64, False, False, False, None, True)]  # fmt: skip
+    targets = [plan.make_target(capability, num_sms, torch.bfloat16, 8, 2, HeadDim(128, 128), True, True, False, None, False),
+               plan.make_target(capability, num_sms, torch.float16, 8, 8, HeadDim(64, 64), False, False, False, None, True)]  # fmt: skip
     used = [plan.backward_kernel(mask, target) for target in targets]
     assert all((entry in unmasked) == (cu_seqlens != [0, 600, 1000]) for entry in used)
 

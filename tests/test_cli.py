@@ -83,7 +83,7 @@ def test_compile_writes_a_loadable_artifact(tmp_path: Path) -> None:
         (["compile", "examples/causal.mask"], "-o/--output"),
         (["compile", "examples/causal.mask", "-o", "README.md", "--ir-only"], "README.md: a file of that name exists"),
         (["compile", "examples/causal.mask", "-o", "x", "--heads", "3:2"], "multiple of kv heads"),
-        (["compile", "examples/causal.mask", "-o", "x", "--head-dim", "64,x"], "list of ints"),
+        (["compile", "examples/causal.mask", "-o", "x", "--head-dim", "64,x"], "list of head dims"),
         (["show", "examples", "--no-png"], "examples is a directory, not a mask file"),
         (["show", "README.md", "--no-png"], r"README.md:\d+:\d+: unexpected"),
         (["plan", "examples/causal.mask", "--cp", "0"], "positive integer"),

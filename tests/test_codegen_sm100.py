@@ -19,7 +19,7 @@ from generated_source import (
     module_constants,
 )
 
-from maskc.artifact.families import FAMILIES, Tiles, native_family, select_tiles
+from maskc.artifact.families import FAMILIES, HeadDim, Tiles, native_family, select_tiles
 from maskc.artifact.variant import KernelVariant
 from maskc.codegen.cache import variant_record
 from maskc.codegen.render import render, template_name
@@ -71,10 +71,11 @@ def test_sm100_is_native_and_experimental_in_both_directions():
     assert not portable.experimental and not hopper.experimental
     assert variant_record(v, "x.o", "attn_fwd")["experimental"] is True
     assert variant_record(hopper, "x.o", "attn_fwd")["experimental"] is False
-    assert select_tiles("sm_100a", 64) == select_tiles("sm_100a", 64, "fwd") and select_tiles("sm_100a", 64).num_stages == 4
-    assert select_tiles("sm_100a", 64, "bwd") == select_tiles("sm_100a", 128, "bwd") == Tiles(128, 128, 2)
+    d64, d128 = HeadDim(64, 64), HeadDim(128, 128)
+    assert select_tiles("sm_100a", d64) == select_tiles("sm_100a", d64, "fwd") and select_tiles("sm_100a", d64).num_stages == 4
+    assert select_tiles("sm_100a", d64, "bwd") == select_tiles("sm_100a", d128, "bwd") == Tiles(128, 128, 2)
     with pytest.raises(MaskcError, match="no kernel of its own for arch 'sm_80'"):
-        select_tiles("sm_80", 128, "bwd")
+        select_tiles("sm_80", d128, "bwd")
 
 
 @pytest.mark.parametrize(
@@ -219,7 +220,7 @@ def test_backward_operand_layouts_agree_with_their_transposed_views(head_dim):
     from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
     k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
-    tiles = select_tiles("sm_100a", head_dim, "bwd")
+    tiles = select_tiles("sm_100a", HeadDim(head_dim, head_dim), "bwd")
     keys, queries = tiles.tile_n, tiles.tile_m
     found = []
 

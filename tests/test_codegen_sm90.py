@@ -67,8 +67,9 @@ COMPILED = {
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"head_dim": 96}, "supported head dims: 64, 128"),
-        ({"head_dim": 256}, "supported head dims: 64, 128"),
+        ({"head_dim": 80}, "supported head dims: 64, 96, 128, 192/128, 192, 256"),
+        ({"head_dim": 128, "head_dim_v": 64}, "supported head dims: 64, 96, 128, 192/128, 192, 256"),
+        ({"head_dim": 256}, "tile_n 128 with head_dim 256 does not fit in registers"),
         ({"num_heads_q": 12, "num_heads_kv": 8}, "must be a multiple of num_heads_kv"),
         ({"dtype": "fp32"}, "dtype 'fp32' is not supported"),
         ({"arch": "sm_70"}, "arch 'sm_70' is not supported"),
@@ -76,7 +77,7 @@ COMPILED = {
         ({"direction": "sideways"}, "direction 'sideways' is not supported"),
         ({"tile_m": 64}, "SM90 forward tile_m 64 is not supported; supported: 128, 192"),
         ({"tile_n": 120}, "SM90 forward tile_n 120 is not supported; supported: multiples of 16 in [64, 192]"),
-        ({"tile_m": 192, "head_dim": 128}, "needs head_dim 64"),
+        ({"tile_m": 192, "head_dim": 128}, "needs head_dim <= 96"),
         ({"num_stages": 4}, "shared memory"),
         ({"num_heads_kv": 0}, "positive int"),
         ({"has_sink": 1}, "must be a bool"),

@@ -52,7 +52,8 @@ COMPILED = {
         ({"pack_gqa": True}, "the SM90 backward has no pack_gqa variant"),
         ({"num_stages": 6}, "shared memory"),
         ({"num_stages": 3}, "SM90 backward num_stages 3 is not supported; supported: 2, 4, 6, 8"),
-        ({"head_dim": 96}, "supported head dims: 64, 128"),
+        ({"head_dim": 80}, "supported head dims: 64, 96, 128, 192/128, 192, 256"),
+        ({"head_dim": 256}, "the SM90 backward has no kernel for head_dim 256; it supports 64, 96, 128"),
     ],
 )
 def test_bad_backward_variants_raise_clear_errors(overrides, message):

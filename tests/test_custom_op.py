@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import maskc
 from maskc import reference
-from maskc.artifact.families import select_tiles
+from maskc.artifact.families import HeadDim, select_tiles
 from maskc.ir import AttnSlice, Mask
 from maskc.ir import schedule as schedules
 from maskc.runtime import masks, ops, plan, prepared, registry
@@ -310,7 +310,7 @@ _LAST_MASK: list[Mask] = []
 
 def _register(monkeypatch: pytest.MonkeyPatch, direction: str, pack_gqa: bool, **features: bool) -> registry.Entry:
     """A kernel entry without a kernel in the runtime's registry: sm_90a, 8:2 heads, d=128, bf16."""
-    tiles = select_tiles("sm_90a", D, direction)
+    tiles = select_tiles("sm_90a", HeadDim(D, D), direction)
     fields = {"arch": "sm_90a", "head_dim": D, "dtype": "bf16", "num_heads_q": HQ, "num_heads_kv": HKV,
               "has_softcap": False, "has_sink": False, "has_max_logits": False, **features, "direction": direction,
               "pack_gqa": pack_gqa, "tile_m": tiles.tile_m, "tile_n": tiles.tile_n}  # fmt: skip
@@ -415,7 +415,7 @@ def test_plan_errors_reach_the_caller(cuda_on_cpu: Any) -> None:
 
 
 def _target() -> plan.Target:
-    return plan.make_target((9, 0), 132, torch.bfloat16, HQ, HKV, D, False, False, False, None, False)
+    return plan.make_target((9, 0), 132, torch.bfloat16, HQ, HKV, HeadDim(D, D), False, False, False, None, False)
 
 
 def test_a_prepared_mask_crosses_a_process_boundary_and_needs_no_planning(cuda_on_cpu: Any) -> None:
@@ -445,7 +445,7 @@ def test_a_prepared_mask_crosses_a_process_boundary_and_needs_no_planning(cuda_o
 def test_a_plan_for_another_target_is_ignored_and_planned_in_the_call(cuda_on_cpu: Any) -> None:
     _, _, builds = cuda_on_cpu
     mask = Mask.from_cu_seqlens([0, 700], causal=True)
-    other = plan.make_target((9, 0), 132, torch.bfloat16, HQ, HKV, 64, False, False, False, None, False)  # other tiles
+    other = plan.make_target((9, 0), 132, torch.bfloat16, HQ, HKV, HeadDim(64, 64), False, False, False, None, False)  # other tiles
     shipped = pickle.loads(pickle.dumps(prepared.prepare(mask, other)))
     builds.clear()
     q, k, v = _inputs(mask)

@@ -17,6 +17,8 @@ from maskc.artifact.families import (
     FLAGS,
     HEAD_DIMS,
     PORTABLE,
+    SM90,
+    HeadDim,
     default_family,
     native_family,
     select_tiles,
@@ -30,15 +32,15 @@ from maskc.errors import VariantError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _request(family, direction, head_dim=128, dtype="bf16", **flags) -> dict:
-    return {"arch": family.archs[0], "direction": direction, "head_dim": head_dim, "dtype": dtype, "num_heads_q": 8,
-            "num_heads_kv": 2, "portable": family.portable, **flags}  # fmt: skip
+def _request(family, direction, head_dim=HeadDim(128, 128), dtype="bf16", **flags) -> dict:
+    return {"arch": family.archs[0], "direction": direction, "head_dim": head_dim.qk, "head_dim_v": head_dim.v,
+            "dtype": dtype, "num_heads_q": 8, "num_heads_kv": 2, "portable": family.portable, **flags}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_a_variant_has_exactly_the_options_its_family_lists(family, direction) -> None:
-    for head_dim in family.head_dims:
+    for head_dim in family.kernel(direction).head_dims:
         for dtype in family.dtypes:
             v = variant_for(_request(family, direction, head_dim, dtype))
             tiles = family.kernel(direction).tiles[head_dim]
@@ -59,9 +61,23 @@ def test_every_arch_has_the_portable_kernels_and_at_most_one_family_of_its_own()
         assert len(own) <= 1 and native_family(arch) is (own[0] if own else None)
         assert default_family(arch) is (own[0] if own and not own[0].experimental else PORTABLE)
     with pytest.raises(VariantError, match="no kernel of its own for arch 'sm_86'"):
-        select_tiles("sm_86", 128)
-    with pytest.raises(VariantError, match="supported head dims: 64, 128"):
-        select_tiles("sm_90a", 96)
+        select_tiles("sm_86", HeadDim(128, 128))
+    with pytest.raises(VariantError, match="supported head dims: 64, 96, 128, 192/128, 192, 256"):
+        select_tiles("sm_90a", HeadDim(80, 80))
+
+
+def test_head_dims_the_backward_lacks_are_named_with_the_ones_it_has() -> None:
+    assert select_tiles("sm_90a", HeadDim(192, 128)).tile_n == 128
+    with pytest.raises(VariantError, match="the SM90 backward has no kernel for head_dim 256; it supports 64, 96, 128"):
+        select_tiles("sm_90a", HeadDim(256, 256), "bwd")
+    with pytest.raises(VariantError, match="the portable forward has no kernel for head_dim 96; it supports 64, 128"):
+        select_tiles("sm_90a", HeadDim(96, 96), portable=True)
+    with pytest.raises(VariantError, match="the SM90 backward has no kernel for head_dim 192/128"):
+        variant_for(_request(SM90, "bwd", HeadDim(192, 128)))
+    assert [str(d) for d in (HeadDim.parse("192/128"), HeadDim.parse(" 96"))] == ["192/128", "96"]
+    for text in ("", "x", "192/", "1.5"):
+        with pytest.raises(ValueError, match="a head dim is an int or qk/v"):
+            HeadDim.parse(text)
 
 
 def test_the_command_line_offers_what_the_table_lists(capsys) -> None:
@@ -69,7 +85,7 @@ def test_the_command_line_offers_what_the_table_lists(capsys) -> None:
     args = build_parser().parse_args([*compile_args, "--arch", ",".join(ARCH_NAMES), "--head-dim",
                                       ",".join(map(str, HEAD_DIMS)), "--dtype", ",".join(DTYPE_NAMES)])  # fmt: skip
     assert (args.arch, args.head_dim, args.dtype) == (list(ARCH_NAMES), list(HEAD_DIMS), list(DTYPE_NAMES))
-    for option, value in (("--arch", "sm_70"), ("--head-dim", "96"), ("--dtype", "fp32")):
+    for option, value in (("--arch", "sm_70"), ("--head-dim", "80"), ("--head-dim", "128/64"), ("--dtype", "fp32")):
         with pytest.raises(SystemExit):
             build_parser().parse_args([*compile_args, option, value])
         assert f"no kernels for {value}; choose from" in capsys.readouterr().err
@@ -88,7 +104,7 @@ def test_the_readme_lists_the_archs_head_dims_and_dtypes_of_the_table() -> None:
     readme = (ROOT / "README.md").read_text()
     arch_line = next(line for line in readme.splitlines() if "(`--arch`:" in line)
     assert set(re.findall(r"`(sm_\d+a?)`", arch_line)) == set(ARCH_NAMES)
-    head_dims = re.search(r"\(`--head-dim`: ([\d, ]+)\)", readme)
-    assert head_dims and tuple(int(d) for d in head_dims.group(1).split(",")) == HEAD_DIMS
+    head_dims = re.search(r"\(`--head-dim`: ([\d/, ]+)\)", readme)
+    assert head_dims and tuple(HeadDim.parse(d) for d in head_dims.group(1).split(",")) == HEAD_DIMS
     dtypes = re.search(r"\(`--dtype`: ([\w, ]+)\)", readme)
     assert dtypes and tuple(d.strip() for d in dtypes.group(1).split(",")) == DTYPE_NAMES

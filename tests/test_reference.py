@@ -280,7 +280,7 @@ def _valid() -> dict:
         ({"q": torch.randn(5, 4, 8)}, ValueError, "do not match the mask"),
         ({"k": torch.randn(5, 2, 8), "v": torch.randn(5, 2, 8)}, ValueError, "do not match the mask"),
         ({"k": torch.randn(6, 3, 8), "v": torch.randn(6, 3, 8)}, ValueError, "multiple of kv heads"),
-        ({"v": torch.randn(6, 1, 8)}, ValueError, "same shape"),
+        ({"v": torch.randn(6, 1, 8)}, ValueError, "same keys and heads"),
         ({"k": torch.randn(6, 2, 4), "v": torch.randn(6, 2, 4)}, ValueError, "head_dim"),
         ({"k": torch.randn(6, 2, 8, dtype=torch.float64)}, TypeError, "share a dtype"),
         ({"k": torch.randn(6, 2, 8, device="meta")}, ValueError, "share a device"),

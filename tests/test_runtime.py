@@ -16,6 +16,7 @@ import torch
 import maskc
 from maskc.artifact import source, toolchain
 from maskc.artifact.abi import BACKWARD_ABI, FORWARD_ABI, TensorArg, abi_to_json
+from maskc.artifact.families import HeadDim
 from maskc.artifact.manifest import write_manifest
 from maskc.codegen import LoweredMask, write_artifact
 from maskc.errors import ArtifactError
@@ -163,7 +164,7 @@ def test_the_unmasked_backward_serves_only_masks_without_partial_blocks(monkeypa
     monkeypatch.setattr(registry, "KERNELS", {})
     monkeypatch.setattr(registry, "LOADED", [])
     monkeypatch.setattr(source, "_source", compile_refused)
-    target = plan.make_target((9, 0), 132, torch.bfloat16, 8, 2, 128, False, False, False, None, False)
+    target = plan.make_target((9, 0), 132, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, False)
     request = plan.backward_requests(Mask.from_cu_seqlens([0, 1000], causal=True), target)[0]
     entries = {}
     for unmasked in (False, True):
@@ -207,7 +208,7 @@ def fake_gpu_without_compiler(monkeypatch: pytest.MonkeyPatch, capability: tuple
 
     def plan_call(pack_gqa: bool | None, needs_grad: bool, deterministic: bool, sm_margin: int = 0,
                   portable: bool | None = None) -> plan.Launch:  # fmt: skip
-        target = plan.make_target(capability, num_sms, torch.bfloat16, 8, 2, 128, False, False, False, pack_gqa,
+        target = plan.make_target(capability, num_sms, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, pack_gqa,
                                   deterministic, sm_margin, portable)  # fmt: skip
         forward = plan.plan_forward(mask, target, torch.device("cpu"))
         return plan.plan_backward(mask, target, torch.device("cpu")) if needs_grad else forward

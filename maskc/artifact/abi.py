@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from maskc.artifact.variant import KernelVariant
 
 # Dims named by the variant are compile-time constants; every other named dim is dynamic.
-STATIC_DIMS = ("Hq", "Hkv", "D")
+STATIC_DIMS = ("Hq", "Hkv", "D", "Dv")
 #: How a signature's comments show a dim whose name cannot say it.
 _SHOWN_DIMS = {"W1": "W+1", "G1": "G+1", "DL": "0 or Tq"}
 _SHOWN_DTYPES = {"input": "DTYPE", "float32": "fp32", "int32": "int32"}
@@ -123,8 +123,8 @@ def _schedule_and_launch(tile: str, runs: str, lines: str) -> tuple[Arg, ...]:
 FORWARD_ABI: tuple[Arg, ...] = (
     TensorArg("q", "input", ("Tq", "Hq", "D"), param="mQ"),
     TensorArg("k", "input", ("Tk", "Hkv", "D"), param="mK"),
-    TensorArg("v", "input", ("Tk", "Hkv", "D"), param="mV"),
-    TensorArg("out", "input", ("Tq", "Hq", "D"), param="mO", doc="written"),
+    TensorArg("v", "input", ("Tk", "Hkv", "Dv"), param="mV"),
+    TensorArg("out", "input", ("Tq", "Hq", "Dv"), param="mO", doc="written"),
     TensorArg("lse", "float32", ("Tq", "Hq"), param="mLSE", doc="written (natural log; -inf for rows with no key)"),
     TensorArg("row_max", "float32", ("Tq", "Hq"), param="mRowMax", doc="written", used_when="has_max_logits"),
     TensorArg("sink", "float32", ("S", "Hq"), param="mSink", used_when="has_sink"),
@@ -135,9 +135,9 @@ FORWARD_ABI: tuple[Arg, ...] = (
 BACKWARD_ABI: tuple[Arg, ...] = (
     TensorArg("q", "input", ("Tq", "Hq", "D"), param="mQ"),
     TensorArg("k", "input", ("Tk", "Hkv", "D"), param="mK"),
-    TensorArg("v", "input", ("Tk", "Hkv", "D"), param="mV"),
-    TensorArg("out", "input", ("Tq", "Hq", "D"), param="mO", doc="the forward's output"),
-    TensorArg("dout", "input", ("Tq", "Hq", "D"), param="mdO"),
+    TensorArg("v", "input", ("Tk", "Hkv", "Dv"), param="mV"),
+    TensorArg("out", "input", ("Tq", "Hq", "Dv"), param="mO", doc="the forward's output"),
+    TensorArg("dout", "input", ("Tq", "Hq", "Dv"), param="mdO"),
     TensorArg("lse", "float32", ("Tq", "Hq"), param="mLSEf", doc="the forward's lse"),
     TensorArg("dlse", "float32", ("DL", "Hq"), param="mdLSE", doc="the gradient of lse, if any"),
     TensorArg("lse_log2", "float32", ("QP",), align=16, param="mLSE",
@@ -147,7 +147,7 @@ BACKWARD_ABI: tuple[Arg, ...] = (
     TensorArg("dq_accum", "float32", ("Tq8", "Hq", "D"), align=16, param="mdQ",
               doc="scale * dS K added (zeroed by the caller)"),
     TensorArg("dk", "input", ("Tk", "Hkv", "D"), param="mdK", doc="written"),
-    TensorArg("dv", "input", ("Tk", "Hkv", "D"), param="mdV", doc="written"),
+    TensorArg("dv", "input", ("Tk", "Hkv", "Dv"), param="mdV", doc="written"),
     TensorArg("dq_semaphore", "int32", ("QS",), param="mSemaphore",
               doc="dQ additions landed per (head, q block, warpgroup)", used_when="deterministic"),
     TensorArg("work_blocks", "int32", ("WB",), param="mWorkBlocks", doc="CSR offsets into mBlockRank",
@@ -155,7 +155,7 @@ BACKWARD_ABI: tuple[Arg, ...] = (
     TensorArg("block_rank", "int32", ("B",), param="mBlockRank", doc="lower k tiles adding to the same q block",
               used_when="deterministic"),
     TensorArg("dkv_accum", "float32", ("KA",), align=16, param="mdKVAccum",
-              doc="per split slot and warpgroup, [2, WG_ROWS, HEAD_DIM] dK / dV sums (zeroed)"),
+              doc="per split slot and warpgroup, [WG_ROWS, HEAD_DIM + HEAD_DIM_V] dK / dV sums (zeroed)"),
     TensorArg("dkv_count", "int32", ("KC",), param="mdKVCount",
               doc="per split slot and warpgroup, its pieces done (zeroed by the caller)"),
     TensorArg("items", "int32", ("I", 5), param="mItems",
@@ -180,8 +180,8 @@ warpgroup) (zeroed by the caller), and `work_blocks` / `block_rank` come from
 CTA c of the `num_ctas` runs items[cta_items[c]:cta_items[c+1]], rows (work, K/V head, flags:
 1 to walk each q block's query heads innermost, 2 to walk the q blocks first to last; query
 head within the K/V head, -1 for all; split slot, -1 for none) (`maskc.ir.items`). The pieces
-of a split item (one per query head) add dK / dV into `dkv_accum` (KA = slots * 2 * tile_n *
-D, per slot and 64-key warpgroup block [2, 64, D]) and count themselves in `dkv_count` (KC =
+of a split item (one per query head) add dK / dV into `dkv_accum` (KA = slots * tile_n * (D +
+Dv), per slot and 64-key warpgroup block [64, D] then [64, Dv]) and count themselves in `dkv_count` (KC =
 slots * tile_n / 64), both zeroed by the caller (one element each when there is no slot)."""
 
 

@@ -78,6 +78,34 @@ FLAGS = {
 }
 
 
+@dataclass(frozen=True, order=True)
+class HeadDim:
+    """A kernel's head dims: `qk` of q and k, `v` of v (and so of the output). MLA-style models
+    train with qk 192 and v 128; everywhere else they are equal."""
+
+    qk: int
+    v: int
+
+    def __str__(self) -> str:
+        return str(self.qk) if self.qk == self.v else f"{self.qk}/{self.v}"
+
+    @classmethod
+    def parse(cls, text: str) -> HeadDim:
+        """`"128"` or `"192/128"` (qk/v), as the command line and messages write them."""
+        qk, slash, v = text.strip().partition("/")
+        if not qk.isdigit() or (slash and not v.isdigit()):
+            raise ValueError(f"a head dim is an int or qk/v (like 192/128), got {text!r}")
+        return cls(int(qk), int(v or qk))
+
+
+def _square(*dims: int) -> tuple[HeadDim, ...]:
+    return tuple(HeadDim(d, d) for d in dims)
+
+
+#: The asymmetric head dims of MLA-style models (DeepSeek-V2/V3): q/k 192, v 128.
+MLA = HeadDim(192, 128)
+
+
 @dataclass(frozen=True)
 class Tiles:
     """A kernel's tile shape (backward: tile_m is the q block, tile_n the k tile) and pipeline depth."""
@@ -95,7 +123,7 @@ class TileChoices:
     tile_m: tuple[int, ...]
     tile_n: tuple[int, ...]
     num_stages: tuple[int, ...]
-    fits: Callable[[int, Tiles], str | None] = lambda head_dim, tiles: None
+    fits: Callable[[HeadDim, Tiles], str | None] = lambda head_dim, tiles: None
 
 
 @dataclass(frozen=True, eq=False)
@@ -103,7 +131,7 @@ class Kernel:
     """One direction of a kernel family."""
 
     #: The tile shape compiled for each head dim (the head dims the kernel supports).
-    tiles: Mapping[int, Tiles]
+    tiles: Mapping[HeadDim, Tiles]
     #: Its optional features (keys of FLAGS).
     flags: frozenset[str]
     #: Other tile shapes it accepts; None: only `tiles`.
@@ -114,6 +142,10 @@ class Kernel:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiles", MappingProxyType(dict(self.tiles)))
         assert self.flags <= FLAGS.keys(), self.flags - FLAGS.keys()
+
+    @property
+    def head_dims(self) -> tuple[HeadDim, ...]:
+        return tuple(sorted(self.tiles))
 
 
 @dataclass(frozen=True, eq=False)
@@ -141,12 +173,13 @@ class KernelFamily:
     dtypes: tuple[str, ...] = DTYPE_NAMES
 
     def __post_init__(self) -> None:
-        assert self.forward.tiles.keys() == self.backward.tiles.keys(), self.name
+        assert self.backward.tiles.keys() <= self.forward.tiles.keys(), self.name
         assert set(self.archs) <= set(ARCH_NAMES), self.name
 
     @property
-    def head_dims(self) -> tuple[int, ...]:
-        return tuple(sorted(self.forward.tiles))
+    def head_dims(self) -> tuple[HeadDim, ...]:
+        """Every head dim it has a forward for (the backward's are among them)."""
+        return self.forward.head_dims
 
     def kernel(self, direction: str) -> Kernel:
         return self.forward if direction == "fwd" else self.backward
@@ -156,12 +189,15 @@ class KernelFamily:
         return flag in self.kernel(direction).flags
 
 
-def _sm90_forward_fits(head_dim: int, tiles: Tiles) -> str | None:
-    """O and S of a consumer warpgroup's 64 rows live in its registers."""
-    if tiles.tile_m == 192 and (head_dim != 64 or tiles.tile_n > 128):
-        return "tile_m 192 (3 consumer warpgroups) needs head_dim 64 and tile_n <= 128 (registers)"
-    if head_dim == 128 and tiles.tile_n > 176:
-        return f"tile_n {tiles.tile_n} with head_dim 128 does not fit in registers; use <= 176"
+def _sm90_forward_fits(head_dim: HeadDim, tiles: Tiles) -> str | None:
+    """O and S of a consumer warpgroup's 64 rows live in its registers, and with them the P of
+    the block before (softmax overlaps the previous P V): about head_dim.v / 2 + 3 * tile_n / 4
+    of a thread's registers, which spills beyond 180 (at d=128, 128x176 measured about 420
+    TFLOP/s against 600-690 for 128x128)."""
+    if tiles.tile_m == 192 and (head_dim.v > 96 or tiles.tile_n > 128):
+        return "tile_m 192 (3 consumer warpgroups) needs head_dim <= 96 and tile_n <= 128 (registers)"
+    if head_dim.v // 2 + 3 * tiles.tile_n // 4 > 188:
+        return f"tile_n {tiles.tile_n} with head_dim {head_dim} does not fit in registers"
     return None
 
 
@@ -171,7 +207,10 @@ SM90 = KernelFamily(
     archs=("sm_90a",),
     templates="sm90",
     forward=Kernel(
-        tiles={64: Tiles(192, 128, 2), 128: Tiles(128, 128, 2)},
+        # Narrower key blocks as the head dim grows: O, S and the previous P share the registers,
+        # and the K / V stages the shared memory (FA3 and FA4 choose alike).
+        tiles={**dict.fromkeys(_square(64), Tiles(192, 128, 2)), **dict.fromkeys(_square(96, 128), Tiles(128, 128, 2)),
+               HeadDim(192, 192): Tiles(128, 112, 2), MLA: Tiles(128, 128, 2), HeadDim(256, 256): Tiles(128, 80, 2)},
         flags=frozenset({"has_softcap", "has_sink", "has_max_logits", "pack_gqa"}),
         # q tiles of 64 rows per consumer warpgroup (two or three), O in registers.
         choices=TileChoices(tile_m=(128, 192), tile_n=tuple(range(64, 193, 16)), num_stages=tuple(range(1, 9)),
@@ -181,7 +220,8 @@ SM90 = KernelFamily(
     backward=Kernel(
         # k tiles of 128 keys (two consumer warpgroups, dK and dV in registers) against q blocks
         # of 64 queries; blocks alternate two dS buffers, so the (Q, dO) stages come in pairs.
-        tiles={64: Tiles(64, 128, 2), 128: Tiles(64, 128, 2)},
+        # dK and dV of 64 keys per warpgroup in registers: head dims up to 128.
+        tiles=dict.fromkeys(_square(64, 96, 128), Tiles(64, 128, 2)),
         flags=frozenset({"has_softcap", "deterministic", "unmasked"}),
         choices=TileChoices(tile_m=(64,), tile_n=(128,), num_stages=(2, 4, 6, 8)),
         summary="TMA, wgmma, warp-specialised; long items split by query head",
@@ -199,13 +239,13 @@ SM100 = KernelFamily(
     archs=("sm_100a",),
     templates="sm100",
     forward=Kernel(
-        tiles={64: Tiles(128, 128, 4), 128: Tiles(128, 128, 3)},
+        tiles={HeadDim(64, 64): Tiles(128, 128, 4), HeadDim(128, 128): Tiles(128, 128, 3)},
         flags=frozenset({"has_softcap", "has_sink", "has_max_logits"}),
         choices=None,
         summary="tcgen05 MMA, S / O / P in tensor memory, TMA, warp-specialised",
     ),
     backward=Kernel(
-        tiles={64: Tiles(128, 128, 2), 128: Tiles(128, 128, 2)},
+        tiles=dict.fromkeys(_square(64, 128), Tiles(128, 128, 2)),
         flags=frozenset({"has_softcap", "deterministic"}),
         choices=None,
         summary="tcgen05 MMA, S^T / P^T / dP^T / dQ / dK / dV in tensor memory, TMA, warp-specialised",
@@ -222,13 +262,13 @@ PORTABLE = KernelFamily(
     archs=ARCH_NAMES,
     templates="sm80",
     forward=Kernel(
-        tiles={64: Tiles(64, 128, 2), 128: Tiles(64, 64, 2)},
+        tiles={HeadDim(64, 64): Tiles(64, 128, 2), HeadDim(128, 128): Tiles(64, 64, 2)},
         flags=frozenset({"has_softcap", "has_sink", "has_max_logits"}),
         choices=TileChoices(tile_m=(64,), tile_n=(64, 128), num_stages=(2,)),
         summary="warp MMA, cp.async, ldmatrix",
     ),
     backward=Kernel(
-        tiles={64: Tiles(64, 64, 1), 128: Tiles(64, 64, 1)},
+        tiles=dict.fromkeys(_square(64, 128), Tiles(64, 64, 1)),
         flags=frozenset({"has_softcap", "deterministic"}),
         choices=None,
         summary="warp MMA, dQ by L2 reductions",
@@ -277,14 +317,26 @@ def family_of(arch_name: str, portable: bool = False) -> KernelFamily:
     return family
 
 
-def select_tiles(arch_name: str, head_dim: int, direction: str = "fwd", portable: bool = False) -> Tiles:
+def select_tiles(arch_name: str, head_dim: HeadDim, direction: str = "fwd", portable: bool = False) -> Tiles:
     """Tile shape of the `direction` kernel for `arch_name` and `head_dim` (backward: tile_m is
     the q block, tile_n the k tile), the arch's own kernel or the portable one."""
     if head_dim not in HEAD_DIMS:
         raise VariantError(f"head_dim {head_dim} is not supported; supported head dims: {_listed(HEAD_DIMS)}")
     if not portable and native_family(arch_name) is None:
         raise VariantError(f"no kernel of its own for arch {arch_name!r} ({_native_archs()} have them); use the portable kernel")
-    return family_of(arch_name, portable).kernel(direction).tiles[head_dim]
+    family = family_of(arch_name, portable)
+    check_head_dim(family, direction, head_dim)
+    return family.kernel(direction).tiles[head_dim]
+
+
+def check_head_dim(family: KernelFamily, direction: str, head_dim: HeadDim) -> None:
+    """Raise VariantError naming the supported set where `family` has no `direction` kernel for `head_dim`."""
+    kernel = family.kernel(direction)
+    if head_dim not in kernel.tiles:
+        raise VariantError(
+            f"the {family.title} {'forward' if direction == 'fwd' else 'backward'} has no kernel for head_dim {head_dim}; "
+            f"it supports {_listed(kernel.head_dims)}"
+        )
 
 
 def pack_gqa_supported(num_heads_q: int, num_heads_kv: int) -> bool:
@@ -339,7 +391,10 @@ def support_table() -> str:
     for family in FAMILIES:
         archs = "every arch" if family.portable else ", ".join(f"`{a}`" for a in family.archs)
         status = "**experimental**: compiled, never run" if family.experimental else "verified"
-        cells = [family.title, archs, status, _listed(family.head_dims), ", ".join(family.dtypes)]
+        dims = _listed(family.head_dims)
+        if family.backward.head_dims != family.head_dims:
+            dims += f" (backward: {_listed(family.backward.head_dims)})"
+        cells = [family.title, archs, status, dims, ", ".join(family.dtypes)]
         for kernel in (family.forward, family.backward):
             cells.append(f"{kernel.summary}; tiles {_tiles(kernel)}; options: {_options(kernel)}")
         lines.append("| " + " | ".join(cells) + " |")

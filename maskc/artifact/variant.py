@@ -22,9 +22,11 @@ from maskc.artifact.families import (
     SM90,
     SM100,
     WARPGROUP_ROWS,
+    HeadDim,
     KernelFamily,
     Tiles,
     arch,
+    check_head_dim,
     family_of,
     pack_gqa_supported,
     select_tiles,
@@ -64,15 +66,20 @@ class KernelVariant:
     #: The portable kernel (warp MMA, cp.async, ldmatrix: every GPU since SM80) instead of the
     #: arch's own; the only kernel of an arch no other family serves.
     portable: bool = False
+    #: The head dim of v and the output where it differs from q and k's (MLA: 192 / 128);
+    #: None: the same.
+    head_dim_v: int | None = None
 
     def __post_init__(self) -> None:
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
         if self.arch not in ARCH_NAMES:
             raise VariantError(f"arch {self.arch!r} is not supported; supported: {', '.join(ARCH_NAMES)}")
         if self.direction not in DIRECTIONS:
             raise VariantError(f"direction {self.direction!r} is not supported; supported: {', '.join(DIRECTIONS)}")
         if self.dtype not in DTYPE_NAMES:
             raise VariantError(f"dtype {self.dtype!r} is not supported; supported: {', '.join(DTYPE_NAMES)}")
-        for name in ("head_dim", "num_heads_q", "num_heads_kv", "tile_m", "tile_n", "num_stages"):
+        for name in ("head_dim", "head_dim_v", "num_heads_q", "num_heads_kv", "tile_m", "tile_n", "num_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise VariantError(f"{name} must be a positive int, got {value!r}")
@@ -80,10 +87,11 @@ class KernelVariant:
             if not isinstance(getattr(self, name), bool):
                 raise VariantError(f"{name} must be a bool, got {getattr(self, name)!r}")
         family = family_of(self.arch, self.portable)
-        if self.head_dim not in family.head_dims:
+        if self.head_dims not in family.head_dims:
             raise VariantError(
-                f"head_dim {self.head_dim} is not supported; supported head dims: {', '.join(map(str, family.head_dims))}"
+                f"head_dim {self.head_dims} is not supported; supported head dims: {', '.join(map(str, family.head_dims))}"
             )
+        check_head_dim(family, self.direction, self.head_dims)
         if self.num_heads_q % self.num_heads_kv:
             raise VariantError(
                 f"num_heads_q ({self.num_heads_q}) must be a multiple of num_heads_kv ({self.num_heads_kv})"
@@ -125,7 +133,7 @@ class KernelVariant:
         tiles = Tiles(self.tile_m, self.tile_n, self.num_stages)
         choices = kernel.choices
         if choices is None:
-            default = kernel.tiles[self.head_dim]
+            default = kernel.tiles[self.head_dims]
             if tiles != default:
                 raise VariantError(
                     f"{self._kernel_name(family)} tiles {self.tile_m} x {self.tile_n} with {self.num_stages} stage(s) are "
@@ -138,7 +146,7 @@ class KernelVariant:
                 raise VariantError(
                     f"{self._kernel_name(family)} {name} {getattr(self, name)} is not supported; supported: {_span(allowed)}"
                 )
-        problem = choices.fits(self.head_dim, tiles)
+        problem = choices.fits(self.head_dims, tiles)
         if problem is not None:
             raise VariantError(f"{self._kernel_name(family)}: {problem}")
 
@@ -146,6 +154,10 @@ class KernelVariant:
         return f"{family.title} {'forward' if self.direction == 'fwd' else 'backward'}"
 
     # ---- derived properties ---------------------------------------------------------------
+
+    @property
+    def head_dims(self) -> HeadDim:
+        return HeadDim(self.head_dim, self.head_dim_v)
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -182,17 +194,19 @@ class KernelVariant:
         of the k tile, fp32 lse / delta rows and the fp32 dQ staging tile, or one dS^T block for
         the portable and SM100 backwards. SM100's forward: the Q tile and the K/V stages (P
         stays in tensor memory)."""
+        dims = self.head_dim + self.head_dim_v
         if self.direction == "bwd":
-            kv = 2 * self.tile_n * self.head_dim
-            qdo = 2 * self.num_stages * self.tile_m * self.head_dim
+            kv = self.tile_n * dims
+            qdo = self.num_stages * self.tile_m * dims
             if self.family is not SM90:
                 return (kv + qdo + self.tile_n * self.tile_m) * self.element_bytes
             fp32 = self.tile_m * self.head_dim + 2 * self.num_stages * self.tile_m
             return (kv + qdo + 2 * self.tile_n * self.tile_m) * self.element_bytes + 4 * fp32
         if self.family is SM100:
+            # Square head dims only: K and V share the stages.
             return (self.tile_m + self.num_stages * self.tile_n) * self.head_dim * self.element_bytes
         q = q_stages * self.tile_m * self.head_dim
-        kv = 2 * self.num_stages * self.tile_n * self.head_dim
+        kv = self.num_stages * self.tile_n * dims
         return (q + kv) * self.element_bytes
 
     @property
@@ -230,8 +244,9 @@ class KernelVariant:
         )
         if self.portable:
             arch += "_portable"
+        v = f"v{self.head_dim_v}" if self.head_dim_v != self.head_dim else ""
         return (
-            f"attn_{self.direction}_{arch}_d{self.head_dim}_{self.dtype}_h{self.num_heads_q}x{self.num_heads_kv}"
+            f"attn_{self.direction}_{arch}_d{self.head_dim}{v}_{self.dtype}_h{self.num_heads_q}x{self.num_heads_kv}"
             f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}{('_' + flags) if flags else ''}_{self.digest()}"
         )
 
@@ -239,7 +254,8 @@ class KernelVariant:
 def variant_for(request: Mapping[str, Any]) -> KernelVariant:
     """The variant serving a runtime request (a kernel's fields but its tile shape): the
     request plus the tile shape its kernel family compiles for the head dim."""
-    tiles = select_tiles(request["arch"], request["head_dim"], request["direction"], request.get("portable", False))
+    head_dims = HeadDim(request["head_dim"], request.get("head_dim_v") or request["head_dim"])
+    tiles = select_tiles(request["arch"], head_dims, request["direction"], request.get("portable", False))
     return KernelVariant(**request, tile_m=tiles.tile_m, tile_n=tiles.tile_n, num_stages=tiles.num_stages)
 
 

@@ -84,7 +84,7 @@ def fake_arguments(variant: KernelVariant) -> list:
         "float32": cutlass.Float32,
         "int32": cutlass.Int32,
     }
-    static = {"Hq": variant.num_heads_q, "Hkv": variant.num_heads_kv, "D": variant.head_dim}
+    static = {"Hq": variant.num_heads_q, "Hkv": variant.num_heads_kv, "D": variant.head_dim, "Dv": variant.head_dim_v}
     symbols: dict[str, object] = {}
     args: list = []
     for arg in ENTRY_POINTS[variant.direction].args:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any, Sequence
 
-from maskc.artifact.families import PORTABLE, KernelFamily, native_family, pack_gqa_supported, select_tiles
+from maskc.artifact.families import PORTABLE, HeadDim, KernelFamily, native_family, pack_gqa_supported, select_tiles
 from maskc.ir import Mask
 from maskc.ir.schedule import backward_has_partial_blocks
 
@@ -26,7 +26,7 @@ class Features:
 
 def kernel_requests(
     archs: Sequence[str],
-    head_dims: Sequence[int],
+    head_dims: Sequence[HeadDim],
     heads: Sequence[tuple[int, int]],
     dtypes: Sequence[str],
     features: Features,
@@ -38,7 +38,9 @@ def kernel_requests(
     it, and the arch's own. Per family, the forward per GQA strategy (plain, and PackGQA where
     the family has it and the heads allow it; the runtime picks per mask) and the backward
     (softcap is its only feature: sinks and max logits need nothing in it), also without line
-    masks where the family has that variant and a mask's backward has no partial block."""
+    masks where the family has that variant and a mask's backward has no partial block. A head
+    dim whose backward the family lacks gets its forward alone (the runtime refuses gradients
+    there, naming the head dims that have them)."""
     requests = []
     for arch in archs:
         native = native_family(arch)
@@ -48,15 +50,21 @@ def kernel_requests(
         if native is not None:
             families.append(native)
         for head_dim in head_dims:
+            for family in families:
+                select_tiles(arch, head_dim, "fwd", family.portable)  # names the head dims it has otherwise
             unmasked = {family: _unmasked_choices(family, arch, head_dim, masks) for family in families}
             for (hq, hkv), dtype in product(heads, dtypes):
-                base = {"arch": arch, "head_dim": head_dim, "dtype": dtype, "num_heads_q": hq, "num_heads_kv": hkv}
+                base = {"arch": arch, "head_dim": head_dim.qk, "head_dim_v": head_dim.v, "dtype": dtype,
+                        "num_heads_q": hq, "num_heads_kv": hkv}  # fmt: skip
                 for family in families:
                     requests += _family_requests(family, base, features, unmasked[family])
     return requests
 
 
-def _unmasked_choices(family: KernelFamily, arch: str, head_dim: int, masks: Sequence[Mask]) -> tuple[bool, ...]:
+def _unmasked_choices(family: KernelFamily, arch: str, head_dim: HeadDim, masks: Sequence[Mask]) -> tuple[bool, ...]:
+    """The backward variants by line masks: () where the family has no backward for the head dim."""
+    if head_dim not in family.backward.tiles:
+        return ()
     if not family.has("bwd", "unmasked"):
         return (False,)
     tiles = select_tiles(arch, head_dim, "bwd", family.portable)

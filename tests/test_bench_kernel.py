@@ -1,0 +1,160 @@
+"""bench/kernel.py's head-dim sweep, on the CPU with fake timings (the benchmark itself runs on
+GPU machines only): the inputs and FLOPs of each head dim, the rows it writes (asymmetric head
+dims as "192/128"), the error rows of what cannot run a head dim, and the report's tables of a
+run over several head dims."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import runpy
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+import torch
+
+import maskc
+from maskc.artifact.families import HeadDim
+from maskc.ir import Mask
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+sys.path.insert(0, str(BENCH))
+
+import report
+from record import RowError, Run, read_results
+
+NOW = datetime(2026, 12, 1, 8, 30, tzinfo=timezone.utc)
+MLA = HeadDim(192, 128)
+
+
+@pytest.fixture
+def kernel() -> dict:
+    """bench/kernel.py's globals, fresh for each test (the fakes patched into them stay there)."""
+    return runpy.run_path(str(BENCH / "kernel.py"), run_name="bench_kernel")
+
+
+def scratch_run(tmp_path: Path, run: str | None = None, day: int = 1) -> Run:
+    return Run.start("kernel", "NVIDIA H200", tmp_path, run=run, argv=["bench/kernel.py", "--backward"], now=NOW.replace(day=day))
+
+
+def case(head_dim: object, seqlen: int = 256) -> dict:
+    return {"mask": "causal", "seqlen": seqlen, "heads": "64:8", "head_dim": head_dim, "dtype": "bf16", "docs": 1,
+            "area": seqlen * (seqlen + 1) // 2}
+
+
+def test_head_dims_parse_and_name_rows(kernel: dict) -> None:
+    assert kernel["parse_head_dims"]("64,192/128") == [HeadDim(64, 64), MLA]
+    with pytest.raises(argparse.ArgumentTypeError, match="192x128"):
+        kernel["parse_head_dims"]("128,192x128")
+    assert kernel["head_dim_field"](HeadDim(128, 128)) == 128
+    assert kernel["head_dim_field"](MLA) == "192/128"
+
+
+def test_flops_count_the_qk_and_v_head_dims(kernel: dict) -> None:
+    area = 1000
+    assert kernel["forward_flops"](area, HeadDim(128, 128)) == 4 * area * 64 * 128
+    assert kernel["forward_flops"](area, MLA) == 2 * area * 64 * (192 + 128)
+
+
+def test_inputs_have_the_head_dims_shapes(kernel: dict) -> None:
+    q, k, v = kernel["inputs"](256, MLA, True, device="cpu")
+    assert [tuple(x.shape) for x in (q, k, v)] == [(256, 64, 192), (256, 8, 192), (256, 8, 128)]
+    assert all(x.requires_grad and x.dtype == torch.bfloat16 for x in (q, k, v))
+    assert torch.equal(q, kernel["inputs"](256, MLA, False, device="cpu")[0])
+
+
+def test_bad_head_dims_stop_the_benchmark_before_it_starts(kernel: dict, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(sys, "argv", ["bench/kernel.py", "--artifacts", "kernels", "--head-dims", "128,big"])
+    with pytest.raises(SystemExit) as done:
+        kernel["main"]()
+    assert done.value.code == 2
+    assert "--head-dims" in capsys.readouterr().err
+
+
+def test_head_dim_rows_are_checked(tmp_path: Path) -> None:
+    run = scratch_run(tmp_path)
+    for head_dim in (128, "192/128"):
+        run.write("kernel", impl="maskc", direction="fwd", tflops=1.0, **case(head_dim))
+        run.write("memory", impl="maskc", peak_mib=1.0, **case(head_dim))
+    for bad in ("192x128", "128", 128.0, True):
+        with pytest.raises(RowError, match="head_dim must be an int or Dqk/Dv like '192/128'"):
+            run.write("kernel", impl="maskc", direction="fwd", tflops=1.0, **case(bad))
+    assert [row["head_dim"] for row in read_results(tmp_path)] == [128, "192/128", 128, "192/128"]
+
+
+def test_a_head_dim_without_maskc_backward_gives_error_rows(kernel: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """maskc's forward at 192/128 is measured (under no_grad); its backward raises before the
+    forward on the GPU, which becomes the backward and memory rows' error. A baseline that
+    cannot run the head dim at all has error rows too, and neither stops the run."""
+    attention = maskc.attention
+
+    def gpu_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, **options: bool) -> tuple:
+        if torch.is_grad_enabled() and q.requires_grad:
+            raise maskc.MaskcError(f"head_dim {HeadDim(q.shape[2], v.shape[2])} has no backward kernel")
+        return attention(q, k, v, mask, **options)
+
+    monkeypatch.setattr(maskc, "attention", gpu_like)
+    globals_ = kernel["measure"].__globals__
+    outputs = []
+
+    def fake_forward(call: object, flops: int) -> float:
+        outputs.append(call())
+        return flops / 1e9  # 1 ms
+
+    globals_["timed_tflops"] = fake_forward
+    globals_["timed_backward_tflops"] = lambda call, flops, leaves: (call(), 2.5 * flops / 1e9)[1]
+    globals_["peak_memory_mib"] = lambda call, leaves: 10.0
+    q, k, v = kernel["inputs"](256, MLA, True, device="cpu")
+    mask = Mask.from_cu_seqlens([0, 256], causal=True)
+    mla = case(kernel["head_dim_field"](MLA))
+    run = scratch_run(tmp_path)
+    rows = kernel["measure"](run, mla, "maskc", kernel["maskc_call"](q, k, v, mask), [q, k, v])
+    assert outputs[0].shape == (256, 64, 128)
+    assert rows[0]["tflops"] == 2 * mla["area"] * 64 * (192 + 128) / 1e9
+    assert [(row["kind"], row.get("direction"), row["error"]) for row in rows[1:]] == [
+        ("kernel", "bwd", "MaskcError: head_dim 192/128 has no backward kernel"),
+        ("memory", None, "MaskcError: head_dim 192/128 has no backward kernel"),
+    ]
+
+    def no_kernel() -> torch.Tensor:
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    rows += kernel["measure"](run, mla, "sdpa_flash", no_kernel, [q, k, v])
+    assert [row["error"] for row in rows[3:]] == ["RuntimeError: No available kernel. Aborting execution."] * 3
+    rows += kernel["measure"](run, mla, "fa4", lambda: outputs[0], [q, k, v])
+    assert [row.get("tflops", row.get("peak_mib")) for row in rows[6:]] == [rows[0]["tflops"], 2.5 * rows[0]["tflops"], 10.0]
+    assert sorted(map(json.dumps, read_results(tmp_path))) == sorted(map(json.dumps, rows))
+    fwd, bwd = f"{rows[0]['tflops']:.0f}", f"{2.5 * rows[0]['tflops']:.0f}"
+    table = report.kernel_tables(rows)
+    assert f"| 256 | causal | {fwd} / failed | {fwd} / {bwd} | failed / failed |" in table
+    assert "| 256 | — | 10 | — |" in table
+
+
+def test_a_run_over_several_head_dims_has_tables_per_head_dim(tmp_path: Path) -> None:
+    run = scratch_run(tmp_path, run="sweep")
+    for head_dim, tflops in ((128, 600.0), ("192/128", 550.0)):
+        for seqlen in report.PLOT_SEQLENS:
+            for direction, value in (("fwd", tflops), ("bwd", tflops - 100)):
+                run.write("kernel", impl="maskc", direction=direction, tflops=value, **case(head_dim, seqlen))
+            run.write("memory", impl="maskc", peak_mib=tflops, **case(head_dim, seqlen))
+    rows = read_results(tmp_path)
+    table = report.kernel_tables(rows)
+    assert table[0] == "#### Head dim 128"
+    split = table.index("#### Head dim 192/128 (q and k 192, v 128)")
+    assert table[2 : split - 1] == report.kernel_tables([row for row in rows if row["head_dim"] == 128])
+    assert table[split + 2 :] == report.kernel_tables([row for row in rows if row["head_dim"] == "192/128"])
+    assert "| 16k | causal | 600 / 500 |" in table[:split] and "| 16k | causal | 550 / 450 |" in table[split:]
+    assert "| 64k | 550 |" in table[split:]
+    assert "#### Head dim 128" in report.render(rows)
+    assert report.plot_runs(rows)[report.KERNEL_PLOT] == "sweep"
+    assert report.plotted_kernel_rows(rows, "sweep") == [row for row in rows if row["kind"] == "kernel" and row["head_dim"] == 128]
+    newer = scratch_run(tmp_path, run="mla only", day=2)
+    for seqlen in report.PLOT_SEQLENS:
+        for direction in ("fwd", "bwd"):
+            newer.write("kernel", impl="maskc", direction=direction, tflops=1.0, **case("192/128", seqlen))
+            newer.write("kernel", impl="fa4", direction=direction, tflops=1.0, **case("192/128", seqlen))
+    assert report.plot_runs(read_results(tmp_path))[report.KERNEL_PLOT] == "sweep"
