@@ -57,12 +57,14 @@ older run keeps its table while it holds the newest figure of something (a libra
 runs did not measure, say).
 
 **Settings** (those of MagiAttention's benchmarks): one sequence of 1k to 64k tokens, 64 query
-heads and 8 key/value heads (GQA), head dim 128, bf16. Variable-length ("varlen") masks pack
-documents whose lengths are drawn from a real long-context corpus (`bench/data/`), each at most
-a quarter of the sequence; block-causal blocks are 1024 tokens; in the sliding window each
-query sees the 1024 keys up to itself. TFLOP/s count the mask's exact area: forward
-`4 * area * Hq * D`, backward 2.5 times that. A dash: the library has no kernel for that mask,
-or the run did not measure it.
+heads and 8 key/value heads (GQA), head dim 128 unless a table names another (192/128: q and k
+192, v 128), bf16. Variable-length ("varlen") masks pack documents whose lengths are drawn from
+a real long-context corpus (`bench/data/`), each at most a quarter of the sequence;
+block-causal blocks are 1024 tokens; in the sliding window each query sees the 1024 keys up to
+itself. TFLOP/s count the mask's exact area: forward `2 * area * Hq * (D_qk + D_v)` (`4 * area
+* Hq * D` when they are equal), backward 2.5 times that. A dash: the library has no kernel for
+that mask, or the run did not measure it; "failed": the library has no kernel for that head
+dim or direction (the row's error says which).
 
 ## Reproducing
 
