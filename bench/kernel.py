@@ -16,13 +16,18 @@ With --backward, also the backward TFLOP/s (2.5 x the forward FLOPs, `out.backwa
 and the peak memory of one forward + backward of every implementation; maskc's backward exists
 for head dims 64, 96 and 128, so at the others its backward and memory rows are errors (its
 forward is still measured). --deterministic adds maskc with deterministic=True, --portable
-maskc's portable kernels. The host time of one maskc.attention call (d=128) is measured first.
+maskc's portable kernels.
+
+First comes the host time: the CPU time of one call on a problem so small (128 causal tokens,
+64:8 heads, d=128, bf16) that the GPU never holds the host back, of maskc.attention beside SDPA
+(cuDNN backend) and FA4 (where flash_attn is installed), forward alone (under no_grad) and
+forward + backward through autograd. --host-only measures just that, for a short GPU call.
 
 Run on the GPU machine: `python bench/kernel.py --artifacts DIR... [--seqlens 16384,65536]
-[--head-dims 64,128,192/128] [--backward] [--deterministic] [--portable]` (DIR: `maskc compile`
-directories holding the bf16 64:8 kernels of those head dims, and d=128's for the host time).
-Appends kernel, memory and host rows to bench/results (or --out; see bench/README.md) and
-prints the run's tables.
+[--head-dims 64,128,192/128] [--backward] [--deterministic] [--portable] [--host-only]` (DIR:
+`maskc compile` directories holding the bf16 64:8 kernels of those head dims, and d=128's with
+its backward for the host time). Appends kernel, memory and host rows to bench/results (or
+--out; see bench/README.md) and prints the run's tables.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +49,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import pack_documents
 from record import RESULTS, Run
-from report import kernel_tables
+from report import kernel_tables, markdown_table
 
 import maskc
 from maskc.artifact.families import HeadDim
@@ -54,8 +61,13 @@ HQ, HKV = 64, 8
 D = 128
 WINDOW = 1024
 BLOCK = 1024
+HOST_TOKENS = 128
+HOST_WARMUP = 50
 HOST_CALLS = 2000
-HOST_STEP = f"one maskc.attention call (forward, 128 causal tokens, {HQ}:{HKV} heads, d={D}; mean of {HOST_CALLS})"
+#: What one call of each implementation is, in its host rows' steps.
+HOST_IMPLS = {"maskc": "one maskc.attention call", "sdpa_cudnn": "one SDPA cuDNN call", "fa4": "one FA4 flash_attn_func call"}
+#: What each host pass times, in the steps.
+HOST_PASSES = {"fwd": "forward", "fwd+bwd": "forward + backward through autograd"}
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window_causal", "varlen_block_causal")
 
 
@@ -235,11 +247,118 @@ def measure(run: Run, case: dict, impl: str, call: Callable[[], object], leaves:
     return rows
 
 
+def host_step(impl: str, pass_: str, calls: int = HOST_CALLS) -> str:
+    """The `step` of `impl`'s host row of `pass_` (a HOST_PASSES key): what was timed, on what. maskc's
+    forward is the step its rows in bench/results/host.jsonl have always had, so its history lines up."""
+    return f"{HOST_IMPLS[impl]} ({HOST_PASSES[pass_]}, {HOST_TOKENS} causal tokens, {HQ}:{HKV} heads, d={D}; mean of {calls})"
+
+
+@dataclass(frozen=True)
+class HostCall:
+    """One implementation on the host-time problem: its call (returning the attention output),
+    its inputs (leaves, whose gradients its backward fills), and the context it runs under. They
+    are set up once outside the timed loop, so that the loop times the call and nothing else."""
+
+    call: Callable[[], torch.Tensor]
+    leaves: tuple[torch.Tensor, ...]
+    context: Callable[[], AbstractContextManager] = nullcontext
+
+
+def host_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, HostCall]:
+    """maskc, SDPA cuDNN and (where flash_attn is installed) FA4 on seqlen-first q/k/v of the
+    host-time problem. Each gets leaves of its own, aliasing q/k/v in the layout it takes (the
+    baselines' views are made here, not in the call, and as leaves their backward runs no view
+    ops); SDPA's backend is chosen around the loop, as entering sdpa_kernel costs about 10 us."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def leaves(layout: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return tuple(layout(x.detach()) for x in (q, k, v))
+
+    mq, mk, mv = ours = leaves(lambda x: x)
+    calls = {"maskc": HostCall(maskc_call(mq, mk, mv, Mask.from_cu_seqlens([0, HOST_TOKENS], causal=True)), ours)}
+    sq, sk, sv = sdpa = leaves(lambda x: x.transpose(0, 1).unsqueeze(0))
+    calls["sdpa_cudnn"] = HostCall(
+        lambda: F.scaled_dot_product_attention(sq, sk, sv, is_causal=True, enable_gqa=True), sdpa,
+        lambda: sdpa_kernel([SDPBackend.CUDNN_ATTENTION]),
+    )
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        print("flash_attn is not installed: no FA4 host rows", flush=True)
+        return calls
+    fq, fk, fv = fa4 = leaves(lambda x: x[None])
+    calls["fa4"] = HostCall(lambda: flash_attn_func(fq, fk, fv, causal=True)[0], fa4)
+    return calls
+
+
+def forward_backward(host: HostCall) -> Callable[[], None]:
+    """What a training step does with `host`: its leaves' gradients set to None (as zero_grad
+    does), the call, and its backward through autograd against a gradient made here, once."""
+    grad = torch.randn_like(host.call())
+
+    def step() -> None:
+        for x in host.leaves:
+            x.grad = None
+        host.call().backward(grad)
+
+    return step
+
+
+def host_time_us(host: HostCall, backward: bool, calls: int = HOST_CALLS) -> float:
+    """Mean CPU time of one call of `host`: its forward alone, as in inference (under no_grad, on
+    inputs that need no gradient: FA4 would allocate its LSE for one that does), or with
+    `backward` its forward_backward. The calls run back to back, synchronized only before and
+    after: the GPU work is tiny, so the host is what is timed."""
+    for x in host.leaves:
+        x.requires_grad_(backward)
+    with host.context(), torch.set_grad_enabled(backward):
+        once = forward_backward(host) if backward else host.call
+        for _ in range(HOST_WARMUP):
+            once()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            once()
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def measure_host(run: Run, device: str = "cuda", calls: int = HOST_CALLS) -> dict[str, dict[str, dict]]:
+    """The host rows of every implementation and pass ({impl: {pass: row}}), all on the same q/k/v.
+    What raises (a baseline without a kernel for the problem) is the row's error, not the run's end."""
+    q, k, v = inputs(HOST_TOKENS, HeadDim(D, D), False, device)
+    rows: dict[str, dict[str, dict]] = {}
+    for impl, host in host_calls(q, k, v).items():
+        for pass_ in HOST_PASSES:
+            step = host_step(impl, pass_, calls)
+
+            def measured(host: HostCall = host, backward: bool = pass_ == "fwd+bwd") -> list[dict]:
+                return [{"ms": host_time_us(host, backward, calls) / 1e3}]
+
+            [row] = run.write_measured([("host", {"step": step})], measured)
+            rows.setdefault(impl, {})[pass_] = row
+            value = row["error"] if "error" in row else f"{row['ms'] * 1e3:.1f} us"
+            print(f"{step}: {value}", flush=True)
+    return rows
+
+
+def host_table(rows: dict[str, dict[str, dict]]) -> list[str]:
+    """measure_host's rows as a table: microseconds per call, forward and forward + backward."""
+
+    def cell(row: dict) -> str:
+        return "failed" if "error" in row else f"{row['ms'] * 1e3:.1f}"
+
+    lines = [[impl, *(cell(passes[pass_]) for pass_ in HOST_PASSES)] for impl, passes in rows.items()]
+    return markdown_table(["impl", "forward (us)", "fwd+bwd (us)"], lines, [1, 2])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--artifacts", required=True, type=Path, nargs="+",
-        help="maskc compile directories with the 64:8 bf16 kernels of the --head-dims (and of d=128, for the host time)",
+        help="maskc compile directories with the 64:8 bf16 kernels of the --head-dims (and of d=128 with its backward, for the host time)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the results files (default: bench/results)")
     parser.add_argument("--seqlens", default="1024,2048,4096,8192,16384,32768,65536")
@@ -256,12 +375,23 @@ def main() -> None:
     parser.add_argument(
         "--portable", action="store_true", help="also maskc's portable kernels (portable=True: warp MMA, every GPU since Ampere)"
     )
+    parser.add_argument(
+        "--host-only", action="store_true", help="measure only the host time of maskc, SDPA cuDNN and FA4, and stop"
+    )
     args = parser.parse_args()
     run = Run.start("kernel", torch.cuda.get_device_name(), args.out)
     for directory in args.artifacts:
         maskc.runtime.register_artifact(directory)
-    host = run.write("host", step=HOST_STEP, ms=host_overhead_us() / 1e3)
-    print(f"{host['step']}: {host['ms'] * 1e3:.1f} us", flush=True)
+    host = measure_host(run)
+    out = ["", f"run {run.run}", ""]
+    if not args.host_only:
+        rows = measure_kernels(run, args)
+        out += [*kernel_tables(rows, {impl: impl for impl in dict.fromkeys(row["impl"] for row in rows)}), ""]
+    print("\n".join([*out, "Host time per call (us):", "", *host_table(host)]))
+
+
+def measure_kernels(run: Run, args: argparse.Namespace) -> list[dict]:
+    """The kernel and memory rows of every seqlen, head dim, mask and implementation `args` name."""
     rows = []
     for seqlen in map(int, args.seqlens.split(",")):
         masks, lens = build_masks(seqlen)
@@ -283,24 +413,7 @@ def main() -> None:
                         rows.append(row)
                         value = row.get("tflops", row.get("peak_mib", row.get("error")))
                         print(f"{seqlen} d={head_dim} {name} {impl} {row['kind']} {row.get('direction', '')} {value}", flush=True)
-    all_impls = {impl: impl for impl in dict.fromkeys(row["impl"] for row in rows)}
-    print("\n".join(["", f"run {run.run}", "", *kernel_tables(rows, all_impls)]))
-
-
-def host_overhead_us(calls: int = HOST_CALLS) -> float:
-    """CPU time of one maskc.attention call, on a problem so small the GPU never holds the host back."""
-    mask = Mask.from_cu_seqlens([0, 128], causal=True)
-    q = torch.randn(128, HQ, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(128, HKV, D, device="cuda", dtype=torch.bfloat16)
-    for _ in range(50):
-        maskc.attention(q, k, k, mask)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        maskc.attention(q, k, k, mask)
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    return rows
 
 
 if __name__ == "__main__":

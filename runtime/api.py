@@ -22,6 +22,7 @@ from maskc.runtime.plan import TORCH_DTYPES, plan_backward, plan_forward
 from maskc.runtime.masks import PositionMask
 from maskc.runtime.prepared import PreparedMask
 
+_HEAD_DIM_PAIRS = frozenset((d.qk, d.v) for d in HEAD_DIMS)  # what a call checks its shapes against
 _DTYPES = {
     "cuda": (tuple(TORCH_DTYPES), "bfloat16 or float16"),
     "cpu": ((torch.float32, *TORCH_DTYPES), "float32, bfloat16 or float16"),
@@ -55,7 +56,7 @@ def _check_inputs(
     for name, x in named:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.device.type not in ("cuda", "cpu"):
+        if not (x.is_cuda or x.is_cpu):
             raise ValueError(f"maskc.attention runs on CUDA or CPU tensors; {name} is on {x.device}")
         if not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous (call .contiguous())")
@@ -65,11 +66,11 @@ def _check_inputs(
                 f"batched q, k, v are [B, S, H, D] with one B; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
             )
         q, k, v = (ops.packed_rows(x) for x in (q, k, v))
-    dtypes, names = _DTYPES[q.device.type]
+    dtypes, names = _DTYPES["cuda" if q.is_cuda else "cpu"]
     if q.dtype not in dtypes:
         raise TypeError(f"q has dtype {q.dtype}; maskc.attention on {q.device.type.upper()} tensors takes {names}")
     scale = check_attention_tensors(q, k, v, softmax_scale=softmax_scale, softcap=softcap, sink=sink)
-    if q.device.type == "cuda" and HeadDim(q.shape[2], v.shape[2]) not in HEAD_DIMS:
+    if q.is_cuda and (q.shape[2], v.shape[2]) not in _HEAD_DIM_PAIRS:
         raise MaskcError(
             f"head_dim {HeadDim(q.shape[2], v.shape[2])} is not supported; supported head dims (q and k / v): "
             f"{', '.join(map(str, HEAD_DIMS))}"
@@ -116,15 +117,16 @@ def attention(
     """
     table, prepared, positions = _mask_tensors(mask)
     scale = _check_inputs(q, k, v, sink, softmax_scale, softcap)
-    options = Options(pack_gqa, bool(deterministic), portable, positions).encode()
+    chosen = Options(pack_gqa, bool(deterministic), portable, positions)
+    options = chosen.encode()
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"attention_mask must be a [B, S] tensor, got {type(attention_mask).__name__}")
     inputs = (q, k, v, sink, table, prepared, attention_mask, scale, float(softcap), return_max_logits, options)
     if torch.compiler.is_compiling():
         out, lse, row_max = torch.ops.maskc.attn_fwd(*inputs)
     elif torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sink)):
-        if q.device.type == "cuda":  # a head dim with a forward but no backward fails now, not after the forward
-            ops.call_target(q, k, v, softcap > 0, sink is not None, return_max_logits, Options.decode(options)).tiles("bwd")
+        if q.is_cuda:  # a head dim with a forward but no backward fails now, not after the forward
+            ops.call_target(q, k, v, softcap > 0, sink is not None, return_max_logits, chosen).tiles("bwd")
         out, lse, row_max = ops.EagerAttention.apply(*inputs)
     else:
         out, lse, row_max = ops.attn_fwd_impl(*inputs)

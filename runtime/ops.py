@@ -16,6 +16,7 @@ dispatcher (`EagerAttention`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Callable, Sequence
 
 import torch
@@ -62,8 +63,14 @@ def call_target(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_softcap: 
 
 
 def packed_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] or [B, S, H, D] as [T, H, D] (a view: the kernels read the packed batch)."""
-    return x.view(-1, *x.shape[-2:])
+    """x [T, H, D] or [B, S, H, D] as [T, H, D] (a view: the kernels read the packed batch);
+    x itself where it is [T, H, D] already (a view costs a microsecond or two of host time)."""
+    return x if x.dim() == 3 else x.view(-1, *x.shape[-2:])
+
+
+def _like(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """x viewed as `shape`, or x itself where it has that shape."""
+    return x if x.shape == shape else x.view(shape)
 
 
 def _call_mask(mask: torch.Tensor, prepared: torch.Tensor | None, padding: torch.Tensor | None, q: torch.Tensor,
@@ -88,15 +95,15 @@ def _forward_outputs(q: torch.Tensor, v: torch.Tensor, return_max_logits: bool) 
 
 def _run(launch: Launch, tensors: dict, scale: float, softcap: float, device: torch.device) -> None:
     scalars = {"softmax_scale": scale, "softcap": softcap, "num_ctas": launch.num_ctas}
-    stream = torch.cuda.current_stream(device).cuda_stream
-    launch.kernel.kernel({**tensors, **schedule_views(launch.schedule, launch.rows)}, scalars, stream)
+    stream = torch._C._cuda_getCurrentRawStream(device.index)  # the current stream, without a Stream object
+    launch.kernel.kernel(tensors, schedule_views(launch.schedule, launch.rows), scalars, stream)
 
 
 def forward_cuda(q, k, v, sink, launch: Launch, scale: float, softcap: float, return_max_logits: bool):
     """out, lse and row_max from the forward kernel, for q [T, H, D]."""
     out, lse, row_max = _forward_outputs(q, v, return_max_logits)
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "row_max": row_max if return_max_logits else lse}
-    tensors["sink"] = sink if sink is not None else lse[:1]
+    tensors["sink"] = sink if sink is not None else lse  # read only by kernels with sinks
     _run(launch, tensors, scale, softcap, q.device)
     return out, lse, row_max
 
@@ -123,28 +130,38 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
     tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout.contiguous(), "lse": lse,
                "dlse": dlse.contiguous() if dlse is not None else lse[:0], "lse_log2": torch.empty_like(delta).view(-1),
                "delta": delta.view(-1), "dq_accum": dq_rows, "dk": dk, "dv": dv}  # fmt: skip
+    unused = _unused(q.device)
     if entry.deterministic:  # one counter per (head, q block, consumer warpgroup)
         semaphores = hq * padded // entry.tile_m * (entry.tile_n // WARPGROUP_ROWS)
         tensors["dq_semaphore"] = torch.zeros(semaphores, dtype=torch.int32, device=q.device)
     else:
-        unused = torch.zeros(1, dtype=torch.int32, device=q.device)
         tensors.update(dq_semaphore=unused, work_blocks=unused, block_rank=unused)
-    # Split items' fp32 dK / dV sums and piece counters in one zeroed buffer (never read, and
-    # not filled, when nothing is split).
-    slots = max(launch.slots, 1)
-    sums, counts = slots * entry.tile_n * (d + v.shape[-1]), slots * (entry.tile_n // WARPGROUP_ROWS)
-    split = (torch.zeros if launch.slots else torch.empty)(sums + counts, dtype=torch.float32, device=q.device)
-    tensors["dkv_accum"], tensors["dkv_count"] = split[:sums], split[sums:].view(torch.int32)
+    # Split items' fp32 dK / dV sums and piece counters in one zeroed buffer.
+    if launch.slots:
+        sums, counts = launch.slots * entry.tile_n * (d + v.shape[-1]), launch.slots * (entry.tile_n // WARPGROUP_ROWS)
+        split = torch.zeros(sums + counts, dtype=torch.float32, device=q.device)
+        tensors["dkv_accum"], tensors["dkv_count"] = split[:sums], split[sums:].view(torch.int32)
+    else:
+        tensors["dkv_accum"] = tensors["dkv_count"] = unused
     _run(launch, tensors, scale, softcap, q.device)
     dsink = None
     if sink is not None:
         delta_rows = delta[:, :tq].t()  # [Tq, Hq]
         dsink = -(torch.exp(sink[None] - lse[:, None, :]) * delta_rows[:, None, :]).sum(dim=0)
     if not accumulate:
-        return dq_rows[:tq].to(q.dtype), dk, dv, dsink
+        return (dq_rows if rows8 == tq else dq_rows[:tq]).to(q.dtype), dk, dv, dsink
     if dq_rows is not dq_accum:
         dq_accum.copy_(dq_rows[:tq])
     return dq_accum, dk, dv, dsink
+
+
+@lru_cache(maxsize=None)
+def _unused(device: torch.device) -> torch.Tensor:
+    """Zeros standing in, on `device`, for the arrays a backward never touches: the ordering
+    arrays of a kernel that is not deterministic, the split sums of a schedule with no split
+    item (one 16-byte aligned vector: what the ABI asks of each). Made once: an allocation and
+    a fill cost host time in every call."""
+    return torch.zeros(4, dtype=torch.int32, device=device)
 
 
 def _config(mask: Mask, scale: float, softcap: float, return_max_logits: bool = False) -> reference._Config:
@@ -157,8 +174,10 @@ def attn_fwd_cuda(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap
     call_mask = _call_mask(mask, prepared, padding, q, k, decoded)
     target = call_target(q, k, v, softcap > 0, sink is not None, return_max_logits, decoded)
     launch = plan.plan_forward(call_mask, target, q.device)
-    q_rows, k_rows, v_rows = (packed_rows(x) for x in (q, k, v))
-    out, lse, row_max = forward_cuda(q_rows, k_rows, v_rows, sink, launch, softmax_scale, softcap, return_max_logits)
+    out, lse, row_max = forward_cuda(packed_rows(q), packed_rows(k), packed_rows(v), sink, launch, softmax_scale,
+                                     softcap, return_max_logits)  # fmt: skip
+    if q.dim() == 3:
+        return out, lse, row_max
     rows = q.shape[:-1]
     return out.view(*rows, v.shape[-1]), lse.view(rows), row_max.view(rows) if return_max_logits else row_max
 
@@ -179,10 +198,11 @@ def attn_bwd_cuda(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, 
     call_mask = _call_mask(mask, prepared, padding, q, k, decoded)
     launch = plan.plan_backward(call_mask, call_target(q, k, v, softcap > 0, False, False, decoded), q.device)
     flat = [packed_rows(x) for x in (q, k, v, out)]
-    lse_rows, dlse_rows = lse.view(-1, lse.shape[-1]), None if dlse is None else dlse.reshape(-1, dlse.shape[-1])
+    lse_rows = lse if lse.dim() == 2 else lse.view(-1, lse.shape[-1])
+    dlse_rows = None if dlse is None else dlse.reshape(-1, dlse.shape[-1])
     dq, dk, dv, dsink = backward_cuda(*flat, lse_rows, sink, packed_rows(dout.contiguous()), dlse_rows, launch,
                                       softmax_scale, softcap)  # fmt: skip
-    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dsink if dsink is not None else lse.new_empty(0)
+    return _like(dq, q.shape), _like(dk, k.shape), _like(dv, v.shape), dsink if dsink is not None else lse.new_empty(0)
 
 
 def attn_bwd_cpu(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options):

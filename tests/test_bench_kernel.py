@@ -158,3 +158,65 @@ def test_a_run_over_several_head_dims_has_tables_per_head_dim(tmp_path: Path) ->
             newer.write("kernel", impl="maskc", direction=direction, tflops=1.0, **case("192/128", seqlen))
             newer.write("kernel", impl="fa4", direction=direction, tflops=1.0, **case("192/128", seqlen))
     assert report.plot_runs(read_results(tmp_path))[report.KERNEL_PLOT] == "sweep"
+
+
+#: The step of maskc's forward host rows since the first run: new rows must keep it, so that history lines up.
+MASKC_FORWARD_STEP = "one maskc.attention call (forward, 128 causal tokens, 64:8 heads, d=128; mean of 2000)"
+
+
+def test_host_steps_say_what_was_timed(kernel: dict) -> None:
+    assert kernel["host_step"]("maskc", "fwd") == MASKC_FORWARD_STEP
+    assert any(row["step"] == MASKC_FORWARD_STEP for row in read_results() if row["kind"] == "host" and row["bench"] == "kernel")
+    assert kernel["host_step"]("sdpa_cudnn", "fwd+bwd", calls=10) == (
+        "one SDPA cuDNN call (forward + backward through autograd, 128 causal tokens, 64:8 heads, d=128; mean of 10)"
+    )
+    assert kernel["host_step"]("fa4", "fwd") == "one FA4 flash_attn_func call (forward, 128 causal tokens, 64:8 heads, d=128; mean of 2000)"
+
+
+@pytest.fixture
+def no_fa4(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash_attn not installed, wherever these tests run."""
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+
+
+def test_host_calls_compute_the_same_attention_on_their_own_leaves(kernel: dict, no_fa4: None, capsys: pytest.CaptureFixture) -> None:
+    """The baselines' leaves alias q/k/v in their layouts (made once, outside the timed loop), their
+    calls give maskc's output, and a forward + backward leaves one call's gradients (None'd every
+    iteration, not summed). SDPA runs its CPU kernel here: its cuDNN backend is the context's."""
+    q, k, v = kernel["inputs"](128, HeadDim(128, 128), False, device="cpu")
+    calls = kernel["host_calls"](q, k, v)
+    assert list(calls) == ["maskc", "sdpa_cudnn"]
+    assert "no FA4 host rows" in capsys.readouterr().out
+    sdpa = calls["sdpa_cudnn"]
+    assert [tuple(x.shape) for x in sdpa.leaves] == [(1, 64, 128, 128), (1, 8, 128, 128), (1, 8, 128, 128)]
+    assert [x.data_ptr() for x in sdpa.leaves] == [x.data_ptr() for x in calls["maskc"].leaves] == [x.data_ptr() for x in (q, k, v)]
+    with torch.no_grad():
+        expected = calls["maskc"].call()
+        torch.testing.assert_close(sdpa.call()[0].transpose(0, 1), expected, atol=2e-2, rtol=2e-2)
+    for host in calls.values():
+        for x in host.leaves:
+            x.requires_grad_()
+        step = kernel["forward_backward"](host)
+        step()
+        once = [x.grad.clone() for x in host.leaves]
+        step()
+        assert all(torch.equal(x.grad, g) for x, g in zip(host.leaves, once, strict=True))
+
+
+def test_host_rows_of_a_baseline_that_cannot_run_are_errors(kernel: dict, no_fa4: None, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU (no synchronize to do, and real CPU timings of a few calls) maskc's host rows are
+    measured and SDPA's, without a cuDNN kernel here, are error rows; the table shows both."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    kernel["measure_host"].__globals__["HOST_WARMUP"] = 1
+    rows = kernel["measure_host"](scratch_run(tmp_path), device="cpu", calls=2)
+    assert [(impl, pass_, "ms" in row) for impl, passes in rows.items() for pass_, row in passes.items()] == [
+        ("maskc", "fwd", True), ("maskc", "fwd+bwd", True), ("sdpa_cudnn", "fwd", False), ("sdpa_cudnn", "fwd+bwd", False),
+    ]
+    assert rows["maskc"]["fwd+bwd"]["step"] == kernel["host_step"]("maskc", "fwd+bwd", calls=2)
+    assert rows["sdpa_cudnn"]["fwd"]["error"].startswith("RuntimeError: No viable backend")
+    assert read_results(tmp_path) == [row for passes in rows.values() for row in passes.values()]
+    table = kernel["host_table"](rows)
+    assert table[:2] == ["| impl | forward (us) | fwd+bwd (us) |", "|---|---:|---:|"]
+    assert table[2].startswith(f"| maskc | {rows['maskc']['fwd']['ms'] * 1e3:.1f} | ")
+    assert table[3] == "| sdpa_cudnn | failed | failed |"
