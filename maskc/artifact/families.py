@@ -192,7 +192,7 @@ class KernelFamily:
 def _sm90_forward_fits(head_dim: HeadDim, tiles: Tiles) -> str | None:
     """O and S of a consumer warpgroup's 64 rows live in its registers, and with them the P of
     the block before (softmax overlaps the previous P V): about head_dim.v / 2 + 3 * tile_n / 4
-    of a thread's registers, which spills beyond 180 (at d=128, 128x176 measured about 420
+    of a thread's registers, and more than 188 spills (at d=128, 128x176 measured about 420
     TFLOP/s against 600-690 for 128x128)."""
     if tiles.tile_m == 192 and (head_dim.v > 96 or tiles.tile_n > 128):
         return "tile_m 192 (3 consumer warpgroups) needs head_dim <= 96 and tile_n <= 128 (registers)"
