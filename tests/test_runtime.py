@@ -123,6 +123,46 @@ def test_abi_structs_hold_only_dynamic_extents() -> None:
     assert by_name["sink"].alignment == 4  # the caller's tensor: only element alignment is assumed
 
 
+class _RecordingRuntime:
+    """A runtime whose kernel records, at each launch, the address and leading extent each
+    tensor argument's slot holds (what the kernel would read)."""
+
+    def __init__(self) -> None:
+        self.launches: list[dict[str, tuple[int, int]]] = []
+        self.lib = type("Lib", (), {"CuteDSLRT_Function_Run": self._run})()
+        self.slots: list = []
+
+    def function(self, object_bytes: bytes, prefix: str) -> None:
+        return None
+
+    def _run(self, fn, args, nargs) -> int:
+        self.launches.append({name: (slot.data or 0, slot.dynamic_shapes[0] if dims else -1)
+                              for name, slot, dims, _ in self.slots})  # fmt: skip
+        return 0
+
+
+def test_a_launch_reads_the_schedule_it_was_given_also_after_another() -> None:
+    """The launcher fills a schedule's slots only when the schedule changes (layers with one
+    mask share it): alternating two schedules, every launch still sees its own arrays, and the
+    call's tensors anew each time."""
+    runtime = _RecordingRuntime()
+    kernel = launch.Kernel(runtime, b"", "attn_fwd", FORWARD_ABI)
+    runtime.slots = kernel._tensors
+    names = [a.name for a in FORWARD_ABI if isinstance(a, TensorArg)]
+    forward_schedule = plan.SCHEDULE_ARGS[:5]  # the forward's arrays (work_tile .. lines)
+    schedules = [{a.name: torch.zeros(rows, *a.shape[1:], dtype=torch.int32) for a in forward_schedule} for rows in (3, 7)]
+    scalars = {"softmax_scale": 1.0, "softcap": 0.0, "num_ctas": 1}
+    for i, which in enumerate((0, 1, 1, 0)):
+        call = {n: torch.zeros(4 + i, 2, 8, dtype=torch.bfloat16) for n in names if n not in schedules[which]}
+        kernel(call, schedules[which], scalars, 0)
+        seen = runtime.launches[-1]
+        for n in names:
+            t = schedules[which][n] if n in schedules[which] else call[n]
+            assert seen[n][0] == t.data_ptr(), (i, n)
+            if seen[n][1] >= 0:
+                assert seen[n][1] == t.shape[0], (i, n)
+
+
 def test_artifact_without_kernels_registers_nothing(tmp_path: Path) -> None:
     write_artifact(tmp_path, [LoweredMask("m", {}, Mask.from_cu_seqlens([0, 8]))])
     assert register_artifact(tmp_path) == []
