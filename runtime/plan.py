@@ -79,14 +79,20 @@ class Target:
     def tiles(self, direction: str) -> Tiles:
         """The tile shape of the family's `direction` kernel for the call's head dims; an error
         naming the head dims it has where it has none (a backward of a forward-only head dim)."""
-        fields = dict(self.base)
-        head_dim = HeadDim(fields["head_dim"], fields["head_dim_v"])
-        check_head_dim(self.family, direction, head_dim)
-        return self.family.kernel(direction).tiles[head_dim]
+        return _target_tiles(self, direction)
 
     @property
     def fields(self) -> dict[str, Any]:
         return dict(self.base)
+
+
+@lru_cache(maxsize=None)
+def _target_tiles(target: Target, direction: str) -> Tiles:
+    """`Target.tiles`, once per target (an eager call with gradients asks for the backward's)."""
+    fields = target.fields
+    head_dim = HeadDim(fields["head_dim"], fields["head_dim_v"])
+    check_head_dim(target.family, direction, head_dim)
+    return target.family.kernel(direction).tiles[head_dim]
 
 
 @lru_cache(maxsize=256)
