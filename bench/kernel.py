@@ -21,10 +21,11 @@ maskc's portable kernels.
 First comes the host time: the CPU time of one call on a problem so small (128 causal tokens,
 64:8 heads, d=128, bf16) that the GPU never holds the host back, of maskc.attention beside SDPA
 (cuDNN backend) and FA4 (where flash_attn is installed), forward alone (under no_grad) and
-forward + backward through autograd. --host-only measures just that, for a short GPU call.
+forward + backward through autograd. --host-only measures just that, for a short GPU call;
+--no-host skips it (kernel A/B runs).
 
 Run on the GPU machine: `python bench/kernel.py --artifacts DIR... [--seqlens 16384,65536]
-[--head-dims 64,128,192/128] [--backward] [--deterministic] [--portable] [--host-only]` (DIR:
+[--head-dims 64,128,192/128] [--backward] [--deterministic] [--portable] [--host-only | --no-host]` (DIR:
 `maskc compile` directories holding the bf16 64:8 kernels of those head dims, and d=128's with
 its backward for the host time). Appends kernel, memory and host rows to bench/results (or
 --out; see bench/README.md) and prints the run's tables.
@@ -375,19 +376,23 @@ def main() -> None:
     parser.add_argument(
         "--portable", action="store_true", help="also maskc's portable kernels (portable=True: warp MMA, every GPU since Ampere)"
     )
-    parser.add_argument(
+    host = parser.add_mutually_exclusive_group()
+    host.add_argument(
         "--host-only", action="store_true", help="measure only the host time of maskc, SDPA cuDNN and FA4, and stop"
     )
+    host.add_argument("--no-host", action="store_true", help="skip the host time (kernel A/B runs)")
     args = parser.parse_args()
     run = Run.start("kernel", torch.cuda.get_device_name(), args.out)
     for directory in args.artifacts:
         maskc.runtime.register_artifact(directory)
-    host = measure_host(run)
+    host = None if args.no_host else measure_host(run)
     out = ["", f"run {run.run}", ""]
     if not args.host_only:
         rows = measure_kernels(run, args)
         out += [*kernel_tables(rows, {impl: impl for impl in dict.fromkeys(row["impl"] for row in rows)}), ""]
-    print("\n".join([*out, "Host time per call (us):", "", *host_table(host)]))
+    if host is not None:
+        out += ["Host time per call (us):", "", *host_table(host)]
+    print("\n".join(out))
 
 
 def measure_kernels(run: Run, args: argparse.Namespace) -> list[dict]:

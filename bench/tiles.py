@@ -75,7 +75,7 @@ def run(dirs: list[Path], out: Path, rounds: int, options: list[str]) -> None:
     per (directory, round)."""
     for round_ in range(rounds):
         for d in dirs:
-            subprocess.run([sys.executable, str(ROOT / "bench" / "kernel.py"), "--artifacts", str(d), "--no-baselines",
+            subprocess.run([sys.executable, str(ROOT / "bench" / "kernel.py"), "--artifacts", str(d), "--no-baselines", "--no-host",
                             "--out", str(out / f"{d.name}.{round_}"), *options], check=True)  # fmt: skip
     for d in dirs:
         for round_ in range(rounds):
