@@ -149,10 +149,41 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
         delta_rows = delta[:, :tq].t()  # [Tq, Hq]
         dsink = -(torch.exp(sink[None] - lse[:, None, :]) * delta_rows[:, None, :]).sum(dim=0)
     if not accumulate:
-        return (dq_rows if rows8 == tq else dq_rows[:tq]).to(q.dtype), dk, dv, dsink
+        dq = dq_rows if rows8 == tq else dq_rows[:tq]
+        dq = cast_in_place(dq, q.dtype) if dq_rows.nbytes >= IN_PLACE_CAST_BYTES else dq.to(q.dtype)
+        return dq, dk, dv, dsink
     if dq_rows is not dq_accum:
         dq_accum.copy_(dq_rows[:tq])
     return dq_accum, dk, dv, dsink
+
+
+#: From this many bytes of float32 dQ on, backward_cuda casts it over the accumulator's own memory
+#: (cast_in_place): the backward's memory peak drops by the gradient's size for a few more
+#: launches, a trade worth it only where the kernels run long enough to hide them.
+IN_PLACE_CAST_BYTES = 64 * 2**20
+#: cast_in_place's first 1/IN_PLACE_HEAD of the elements goes through a temporary.
+IN_PLACE_HEAD = 64
+
+
+def cast_in_place(accum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`accum` (contiguous float32) cast to the 16-bit `dtype`, written over the front half of its
+    own memory, so no second buffer of the gradient's size exists beside the accumulator; the
+    result is a view of accum's storage (which lives as long as it does). Element i lands on
+    bytes [2i, 2i + 2), inside float32 element i / 2: chunk [s, e) with e <= 2s overwrites only
+    elements earlier chunks have read (kernels run in stream order), so after the first
+    1/IN_PLACE_HEAD, which goes through a temporary, the chunks double."""
+    flat = accum.view(-1)
+    n = flat.numel()
+    out = flat.view(dtype)
+    head = max(1, n // IN_PLACE_HEAD)
+    first = flat[:head].to(dtype)
+    start = head
+    while start < n:
+        end = min(2 * start, n)
+        out[start:end].copy_(flat[start:end])
+        start = end
+    out[:head].copy_(first)
+    return out[:n].view(accum.shape)
 
 
 @lru_cache(maxsize=None)

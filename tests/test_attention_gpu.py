@@ -405,6 +405,17 @@ def test_gradients_with_split_items(name: str, hq: int, hkv: int, d: int, dtype:
     assert slots and slots[0] > 0, "the backward schedule split no item"
 
 
+@pytest.mark.parametrize("mask,hq,hkv,d,dtype", [
+    (Mask.from_cu_seqlens([0, 700, 1001], causal=True), 8, 2, 128, "bf16"), (MASKS["varlen_block_causal"](), 8, 1, 64, "fp16"),
+    (MASKS["rows_without_keys"](), 8, 2, 96, "bf16"),
+])  # fmt: skip
+def test_gradients_with_dq_cast_over_its_accumulator(mask: Mask, hq: int, hkv: int, d: int, dtype: str, monkeypatch) -> None:
+    """Large backwards cast dQ over its float32 accumulator's own memory (ops.cast_in_place);
+    with the threshold at 0 every backward here does, row counts off the 8-row padding included."""
+    monkeypatch.setattr(maskc.runtime.ops, "IN_PLACE_CAST_BYTES", 0)
+    _check_grads(mask, hq, hkv, d, dtype)
+
+
 @pytest.mark.parametrize("cu_seqlens", [[0, 1], [0, 1000], [0, 4096], [0, 1024, 1100], [0, 600, 1000]])
 def test_gradients_of_masks_without_partial_blocks(cu_seqlens: list[int]) -> None:
     """Full masks at any length and documents on k tile edges take the backward kernel without

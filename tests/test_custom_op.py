@@ -481,3 +481,14 @@ def test_a_table_holds_a_mask_exactly() -> None:
     assert Mask.from_table(mask.table.clone()) == mask and mask.table[0, :2].tolist() == [1500, 1600]
     with pytest.raises(maskc.MaskError, match="past seqlen_q"):
         Mask.from_table(torch.tensor([[10, 10, 0, 0, 0], [0, 11, 0, 3, 0]], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,padded", [(1, 1), (2, 2), (65, 72), (1001, 1008), (4096, 4096)])
+def test_the_dq_cast_in_place_is_the_cast_written_over_the_accumulator(rows: int, padded: int, dtype: torch.dtype) -> None:
+    """cast_in_place gives exactly `.to(dtype)` of the accumulator's first rows (the kernel's
+    8-row padding left out), in the accumulator's own bytes: no buffer of the gradient's size."""
+    accum = torch.randn(padded, 3, 64) * 1e3
+    expected = accum[:rows].to(dtype)
+    got = ops.cast_in_place(accum[:rows], dtype)
+    assert got.data_ptr() == accum.data_ptr() and got.dtype == dtype and torch.equal(got, expected)
