@@ -45,7 +45,17 @@ def gpt_oss_config() -> transformers.GptOssConfig:
                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
 
 
-CONFIGS = {"llama": llama_config, "gemma2": gemma2_config, "gpt_oss": gpt_oss_config}
+def deepseek_v3_config() -> transformers.DeepseekV3Config:
+    """DeepSeek-V3: multi-head latent attention, whose v has a narrower head dim than q and k
+    (24 / 16 here, 192 / 128 in the real model)."""
+    return transformers.DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                         v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                         topk_group=1, first_k_dense_replace=1, max_position_embeddings=64)  # fmt: skip
+
+
+CONFIGS = {"llama": llama_config, "gemma2": gemma2_config, "gpt_oss": gpt_oss_config, "deepseek_v3": deepseek_v3_config}
 
 
 def twins(config) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -89,7 +99,7 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss", "deepseek_v3"])
 def test_packed_documents_match_eager_on_each_document_alone(family: str) -> None:
     ours, eager = twins(CONFIGS[family]())
     tokens, positions = packed(DOCS)
