@@ -207,11 +207,11 @@ SM90 = KernelFamily(
     archs=("sm_90a",),
     templates="sm90",
     forward=Kernel(
-        # Narrower key blocks where O's head dim grows: O, S and the previous P share the
-        # registers, and the K / V stages the shared memory. 64 keys, not FA3 / FA4's 112 and 80:
-        # here 112, 96 and 80 ran at 390-445 TFLOP/s, 64 at 630-690 (docs/design/tile-shapes.md).
-        tiles={**dict.fromkeys(_square(64), Tiles(192, 128, 2)), **dict.fromkeys(_square(96, 128), Tiles(128, 128, 2)),
-               MLA: Tiles(128, 128, 2), **dict.fromkeys(_square(192, 256), Tiles(128, 64, 2))},
+        # Key blocks sized per head dim: O, S and the previous P share the registers, and the
+        # K / V stages the shared memory. Each shape won an A/B (docs/design/tile-shapes.md).
+        tiles={HeadDim(64, 64): Tiles(192, 128, 2), HeadDim(96, 96): Tiles(128, 160, 2),
+               HeadDim(128, 128): Tiles(128, 128, 2), MLA: Tiles(128, 128, 2), HeadDim(192, 192): Tiles(128, 96, 2),
+               HeadDim(256, 256): Tiles(128, 80, 2)},  # fmt: skip
         flags=frozenset({"has_softcap", "has_sink", "has_max_logits", "pack_gqa"}),
         # q tiles of 64 rows per consumer warpgroup (two or three), O in registers.
         choices=TileChoices(tile_m=(128, 192), tile_n=tuple(range(64, 193, 16)), num_stages=tuple(range(1, 9)),
