@@ -306,18 +306,23 @@ def _attn_bwd_fake(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding,
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    """Saves q, k, v, out, lse, the sinks and the mask's tensors; the kernel recomputes the rest."""
+    """Saves q, k, v, out, lse, the sinks and the mask's tensors; the kernel recomputes the rest.
+    Gradients that do not exist stay None (no zeros for lse's gradient: a fill per call, and a
+    kernel that would read them)."""
     q, k, v, sink, mask, prepared, padding, scale, softcap, _, options = inputs
     out, lse, row_max = output
     ctx.save_for_backward(q, k, v, out, lse, sink, mask, prepared, padding)
     ctx.scalars = (scale, softcap, options)
     ctx.mark_non_differentiable(row_max)
+    ctx.set_materialize_grads(False)
 
 
 def _attn_fwd_backward(
     ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None, _drow_max: Any, attn_bwd: Callable = torch.ops.maskc.attn_bwd
 ) -> tuple:
     q, k, v, out, lse, sink, mask, prepared, padding = ctx.saved_tensors
+    if dout is None:  # only lse reached the loss
+        dout = torch.zeros_like(out)
     dq, dk, dv, dsink = attn_bwd(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, *ctx.scalars)
     return (dq, dk, dv, dsink if sink is not None else None) + (None,) * 7
 

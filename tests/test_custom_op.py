@@ -99,6 +99,19 @@ def test_cpu_attention_is_the_reference_with_its_gradients(dtype: torch.dtype) -
         torch.testing.assert_close(ours.grad, theirs.grad)
 
 
+@pytest.mark.parametrize("use", ["out", "lse"])
+def test_gradients_when_only_out_or_only_lse_reaches_the_loss(use: str) -> None:
+    """The op's backward gets None for the output gradient that does not exist (no zeros are
+    made for it) and gives the reference's gradients either way."""
+    q, k, v = _inputs(MASK, dtype=torch.float32)
+    leaves = _leaves([q, k, v])
+    for fn, inputs in ((maskc.attention, (q, k, v)), (maskc.reference_attention, leaves)):
+        out, meta = fn(*inputs, MASK)
+        (out.sum() if use == "out" else torch.where(torch.isfinite(meta.lse), meta.lse, 0.0).sum()).backward()
+    for ours, theirs in zip((q, k, v), leaves):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+
+
 def test_cpu_attention_without_grad_builds_no_graph() -> None:
     q, k, v = _inputs(MASK, dtype=torch.float32)
     with torch.no_grad():
