@@ -120,33 +120,29 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
     accumulate = dq_accum is not None
     # The kernel adds whole 8-row groups of dQ (the ABI's Tq8): pad the buffer when Tq is not a multiple.
     rows8 = -(-tq // 8) * 8
-    own_dq = not accumulate or rows8 != tq
-    # What the kernels need zeroed, in one float32 buffer (one allocation and one fill a call):
-    # dQ's rows unless the caller's dq_accum takes them, the split items' dK / dV sums, then the
-    # int32 counters: the pieces', and the deterministic kernel's semaphores (one per head, q
-    # block and consumer warpgroup).
-    dq_size = rows8 * hq * d if own_dq else 0
-    sums = launch.slots * entry.tile_n * (d + v.shape[-1])
-    counts = launch.slots * (entry.tile_n // WARPGROUP_ROWS)
-    semaphores = hq * padded // entry.tile_m * (entry.tile_n // WARPGROUP_ROWS) if entry.deterministic else 0
-    unused = _unused(q.device)
-    zeroed = torch.zeros(dq_size + sums + counts + semaphores, dtype=torch.float32, device=q.device)
-    dq_rows = zeroed[:dq_size].view(rows8, hq, d) if own_dq else dq_accum
-    if accumulate and own_dq:
+    dq_rows = dq_accum if accumulate and rows8 == tq else torch.zeros(rows8, hq, d, dtype=torch.float32, device=q.device)
+    if accumulate and dq_rows is not dq_accum:
         dq_rows[:tq] = dq_accum
-    counters = zeroed[dq_size + sums :].view(torch.int32)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     # The preprocess kernel fills the statistics (head-major, padded to whole q blocks).
-    lse_log2, delta = torch.empty(2, hq, padded, dtype=torch.float32, device=q.device)
+    delta = torch.empty(hq, padded, dtype=torch.float32, device=q.device)
     # Autograd hands over broadcast gradients (that of lse.sum() has stride 0): the kernels read dense rows.
     tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout.contiguous(), "lse": lse,
-               "dlse": dlse.contiguous() if dlse is not None else _no_rows(q.device), "lse_log2": lse_log2.view(-1),
-               "delta": delta.view(-1), "dq_accum": dq_rows, "dk": dk, "dv": dv,
-               "dkv_accum": zeroed[dq_size : dq_size + sums] if sums else unused,
-               "dkv_count": counters[:counts] if counts else unused,
-               "dq_semaphore": counters[counts:] if semaphores else unused}  # fmt: skip
-    if not entry.deterministic:
-        tensors.update(work_blocks=unused, block_rank=unused)
+               "dlse": dlse.contiguous() if dlse is not None else lse[:0], "lse_log2": torch.empty_like(delta).view(-1),
+               "delta": delta.view(-1), "dq_accum": dq_rows, "dk": dk, "dv": dv}  # fmt: skip
+    unused = _unused(q.device)
+    if entry.deterministic:  # one counter per (head, q block, consumer warpgroup)
+        semaphores = hq * padded // entry.tile_m * (entry.tile_n // WARPGROUP_ROWS)
+        tensors["dq_semaphore"] = torch.zeros(semaphores, dtype=torch.int32, device=q.device)
+    else:
+        tensors.update(dq_semaphore=unused, work_blocks=unused, block_rank=unused)
+    # Split items' fp32 dK / dV sums and piece counters in one zeroed buffer.
+    if launch.slots:
+        sums, counts = launch.slots * entry.tile_n * (d + v.shape[-1]), launch.slots * (entry.tile_n // WARPGROUP_ROWS)
+        split = torch.zeros(sums + counts, dtype=torch.float32, device=q.device)
+        tensors["dkv_accum"], tensors["dkv_count"] = split[:sums], split[sums:].view(torch.int32)
+    else:
+        tensors["dkv_accum"] = tensors["dkv_count"] = unused
     _run(launch, tensors, scale, softcap, q.device)
     dsink = None
     if sink is not None:
@@ -188,12 +184,6 @@ def cast_in_place(accum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         start = end
     out[:head].copy_(first)
     return out[:n].view(accum.shape)
-
-
-@lru_cache(maxsize=None)
-def _no_rows(device: torch.device) -> torch.Tensor:
-    """The dlse of a backward without one, on `device`: no rows (the kernels test for that)."""
-    return torch.empty(0, dtype=torch.float32, device=device)
 
 
 @lru_cache(maxsize=None)
