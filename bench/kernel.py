@@ -62,6 +62,12 @@ HQ, HKV = 64, 8
 D = 128
 WINDOW = 1024
 BLOCK = 1024
+#: Shared question: the question's share of the sequence; the answers are packed documents.
+QUESTION_SHARE = 8
+#: Global + sliding window: global tokens, and the keys a query sees on each side (2 * 512 + 1
+#: around it, about the sliding window's 1024).
+GLOBALS = 256
+HALF_WINDOW = WINDOW // 2
 HOST_TOKENS = 128
 HOST_WARMUP = 50
 HOST_CALLS = 2000
@@ -69,7 +75,15 @@ HOST_CALLS = 2000
 HOST_IMPLS = {"maskc": "one maskc.attention call", "sdpa_cudnn": "one SDPA cuDNN call", "fa4": "one FA4 flash_attn_func call"}
 #: What each host pass times, in the steps.
 HOST_PASSES = {"fwd": "forward", "fwd+bwd": "forward + backward through autograd"}
-MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window_causal", "varlen_block_causal")
+MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window_causal", "varlen_block_causal",
+         "shared_question", "global_sliding_window")  # fmt: skip
+
+
+def question_docs(seqlen: int) -> np.ndarray:
+    """The shared-question mask's documents: the question (a QUESTION_SHARE-th of the sequence),
+    then answers of real document lengths."""
+    question = seqlen // QUESTION_SHARE
+    return np.r_[question, pack_documents(seqlen - question, seed=seqlen + 1)]
 
 
 def build_masks(seqlen: int) -> tuple[dict[str, Mask], np.ndarray]:
@@ -87,6 +101,8 @@ def build_masks(seqlen: int) -> tuple[dict[str, Mask], np.ndarray]:
         # The seeds' window W counts the diagonal: a query sees W keys, i.e. W - 1 before it.
         "sliding_window_causal": lower("sliding_window_causal", n=seqlen, window=WINDOW - 1),
         "varlen_block_causal": lower("varlen_block_causal", docs=lens, block=BLOCK),
+        "shared_question": lower("shared_question", docs=question_docs(seqlen)),
+        "global_sliding_window": lower("global_sliding_window", n=seqlen, globals=GLOBALS, window=HALF_WINDOW),
     }
     return masks, lens
 
@@ -152,7 +168,10 @@ def peak_memory_mib(fn: Callable[[], object], leaves: list[torch.Tensor]) -> flo
 def flex_mask_mod(name: str, seqlen: int, lens: np.ndarray, device: torch.device, q_offset: int = 0) -> Callable | None:
     """FlexAttention's mask_mod of benchmark mask `name` (None: full), for query rows starting at
     global row `q_offset` (a rank's shard in bench/dist.py)."""
-    doc = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.as_tensor(lens, device=device))
+    def doc_ids(lens: np.ndarray) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(len(lens), device=device), torch.as_tensor(lens, device=device))
+
+    doc, asked = doc_ids(lens), doc_ids(question_docs(seqlen))
     start = torch.as_tensor(np.r_[0, np.cumsum(lens)[:-1]], device=device)[doc]
     block = (torch.arange(seqlen, device=device) - start) // BLOCK
     o = q_offset
@@ -163,6 +182,8 @@ def flex_mask_mod(name: str, seqlen: int, lens: np.ndarray, device: torch.device
         "varlen_causal": lambda b, h, i, j: (doc[i + o] == doc[j]) & (i + o >= j),
         "sliding_window_causal": lambda b, h, i, j: (i + o >= j) & (i + o - j < WINDOW),
         "varlen_block_causal": lambda b, h, i, j: (doc[i + o] == doc[j]) & (block[j] <= block[i + o]),
+        "shared_question": lambda b, h, i, j: ((asked[i + o] == asked[j]) & (i + o >= j)) | ((asked[j] == 0) & (asked[i + o] > 0)),
+        "global_sliding_window": lambda b, h, i, j: (j < GLOBALS) | (i + o < GLOBALS) | ((i + o - j).abs() <= HALF_WINDOW),
     }
     return mods[name]
 

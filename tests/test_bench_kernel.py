@@ -220,3 +220,16 @@ def test_host_rows_of_a_baseline_that_cannot_run_are_errors(kernel: dict, no_fa4
     assert table[:2] == ["| impl | forward (us) | fwd+bwd (us) |", "|---|---:|---:|"]
     assert table[2].startswith(f"| maskc | {rows['maskc']['fwd']['ms'] * 1e3:.1f} | ")
     assert table[3] == "| sdpa_cudnn | failed | failed |"
+
+
+def test_every_benchmark_masks_flex_mask_mod_allows_exactly_its_pairs(kernel: dict) -> None:
+    """FlexAttention, the baseline of the masks no other library has, attends exactly the pairs
+    maskc's lowered mask does (the shared question and global + window too)."""
+    seqlen = 4096
+    masks, lens = kernel["build_masks"](seqlen)
+    assert set(masks) == set(kernel["MASKS"])
+    i, j = torch.arange(seqlen)[:, None], torch.arange(seqlen)[None, :]
+    for name, mask in masks.items():
+        mod = kernel["flex_mask_mod"](name, seqlen, lens, torch.device("cpu"))
+        allowed = torch.ones(seqlen, seqlen, dtype=torch.bool) if mod is None else mod(0, 0, i, j)
+        assert torch.equal(allowed, mask.to_dense()), name
