@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from maskc.ir import Mask
-from maskc.ir.items import ASCENDING, HEADS_INNER, SECTION, deal, heads_inner, section_order, split_tail, sync_group_order, whole
+from maskc.ir.items import ASCENDING, HEADS_INNER, SECTION, deal, heads_inner, section_order, split_heavy, split_tail, sync_group_order, whole
 from maskc.ir.schedule import build_backward_schedule
 
 
@@ -145,3 +145,29 @@ def test_split_tail_leaves_balanced_or_single_head_items_whole() -> None:
     for qheads, num_ctas in ((4, 4), (1, 3)):  # 8 equal items on 4 CTAs are balanced; one query head cannot split
         rows, cost = split_tail(items, np.full(8, 40.0), qheads_per_kvhead=qheads, num_ctas=num_ctas)
         assert rows is items and (rows[:, 3:] == -1).all()
+
+
+def _cta_loads(rows: np.ndarray, cost: np.ndarray, num_ctas: int) -> list[float]:
+    """Each CTA's summed cost in the deal of `rows` (distinct rows, `cost` per row)."""
+    lists = deal(rows, cost, num_ctas)
+    cost_of = {tuple(r): c for r, c in zip(rows.tolist(), cost)}
+    bounds = zip(lists.cta_items[:-1], lists.cta_items[1:])
+    return [sum(cost_of[tuple(r)] for r in lists.items[a:b].tolist()) for a, b in bounds]
+
+
+def test_split_heavy_cuts_the_items_no_deal_could_balance_and_split_tail_numbers_on() -> None:
+    """Two items that each outweigh a CTA's fair share (global keys: every query sees them)
+    become one piece per query head at the front, in slots 0 and 1; the light items stay whole
+    and in order, and pieces split_tail makes after them take the next slots."""
+    n = 40
+    items = whole(np.stack([np.arange(n), np.zeros(n, np.int64), np.zeros(n, np.int64)], axis=1))
+    cost = np.r_[400.0, 400.0, np.full(n - 2, 20.0)]  # fair share on 8 CTAs: 1560 / 8 = 195
+    rows, row_cost = split_heavy(items, cost, qheads_per_kvhead=4, num_ctas=8)
+    heavy = rows[:8]
+    assert sorted(map(tuple, heavy[:, [0, 3, 4]].tolist())) == [(w, h, w) for w in (0, 1) for h in range(4)]
+    assert (rows[8:] == items[2:]).all() and np.allclose(row_cost[:8], (400 - 2) / 4 + 1.5)
+    assert max(_cta_loads(rows, row_cost, 8)) < max(_cta_loads(items, cost, 8)) / 1.5
+    rows, row_cost = split_tail(rows, row_cost, qheads_per_kvhead=4, num_ctas=8)
+    assert (rows[:8] == heavy).all() and (rows[8:][rows[8:, 4] >= 0, 4] >= 2).all()
+    light, _ = split_heavy(items[2:], cost[2:], qheads_per_kvhead=4, num_ctas=8)
+    assert (light == items[2:]).all()

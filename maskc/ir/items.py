@@ -60,6 +60,8 @@ PLACE_SAMPLES = 64
 
 #: A split item's pieces are worth it when the deal's busiest CTA gets lighter by this fraction.
 SPLIT_GAIN = 0.01
+#: split_heavy cuts the units heavier than this share of a CTA's fair share of the deal.
+HEAVY_SHARE = 1.0
 #: A piece's fixed cost in q blocks: the K/V load and epilogue of an item (a few microseconds,
 #: under half a q block of eight query heads) plus its fp32 dK / dV additions.
 PIECE_OVERHEAD_BLOCKS = 1.5
@@ -243,6 +245,33 @@ def _unit_costs(items: np.ndarray, cost: np.ndarray) -> tuple[np.ndarray, np.nda
     return unit, (np.bincount(unit, weights=cost.astype(np.float64)) if len(items) else np.zeros(0))
 
 
+def _pieces(rows: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, first_slot: int) -> tuple[np.ndarray, np.ndarray]:
+    """`rows` (whole items) cut into one piece per query head, head by head (CTAs at one query
+    head share its Q / dO), each item with its own slot from `first_slot` on; and their costs:
+    a piece costs its share of the item's q blocks plus PIECE_OVERHEAD_BLOCKS."""
+    pieces = np.tile(rows, (qheads_per_kvhead, 1))
+    pieces[:, 2] &= ~ASCENDING
+    pieces[:, 3] = np.repeat(np.arange(qheads_per_kvhead), len(rows))
+    pieces[:, 4] = np.tile(first_slot + np.arange(len(rows)), qheads_per_kvhead)
+    piece_cost = (cost - ITEM_OVERHEAD_BLOCKS) / qheads_per_kvhead + PIECE_OVERHEAD_BLOCKS
+    return pieces, np.tile(piece_cost, qheads_per_kvhead)
+
+
+def split_heavy(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
+    """`items` (rows of `whole`, in dealing order, `cost` per row) with every unit heavier than
+    HEAVY_SHARE of a CTA's fair share of the deal cut into one piece per query head, the pieces
+    first (no deal ends before its heaviest unit does: the k tiles of global keys, which every
+    query sees, would hold one CTA long after the others). Returns the rows and their costs."""
+    if qheads_per_kvhead == 1 or not len(items):
+        return items, cost
+    unit, unit_costs = _unit_costs(items, cost)
+    heavy = (unit_costs > HEAVY_SHARE * unit_costs.sum() / num_ctas)[unit]
+    if not heavy.any():
+        return items, cost
+    pieces, piece_cost = _pieces(items[heavy], cost[heavy], qheads_per_kvhead, 0)
+    return np.r_[pieces, items[~heavy]], np.r_[piece_cost, cost[~heavy]]
+
+
 def split_tail(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
     """`items` (rows of `whole`, in dealing order, `cost` per row) with the units at the end
     cut into one piece per query head, as many units as shorten the deal's makespan most (by
@@ -259,23 +288,23 @@ def split_tail(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_
     num_units = len(unit_costs)
     # Candidates: enough pieces for 1 .. 32 rounds of the CTAs. The deal of the units before
     # the longest tail is common to all of them.
+    # Only whole items are cut: the pieces split_heavy made lead the order.
+    whole_units = num_units - int(unit[np.flatnonzero(items[:, 3] >= 0)[-1]]) - 1 if (items[:, 3] >= 0).any() else num_units
     piece_counts = np.array([1, 2, 3, 4, 6, 8, 12, 16, 24, 32]) * num_ctas
-    splits = np.unique(np.minimum(-(-piece_counts // qheads_per_kvhead), num_units))
+    splits = np.unique(np.minimum(-(-piece_counts // qheads_per_kvhead), whole_units))
+    splits = splits[splits > 0]
+    if not splits.size:
+        return items, cost
     common = num_units - int(splits[-1])
     free = _free_times(unit_costs[:common], num_ctas)[2]
+    first_slot = slots_used(items)
     for k in splits:
         first = int(np.searchsorted(unit, num_units - k))
-        tail = items[first:]
-        pieces = np.tile(tail, (qheads_per_kvhead, 1))
-        pieces[:, 2] &= ~ASCENDING
-        pieces[:, 3] = np.repeat(np.arange(qheads_per_kvhead), len(tail))
-        pieces[:, 4] = np.tile(np.arange(len(tail)), qheads_per_kvhead)
-        piece_cost = (cost[first:] - ITEM_OVERHEAD_BLOCKS) / qheads_per_kvhead + PIECE_OVERHEAD_BLOCKS
-        tail_units = np.r_[unit_costs[common : num_units - k], np.tile(piece_cost, qheads_per_kvhead)]
+        pieces, piece_cost = _pieces(items[first:], cost[first:], qheads_per_kvhead, first_slot)
+        tail_units = np.r_[unit_costs[common : num_units - k], piece_cost]
         makespan = _free_times(tail_units, num_ctas, free)[2].max()
         if makespan < best[0]:
-            row_cost = np.r_[cost[:first], np.tile(piece_cost, qheads_per_kvhead)]
-            best = (makespan, np.r_[items[:first], pieces], row_cost)
+            best = (makespan, np.r_[items[:first], pieces], np.r_[cost[:first], piece_cost])
     return best[1], best[2]
 
 
