@@ -273,11 +273,12 @@ def split_heavy(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num
 
 
 def split_tail(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
-    """`items` (rows of `whole`, in dealing order, `cost` per row) with the units at the end
-    cut into one piece per query head, as many units as shorten the deal's makespan most (by
-    SPLIT_GAIN at least; else none). A piece costs its share of the item's q blocks plus
-    PIECE_OVERHEAD_BLOCKS. The pieces run head by head (CTAs at one query head share its
-    Q / dO), each split item with its own slot. Returns the rows and their costs."""
+    """`items` (rows of `whole`, in dealing order, after any pieces of `split_heavy`; `cost` per
+    row) with the whole units at the end cut into one piece per query head, as many units as
+    shorten the deal's makespan most (by SPLIT_GAIN at least; else none). A piece costs its
+    share of the item's q blocks plus PIECE_OVERHEAD_BLOCKS. The pieces run head by head (CTAs
+    at one query head share its Q / dO), each split item with its own slot. Returns the rows
+    and their costs."""
     if qheads_per_kvhead == 1 or not len(items):
         return items, cost
     unit, unit_costs = _unit_costs(items, cost)
@@ -286,10 +287,11 @@ def split_tail(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_
         return items, cost  # balanced already
     best = (makespan * (1 - SPLIT_GAIN), items, cost)
     num_units = len(unit_costs)
+    # Only whole items are cut: the pieces split_heavy made lead the order.
+    cut = np.flatnonzero(items[:, 3] >= 0)
+    whole_units = num_units - (int(unit[cut[-1]]) + 1 if cut.size else 0)
     # Candidates: enough pieces for 1 .. 32 rounds of the CTAs. The deal of the units before
     # the longest tail is common to all of them.
-    # Only whole items are cut: the pieces split_heavy made lead the order.
-    whole_units = num_units - int(unit[np.flatnonzero(items[:, 3] >= 0)[-1]]) - 1 if (items[:, 3] >= 0).any() else num_units
     piece_counts = np.array([1, 2, 3, 4, 6, 8, 12, 16, 24, 32]) * num_ctas
     splits = np.unique(np.minimum(-(-piece_counts // qheads_per_kvhead), whole_units))
     splits = splits[splits > 0]
