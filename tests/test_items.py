@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from maskc.ir import Mask
+from maskc.ir import AttnSlice, Mask
 from maskc.ir.items import ASCENDING, HEADS_INNER, SECTION, deal, heads_inner, section_order, split_heavy, split_tail, sync_group_order, whole
 from maskc.ir.schedule import build_backward_schedule
 
@@ -159,15 +159,34 @@ def test_split_heavy_cuts_the_items_no_deal_could_balance_and_split_tail_numbers
     """Two items that each outweigh a CTA's fair share (global keys: every query sees them)
     become one piece per query head at the front, in slots 0 and 1; the light items stay whole
     and in order, and pieces split_tail makes after them take the next slots."""
-    n = 40
+    n = 44
     items = whole(np.stack([np.arange(n), np.zeros(n, np.int64), np.zeros(n, np.int64)], axis=1))
-    cost = np.r_[400.0, 400.0, np.full(n - 2, 20.0)]  # fair share on 8 CTAs: 1560 / 8 = 195
+    cost = np.r_[400.0, 400.0, np.full(n - 2, 20.0)]  # fair share on 8 CTAs: 1640 / 8 = 205
     rows, row_cost = split_heavy(items, cost, qheads_per_kvhead=4, num_ctas=8)
     heavy = rows[:8]
     assert sorted(map(tuple, heavy[:, [0, 3, 4]].tolist())) == [(w, h, w) for w in (0, 1) for h in range(4)]
     assert (rows[8:] == items[2:]).all() and np.allclose(row_cost[:8], (400 - 2) / 4 + 1.5)
     assert max(_cta_loads(rows, row_cost, 8)) < max(_cta_loads(items, cost, 8)) / 1.5
     rows, row_cost = split_tail(rows, row_cost, qheads_per_kvhead=4, num_ctas=8)
-    assert (rows[:8] == heavy).all() and (rows[8:][rows[8:, 4] >= 0, 4] >= 2).all()
+    tail_slots = set(rows[8:][rows[8:, 4] >= 0, 4].tolist())
+    assert (rows[:8] == heavy).all() and tail_slots and min(tail_slots) == 2
     light, _ = split_heavy(items[2:], cost[2:], qheads_per_kvhead=4, num_ctas=8)
     assert (light == items[2:]).all()
+
+
+def test_the_k_tiles_every_query_sees_are_split_first() -> None:
+    """Global keys (every query of 8k sees keys 0-255) beside a narrow window: their two k tiles
+    per K/V head would each outlast a CTA's fair share, so the schedule cuts them into one piece
+    per query head and leaves most of the window's tiles whole (without split_heavy the tail
+    split cuts every item to reach them)."""
+    n = 8192
+    mask = Mask.sliding_window([0, n], left=128, right=128) | Mask([AttnSlice((0, n), (0, 256))], n, n)
+    s = build_backward_schedule(mask, 64, 128, 2, 16, 4)
+    tiles = s.work_tile[s.items[:, 0]]
+    pieces = s.items[:, 3] >= 0
+    assert set(tiles[tiles < 2].tolist()) == {0, 1} and pieces[tiles < 2].all()
+    for tile in (0, 1):
+        for head_kv in (0, 1):
+            mine = s.items[(tiles == tile) & (s.items[:, 1] == head_kv)]
+            assert sorted(mine[:, 3].tolist()) == [0, 1, 2, 3] and len(set(mine[:, 4].tolist())) == 1
+    assert s.num_slots >= 4 and (~pieces[tiles >= 2]).mean() > 0.5
