@@ -397,11 +397,11 @@ def main() -> None:
     parser.add_argument(
         "--portable", action="store_true", help="also maskc's portable kernels (portable=True: warp MMA, every GPU since Ampere)"
     )
-    host = parser.add_mutually_exclusive_group()
-    host.add_argument(
+    host_time = parser.add_mutually_exclusive_group()
+    host_time.add_argument(
         "--host-only", action="store_true", help="measure only the host time of maskc, SDPA cuDNN and FA4, and stop"
     )
-    host.add_argument("--no-host", action="store_true", help="skip the host time (kernel A/B runs)")
+    host_time.add_argument("--no-host", action="store_true", help="skip the host time (kernel A/B runs)")
     args = parser.parse_args()
     run = Run.start("kernel", torch.cuda.get_device_name(), args.out)
     for directory in args.artifacts:

@@ -64,8 +64,8 @@ block-causal blocks are 1024 tokens; in the sliding window each query sees the 1
 itself. Two masks no other library has a kernel for: the shared question (an eighth of the
 sequence is a question every answer sees; the answers, packed documents, are causal and never
 see each other) and global + window (256 global tokens that see and are seen by all, and a
-window of 512 keys on each side of every query). TFLOP/s count the mask's exact area: forward `2 * area * Hq * (D_qk + D_v)` (`4 * area
-* Hq * D` when they are equal), backward 2.5 times that. A dash: the library has no kernel for
+window of 512 keys on each side of every query). TFLOP/s count the mask's exact area: forward
+`2 * area * Hq * (D_qk + D_v)` (`4 * area * Hq * D` when they are equal), backward 2.5 times that. A dash: the library has no kernel for
 that mask, or the run did not measure it; "failed": the library has no kernel for that head
 dim or direction (the row's error says which).
 

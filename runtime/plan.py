@@ -89,8 +89,7 @@ class Target:
 @lru_cache(maxsize=None)
 def _target_tiles(target: Target, direction: str) -> Tiles:
     """`Target.tiles`, once per target (an eager call with gradients asks for the backward's)."""
-    fields = target.fields
-    head_dim = HeadDim(fields["head_dim"], fields["head_dim_v"])
+    head_dim = HeadDim.of(target.fields)
     check_head_dim(target.family, direction, head_dim)
     return target.family.kernel(direction).tiles[head_dim]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple
 
 from maskc.artifact.abi import ENTRY_POINTS, abi_to_json
-from maskc.artifact.families import family_of
+from maskc.artifact.families import HeadDim, family_of
 from maskc.artifact.manifest import Manifest, open_manifest
 from maskc.artifact.source import kernel_source
 from maskc.artifact import toolchain
@@ -30,7 +30,7 @@ _OPTIONAL_FIELDS = ("pack_gqa", "deterministic", "unmasked", "portable")  # Fals
 def request_key(fields: Mapping[str, Any]) -> tuple:
     """The fields that find a kernel; head_dim_v is head_dim's where a request or manifest leaves it out."""
     key = tuple(fields.get(f, False) if f in _OPTIONAL_FIELDS else fields[f] for f in REQUEST_FIELDS)
-    return (*key, fields.get("head_dim_v") or fields["head_dim"])
+    return (*key, HeadDim.of(fields).v)
 
 
 class LaunchShape(NamedTuple):

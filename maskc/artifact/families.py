@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from maskc.errors import VariantError
 
@@ -96,6 +96,12 @@ class HeadDim:
         if not qk.isdigit() or (slash and not v.isdigit()):
             raise ValueError(f"a head dim is an int or qk/v (like 192/128), got {text!r}")
         return cls(int(qk), int(v or qk))
+
+    @classmethod
+    def of(cls, fields: Mapping[str, Any]) -> HeadDim:
+        """The head dims of a kernel's fields or a request: `head_dim`, and `head_dim_v` where
+        given (manifests written before asymmetric head dims have none: square)."""
+        return cls(fields["head_dim"], fields.get("head_dim_v") or fields["head_dim"])
 
 
 def _square(*dims: int) -> tuple[HeadDim, ...]:

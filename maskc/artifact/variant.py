@@ -254,8 +254,7 @@ class KernelVariant:
 def variant_for(request: Mapping[str, Any]) -> KernelVariant:
     """The variant serving a runtime request (a kernel's fields but its tile shape): the
     request plus the tile shape its kernel family compiles for the head dim."""
-    head_dims = HeadDim(request["head_dim"], request.get("head_dim_v") or request["head_dim"])
-    tiles = select_tiles(request["arch"], head_dims, request["direction"], request.get("portable", False))
+    tiles = select_tiles(request["arch"], HeadDim.of(request), request["direction"], request.get("portable", False))
     return KernelVariant(**request, tile_m=tiles.tile_m, tile_n=tiles.tile_n, num_stages=tiles.num_stages)
 
 
