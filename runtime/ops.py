@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import maskc.reference as reference
-from maskc.artifact.families import WARPGROUP_ROWS, HeadDim
+from maskc.artifact.families import HeadDim, backward_warpgroups
 from maskc.ir import Mask
 from maskc.runtime import masks, plan
 from maskc.runtime.plan import Launch, Target, schedule_views
@@ -131,14 +131,15 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
                "dlse": dlse.contiguous() if dlse is not None else lse[:0], "lse_log2": torch.empty_like(delta).view(-1),
                "delta": delta.view(-1), "dq_accum": dq_rows, "dk": dk, "dv": dv}  # fmt: skip
     unused = _unused(q.device)
+    warpgroups = backward_warpgroups(entry.tile_n)
     if entry.deterministic:  # one counter per (head, q block, consumer warpgroup)
-        semaphores = hq * padded // entry.tile_m * (entry.tile_n // WARPGROUP_ROWS)
+        semaphores = hq * padded // entry.tile_m * warpgroups
         tensors["dq_semaphore"] = torch.zeros(semaphores, dtype=torch.int32, device=q.device)
     else:
         tensors.update(dq_semaphore=unused, work_blocks=unused, block_rank=unused)
     # Split items' fp32 dK / dV sums and piece counters in one zeroed buffer.
     if launch.slots:
-        sums, counts = launch.slots * entry.tile_n * (d + v.shape[-1]), launch.slots * (entry.tile_n // WARPGROUP_ROWS)
+        sums, counts = launch.slots * entry.tile_n * (d + v.shape[-1]), launch.slots * warpgroups
         split = torch.zeros(sums + counts, dtype=torch.float32, device=q.device)
         tensors["dkv_accum"], tensors["dkv_count"] = split[:sums], split[sums:].view(torch.int32)
     else:

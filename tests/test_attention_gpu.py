@@ -190,18 +190,6 @@ def test_head_dims_at_sequence_edges(d: str, n: int) -> None:
     _check(Mask.from_cu_seqlens([0, n], causal=True), 8, 2, d, "bf16")
 
 
-@pytest.mark.parametrize("d", ["192", "256", "192/128"])
-def test_a_head_dim_without_a_backward_says_so_before_the_forward(d: str) -> None:
-    mask, dims = MASKS["causal"](), _dims(d)
-    q = torch.randn(mask.seqlen_q, 8, dims.qk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(mask.seqlen_k, 2, dims.qk, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(mask.seqlen_k, 2, dims.v, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(maskc.MaskcError, match=f"the SM90 backward has no kernel for head_dim {d}; it supports 64, 96, 128"):
-        maskc.attention(q, k, v, mask)
-    with torch.no_grad():
-        assert maskc.attention(q, k, v, mask)[0].shape == (mask.seqlen_q, 8, dims.v)
-
-
 def test_the_portable_kernel_has_no_pack_gqa_yet() -> None:
     q, k = (torch.randn(100, h, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 2))
     with pytest.raises(maskc.MaskcError, match="has no PackGQA yet; on sm_90a pass portable=None"):
@@ -357,6 +345,23 @@ def test_gradients_d96_head_layouts_fp16_and_options(hq: int, hkv: int) -> None:
     _check_grads(MASKS["rows_without_keys"](), hq, hkv, 96, "bf16", softcap=5.0, sink=True, deterministic=True)
 
 
+LARGE_HEAD_DIMS = ["192", "256", "192/128"]  # the backward's tiles of 64 keys, head dims split over warpgroups
+
+
+@pytest.mark.parametrize("d", LARGE_HEAD_DIMS)
+@pytest.mark.parametrize("name", GRAD_MASKS)
+def test_gradients_every_mask_family_at_large_head_dims(name: str, d: str) -> None:
+    _check_grads(MASKS[name](), 8, 2, d, "bf16", seed=hash(name) % 1000)
+
+
+@pytest.mark.parametrize("d", LARGE_HEAD_DIMS)
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 1)])
+def test_gradients_large_head_dims_head_layouts_fp16_and_options(d: str, hq: int, hkv: int) -> None:
+    _check_grads(MASKS["varlen_causal"](), hq, hkv, d, "fp16")
+    _check_grads(MASKS["rows_without_keys"](), hq, hkv, d, "bf16", softcap=5.0, sink=True, deterministic=True)
+    _check_grads(Mask.from_cu_seqlens([0, 1000]), hq, hkv, d, "bf16", lse_grad=False)  # the unmasked kernel
+
+
 @KERNELS
 @pytest.mark.parametrize("d,dtype", [(128, "bf16"), (64, "fp16")])
 def test_gradients_with_softcap_and_sink(d: int, dtype: str, portable: bool | None) -> None:
@@ -392,9 +397,10 @@ def test_gradients_through_a_broadcast_lse_gradient(portable: bool | None) -> No
 
 @pytest.mark.parametrize("name,hq,hkv,d,dtype,extras", [
     ("full", 8, 2, 128, "bf16", True), ("causal", 64, 8, 128, "bf16", False), ("varlen_causal", 8, 1, 64, "fp16", False),
-    ("rows_without_keys", 8, 2, 128, "bf16", False),
+    ("rows_without_keys", 8, 2, 128, "bf16", False), ("causal", 8, 2, "256", "bf16", True),
+    ("varlen_causal", 8, 1, "192/128", "fp16", False),
 ])  # fmt: skip
-def test_gradients_with_split_items(name: str, hq: int, hkv: int, d: int, dtype: str, extras: bool, monkeypatch) -> None:
+def test_gradients_with_split_items(name: str, hq: int, hkv: int, d: int | str, dtype: str, extras: bool, monkeypatch) -> None:
     """Items split into one piece per query head (fp32 slot sums; the last piece to count stores
     them) give the same gradients. With no piece overhead in the deal's model the tail of every
     mask here splits; the test checks that it did."""
@@ -432,19 +438,21 @@ def test_gradients_of_masks_without_partial_blocks(cu_seqlens: list[int]) -> Non
     assert all((entry in unmasked) == (cu_seqlens != [0, 600, 1000]) for entry in used)
 
 
-@pytest.mark.parametrize("name,hq,hkv,d,dtype", [
-    ("causal", 8, 2, 128, "bf16"), ("varlen_block_causal", 64, 8, 128, "bf16"), ("random_overlapping", 8, 8, 64, "fp16"),
+@pytest.mark.parametrize("name,hq,hkv,d,dtype,portable", [
+    *((*case, portable) for case in (("causal", 8, 2, 128, "bf16"), ("varlen_block_causal", 64, 8, 128, "bf16"),
+                                      ("random_overlapping", 8, 8, 64, "fp16")) for portable in (None, True)),
+    ("varlen_block_causal", 8, 2, "192/128", "bf16", None),  # the portable kernels stop at 128
 ])  # fmt: skip
-@KERNELS
 def test_deterministic_gradients_are_bitwise_reproducible(
-    name: str, hq: int, hkv: int, d: int, dtype: str, portable: bool | None
+    name: str, hq: int, hkv: int, d: int | str, dtype: str, portable: bool | None
 ) -> None:
-    mask = MASKS[name]()
+    mask, dims = MASKS[name](), _dims(d)
     _check_grads(mask, hq, hkv, d, dtype, deterministic=True, portable=portable)
     g = torch.Generator(device="cuda").manual_seed(1)
     tq, tk = mask.shape
-    q, k, v = (torch.randn(t, h, d, device="cuda", generator=g).to(DTYPES[dtype]) for t, h in ((tq, hq), (tk, hkv), (tk, hkv)))
-    dout = torch.randn(tq, hq, d, device="cuda", generator=g)
+    q, k = (torch.randn(t, h, dims.qk, device="cuda", generator=g).to(DTYPES[dtype]) for t, h in ((tq, hq), (tk, hkv)))
+    v = torch.randn(tk, hkv, dims.v, device="cuda", generator=g).to(DTYPES[dtype])
+    dout = torch.randn(tq, hq, dims.v, device="cuda", generator=g)
     dlse = torch.randn(tq, hq, device="cuda", generator=g)
     runs = [_grads(maskc.attention, q, k, v, None, mask, dout, dlse, deterministic=True, portable=portable) for _ in range(3)]
     for other in runs[1:]:

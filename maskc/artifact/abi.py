@@ -155,7 +155,7 @@ BACKWARD_ABI: tuple[Arg, ...] = (
     TensorArg("block_rank", "int32", ("B",), param="mBlockRank", doc="lower k tiles adding to the same q block",
               used_when="deterministic"),
     TensorArg("dkv_accum", "float32", ("KA",), align=16, param="mdKVAccum",
-              doc="per split slot and warpgroup, [WG_ROWS, HEAD_DIM + HEAD_DIM_V] dK / dV sums (zeroed)"),
+              doc="per split slot, TILE_K x (HEAD_DIM + HEAD_DIM_V) dK / dV sums by warpgroup (zeroed)"),
     TensorArg("dkv_count", "int32", ("KC",), param="mdKVCount",
               doc="per split slot and warpgroup, its pieces done (zeroed by the caller)"),
     TensorArg("items", "int32", ("I", 5), param="mItems",

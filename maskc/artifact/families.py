@@ -207,6 +207,22 @@ def _sm90_forward_fits(head_dim: HeadDim, tiles: Tiles) -> str | None:
     return None
 
 
+def _sm90_backward_fits(head_dim: HeadDim, tiles: Tiles) -> str | None:
+    """A 128-key tile keeps dK and dV of a warpgroup's 64 keys over every head dim in its
+    registers, qk / 2 + v / 2 of a thread's: 128 at d=128. A 64-key tile gives each of the two
+    warpgroups half of the head dims (backward_warpgroups)."""
+    if tiles.tile_n == 128 and max(head_dim.qk, head_dim.v) > 128:
+        return f"tile_n 128 needs head_dim <= 128 (dK and dV in registers); head_dim {head_dim} takes tile_n 64"
+    return None
+
+
+def backward_warpgroups(tile_n: int) -> int:
+    """Consumer warpgroups of an SM90 backward: one per 64 keys of its k tile, or two sharing a
+    64-key tile by splitting the head dims. The runtime sizes every backward's per-warpgroup
+    counters (dQ semaphores, split-item counts) by it; the portable and SM100 ones use the first."""
+    return max(2, tile_n // WARPGROUP_ROWS)
+
+
 SM90 = KernelFamily(
     name="sm90",
     title="SM90",
@@ -225,12 +241,14 @@ SM90 = KernelFamily(
         summary="TMA, wgmma, warp-specialised: a producer warpgroup and two or three consumer warpgroups",
     ),
     backward=Kernel(
-        # k tiles of 128 keys (two consumer warpgroups, dK and dV in registers) against q blocks
-        # of 64 queries; blocks alternate two dS buffers, so the (Q, dO) stages come in pairs.
-        # dK and dV of 64 keys per warpgroup in registers: head dims up to 128.
-        tiles=dict.fromkeys(_square(64, 96, 128), Tiles(64, 128, 2)),
+        # q blocks of 64 queries against k tiles of 128 keys (up to d=128: two consumer
+        # warpgroups of 64 keys, dK and dV in registers) or of 64 keys (above: the two warpgroups
+        # split the head dims); blocks alternate two dS buffers, so the (Q, dO) stages come in
+        # pairs, or one stage where two do not fit (d=256).
+        tiles={**dict.fromkeys(_square(64, 96, 128), Tiles(64, 128, 2)), HeadDim(192, 192): Tiles(64, 64, 2),
+               MLA: Tiles(64, 64, 2), HeadDim(256, 256): Tiles(64, 64, 1)},  # fmt: skip
         flags=frozenset({"has_softcap", "deterministic", "unmasked"}),
-        choices=TileChoices(tile_m=(64,), tile_n=(128,), num_stages=(2, 4, 6, 8)),
+        choices=TileChoices(tile_m=(64,), tile_n=(64, 128), num_stages=(1, 2, 4, 6, 8), fits=_sm90_backward_fits),
         summary="TMA, wgmma, warp-specialised; long items split by query head",
     ),
     split_backward=True,

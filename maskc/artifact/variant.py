@@ -26,6 +26,7 @@ from maskc.artifact.families import (
     KernelFamily,
     Tiles,
     arch,
+    backward_warpgroups,
     check_head_dim,
     family_of,
     pack_gqa_supported,
@@ -161,8 +162,8 @@ class KernelVariant:
 
     @property
     def num_mma_warpgroups(self) -> int:
-        """Consumer warpgroups: each owns 64 rows of the query tile (backward: 64 keys of the k tile)."""
-        return (self.tile_n if self.direction == "bwd" else self.tile_m) // WARPGROUP_ROWS
+        """Consumer warpgroups: each owns 64 rows of the query tile (backward: see backward_warpgroups)."""
+        return backward_warpgroups(self.tile_n) if self.direction == "bwd" else self.tile_m // WARPGROUP_ROWS
 
     @property
     def family(self) -> KernelFamily:
@@ -190,9 +191,10 @@ class KernelVariant:
     def smem_bytes(self, q_stages: int = 1) -> int:
         """Shared memory for the Q buffers (each also stages O) and the K and V stages.
 
-        Backward: the K and V tile and `num_stages` (Q, dO) blocks; then SM90's two dS^T blocks
-        of the k tile, fp32 lse / delta rows and the fp32 dQ staging tile, or one dS^T block for
-        the portable and SM100 backwards. SM100's forward: the Q tile and the K/V stages (P
+        Backward: the K and V tile and `num_stages` (Q, dO) blocks; then SM90's dS^T blocks of
+        the k tile (two buffers, one with one stage; a 64-key tile keeps P^T beside each), fp32
+        lse / delta rows and the fp32 dQ staging tile, or one dS^T block for the portable and
+        SM100 backwards. SM100's forward: the Q tile and the K/V stages (P
         stays in tensor memory)."""
         dims = self.head_dim + self.head_dim_v
         if self.direction == "bwd":
@@ -200,8 +202,9 @@ class KernelVariant:
             qdo = self.num_stages * self.tile_m * dims
             if self.family is not SM90:
                 return (kv + qdo + self.tile_n * self.tile_m) * self.element_bytes
+            scores = min(2, self.num_stages) * (2 if self.tile_n == WARPGROUP_ROWS else 1) * self.tile_n * self.tile_m
             fp32 = self.tile_m * self.head_dim + 2 * self.num_stages * self.tile_m
-            return (kv + qdo + 2 * self.tile_n * self.tile_m) * self.element_bytes + 4 * fp32
+            return (kv + qdo + scores) * self.element_bytes + 4 * fp32
         if self.family is SM100:
             # Square head dims only: K and V share the stages.
             return (self.tile_m + self.num_stages * self.tile_n) * self.head_dim * self.element_bytes
