@@ -13,10 +13,8 @@ v [S, 8, Dv]. A library that cannot run a head dim records an error row for it, 
 goes on.
 
 With --backward, also the backward TFLOP/s (2.5 x the forward FLOPs, `out.backward` timed alone)
-and the peak memory of one forward + backward of every implementation; maskc's backward exists
-for head dims 64, 96 and 128, so at the others its backward and memory rows are errors (its
-forward is still measured). --deterministic adds maskc with deterministic=True, --portable
-maskc's portable kernels.
+and the peak memory of one forward + backward of every implementation. --deterministic adds
+maskc with deterministic=True, --portable maskc's portable kernels.
 
 First comes the host time: the CPU time of one call on a problem so small (128 causal tokens,
 64:8 heads, d=128, bf16) that the GPU never holds the host back, of maskc.attention beside SDPA
