@@ -37,7 +37,7 @@ COMPILED = {
     "d64_fp16_8x8_softcap": variant(head_dim=64, dtype="fp16", num_heads_kv=8, has_softcap=True, num_stages=4),
     "d128_bf16_8x2_deterministic": variant(deterministic=True),
     "d128_bf16_8x2_unmasked": variant(unmasked=True),
-    "d256_bf16_8x2": variant(head_dim=256, tile_n=64, num_stages=1),
+    "d256_bf16_8x2": variant(head_dim=256, tile_n=64),
     "d192v128_fp16_8x8_softcap_deterministic": variant(
         head_dim=192, head_dim_v=128, tile_n=64, dtype="fp16", num_heads_kv=8, has_softcap=True, deterministic=True
     ),
@@ -59,7 +59,7 @@ COMPILED = {
         ({"num_stages": 3}, "SM90 backward num_stages 3 is not supported; supported: 1, 2, 4, 6, 8"),
         ({"head_dim": 80}, "supported head dims: 64, 96, 128, 192/128, 192, 256"),
         ({"head_dim": 256}, "tile_n 128 needs head_dim <= 128 (dK and dV in registers); head_dim 256 takes tile_n 64"),
-        ({"head_dim": 256, "tile_n": 64, "num_stages": 2}, "shared memory"),
+        ({"head_dim": 256, "tile_n": 64, "num_stages": 4}, "shared memory"),
     ],
 )
 def test_bad_backward_variants_raise_clear_errors(overrides, message):
@@ -75,10 +75,13 @@ def test_backward_variant_shape():
     assert v.key().startswith("attn_bwd_sm90_d128_bf16_h8x2_t64x128s2_")
     assert v.key() != variant(has_softcap=True).key()
     # Above d=128 two warpgroups share a 64-key tile, splitting its head dims; P^T joins each
-    # dS^T buffer, and one (Q, dO) stage (so one buffer) at d=256.
-    wide = variant(head_dim=256, tile_n=64, num_stages=1)
-    assert wide.num_mma_warpgroups == backward_warpgroups(64) == 2
-    assert wide.smem_bytes() == (2 * 64 * 256 + 2 * 64 * 256 + 2 * 64 * 64) * 2 + (64 * 256 + 2 * 64) * 4
+    # dS^T buffer. At d=256 two Q stages fit only with one dO stage and dQ staged in halves.
+    wide = variant(head_dim=256, tile_n=64)
+    assert wide.num_mma_warpgroups == backward_warpgroups(64) == 2 and wide.bwd_staging == (1, 2)
+    assert wide.smem_bytes() == (2 * 64 * 256 + 3 * 64 * 256 + 2 * 2 * 64 * 64) * 2 + (64 * 128 + 2 * 2 * 64) * 4
+    narrow = variant(head_dim=256, tile_n=64, num_stages=1)
+    assert narrow.bwd_staging == (1, 1) and variant().bwd_staging == (2, 1)
+    assert narrow.smem_bytes() == (2 * 64 * 256 + 2 * 64 * 256 + 2 * 64 * 64) * 2 + (64 * 256 + 2 * 64) * 4
     mla = variant(head_dim=192, head_dim_v=128, tile_n=64)
     assert mla.smem_bytes() == (64 * 320 + 2 * 64 * 320 + 2 * 2 * 64 * 64) * 2 + (64 * 192 + 2 * 2 * 64) * 4
     assert variant(deterministic=True).key().startswith("attn_bwd_sm90_d128_bf16_h8x2_t64x128s2_d_")
@@ -130,7 +133,8 @@ def test_module_constants_describe_the_variant(name):
     shape = {"HEAD_DIM": v.head_dim, "HEAD_DIM_V": v.head_dim_v, "TILE_Q": v.tile_m, "TILE_K": v.tile_n,
              "TILE_N": v.tile_m // parts, "NUM_STAGES": v.num_stages, "NUM_MMA_WG": v.num_mma_warpgroups,
              "DQ_COLS": v.head_dim // v.num_mma_warpgroups, "DK_COLS": v.head_dim // parts, "DV_COLS": v.head_dim_v // parts,
-             "COLS_PER_THREAD": v.tile_m // parts // 4, "MASK_SLOTS": 2 if v.head_dim == 64 else 0}  # fmt: skip
+             "COLS_PER_THREAD": v.tile_m // parts // 4, "MASK_SLOTS": 2 if v.head_dim == 64 else 0,
+             "DO_STAGES": v.bwd_staging[0], "DQ_CHUNKS": v.bwd_staging[1]}  # fmt: skip
     assert {k: c[k] for k in shape} == shape
 
 
@@ -169,9 +173,10 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     assert "wgmma.mma_async" in ptx
     parts = 1 if v.tile_n > 64 else 2  # a 64-key tile: the warpgroups split its queries and head dims
     dk_cols, dv_cols, key_blocks = v.head_dim // parts, v.head_dim_v // parts, v.tile_n // 64
+    dq_chunks = v.bwd_staging[1]
     assert f"m64n{v.tile_m // parts}k16" in ptx  # S^T / dP^T
     assert f"m64n{dv_cols}k16" in ptx and f"m64n{dk_cols}k16" in ptx  # dV, dK
-    assert f"m64n{v.head_dim // 2}k16" in ptx  # each warpgroup's half of dQ
+    assert f"m64n{v.head_dim // 2 // dq_chunks}k16" in ptx  # each warpgroup's half of dQ (in chunks)
     assert "cp.async.bulk.tensor" in ptx  # TMA loads and the dK / dV stores
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)  # dQ += by TMA (rows in staging order)
     # No per-element atomics on dQ: only a split item's pieces add their dK / dV (their columns over two
@@ -188,8 +193,8 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     assert ("ld.global.acquire.gpu" in ptx and "red.release.gpu.global.add" in ptx) == v.deterministic
     # The line mask runs on partial blocks only: one block path without line masks (unmasked),
     # or a masked and a full one; each has head_dim / 16 wgmma for S^T and for dP^T, 4 for dV
-    # and for dK (64 queries), 4 for dQ per 64-key block.
-    per_block = v.head_dim // 16 + v.head_dim_v // 16 + 8 + 4 * key_blocks
+    # and for dK (64 queries), 4 for dQ per 64-key block and chunk.
+    per_block = v.head_dim // 16 + v.head_dim_v // 16 + 8 + 4 * key_blocks * dq_chunks
     assert ptx.count("wgmma.mma_async") == (1 if v.unmasked else 2) * per_block
     # Softcap's scale pair is the only optional argument: off, it reaches the kernel as None.
     assert sum(entry_params(ptx, "attn_bwd_kernel").values()) == 38 + 2 * v.has_softcap

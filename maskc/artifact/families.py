@@ -246,7 +246,7 @@ SM90 = KernelFamily(
         # split the head dims); blocks alternate two dS buffers, so the (Q, dO) stages come in
         # pairs, or one stage where two do not fit (d=256).
         tiles={**dict.fromkeys(_square(64, 96, 128), Tiles(64, 128, 2)), HeadDim(192, 192): Tiles(64, 64, 2),
-               MLA: Tiles(64, 64, 2), HeadDim(256, 256): Tiles(64, 64, 1)},  # fmt: skip
+               MLA: Tiles(64, 64, 2), HeadDim(256, 256): Tiles(64, 64, 2)},  # fmt: skip
         flags=frozenset({"has_softcap", "deterministic", "unmasked"}),
         choices=TileChoices(tile_m=(64,), tile_n=(64, 128), num_stages=(1, 2, 4, 6, 8), fits=_sm90_backward_fits),
         summary="TMA, wgmma, warp-specialised; long items split by query head",

@@ -188,22 +188,23 @@ class KernelVariant:
     def element_bytes(self) -> int:
         return 2
 
-    def smem_bytes(self, q_stages: int = 1) -> int:
+    def smem_bytes(self, q_stages: int = 1, staging: tuple[int, int] | None = None) -> int:
         """Shared memory for the Q buffers (each also stages O) and the K and V stages.
 
         Backward: the K and V tile and `num_stages` (Q, dO) blocks; then SM90's dS^T blocks of
         the k tile (two buffers, one with one stage; a 64-key tile keeps P^T beside each), fp32
-        lse / delta rows and the fp32 dQ staging tile, or one dS^T block for the portable and
-        SM100 backwards. SM100's forward: the Q tile and the K/V stages (P
-        stays in tensor memory)."""
+        lse / delta rows and the fp32 dQ staging tile (SM90's dO stages and dQ chunks are
+        `staging`, default `bwd_staging`), or one dS^T block for the portable and SM100
+        backwards. SM100's forward: the Q tile and the K/V stages (P stays in tensor memory)."""
         dims = self.head_dim + self.head_dim_v
         if self.direction == "bwd":
             kv = self.tile_n * dims
-            qdo = self.num_stages * self.tile_m * dims
             if self.family is not SM90:
-                return (kv + qdo + self.tile_n * self.tile_m) * self.element_bytes
+                return (kv + self.num_stages * self.tile_m * dims + self.tile_n * self.tile_m) * self.element_bytes
+            do_stages, dq_chunks = staging or self.bwd_staging
+            qdo = self.tile_m * (self.num_stages * self.head_dim + do_stages * self.head_dim_v)
             scores = min(2, self.num_stages) * (2 if self.tile_n == WARPGROUP_ROWS else 1) * self.tile_n * self.tile_m
-            fp32 = self.tile_m * self.head_dim + 2 * self.num_stages * self.tile_m
+            fp32 = self.tile_m * self.head_dim // dq_chunks + 2 * self.num_stages * self.tile_m
             return (kv + qdo + scores) * self.element_bytes + 4 * fp32
         if self.family is SM100:
             # Square head dims only: K and V share the stages.
@@ -211,6 +212,15 @@ class KernelVariant:
         q = q_stages * self.tile_m * self.head_dim
         kv = self.num_stages * self.tile_n * dims
         return (q + kv) * self.element_bytes
+
+    @property
+    def bwd_staging(self) -> tuple[int, int]:
+        """The SM90 backward's dO stages and the chunks a warpgroup stages its dQ columns of a q
+        block in: `num_stages` and whole where that fits in shared memory, else one dO stage
+        and halves (d=256 with two Q stages: the next Q still loads during a block, and dO once
+        the block's dV is done)."""
+        whole = (self.num_stages, 1)
+        return whole if self.smem_bytes(staging=whole) <= self._smem_available() else (1, 2)
 
     @property
     def q_stages(self) -> int:
