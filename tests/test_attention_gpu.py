@@ -362,6 +362,12 @@ def test_gradients_large_head_dims_head_layouts_fp16_and_options(d: str, hq: int
     _check_grads(Mask.from_cu_seqlens([0, 1000]), hq, hkv, d, "bf16", lse_grad=False)  # the unmasked kernel
 
 
+@pytest.mark.parametrize("d", LARGE_HEAD_DIMS)
+@pytest.mark.parametrize("n", [1, 63, 129, 1000])
+def test_gradients_large_head_dims_at_sequence_edges(d: str, n: int) -> None:
+    _check_grads(Mask.from_cu_seqlens([0, n], causal=True), 8, 2, d, "bf16")
+
+
 @KERNELS
 @pytest.mark.parametrize("d,dtype", [(128, "bf16"), (64, "fp16")])
 def test_gradients_with_softcap_and_sink(d: int, dtype: str, portable: bool | None) -> None:
