@@ -243,8 +243,8 @@ SM90 = KernelFamily(
     backward=Kernel(
         # q blocks of 64 queries against k tiles of 128 keys (up to d=128: two consumer
         # warpgroups of 64 keys, dK and dV in registers) or of 64 keys (above: the two warpgroups
-        # split the head dims); blocks alternate two dS buffers, so the (Q, dO) stages come in
-        # pairs, or one stage where two do not fit (d=256).
+        # split the head dims); blocks alternate two dS buffers, so the Q stages come in pairs.
+        # At d=256, dO gets one stage and dQ is staged in halves (KernelVariant.bwd_staging).
         tiles={**dict.fromkeys(_square(64, 96, 128), Tiles(64, 128, 2)), HeadDim(192, 192): Tiles(64, 64, 2),
                MLA: Tiles(64, 64, 2), HeadDim(256, 256): Tiles(64, 64, 2)},  # fmt: skip
         flags=frozenset({"has_softcap", "deterministic", "unmasked"}),

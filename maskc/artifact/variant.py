@@ -191,7 +191,7 @@ class KernelVariant:
     def smem_bytes(self, q_stages: int = 1, staging: tuple[int, int] | None = None) -> int:
         """Shared memory for the Q buffers (each also stages O) and the K and V stages.
 
-        Backward: the K and V tile and `num_stages` (Q, dO) blocks; then SM90's dS^T blocks of
+        Backward: the K and V tile and `num_stages` Q (and dO) blocks; then SM90's dS^T blocks of
         the k tile (two buffers, one with one stage; a 64-key tile keeps P^T beside each), fp32
         lse / delta rows and the fp32 dQ staging tile (SM90's dO stages and dQ chunks are
         `staging`, default `bwd_staging`), or one dS^T block for the portable and SM100
