@@ -193,9 +193,9 @@ class KernelVariant:
 
         Backward: the K and V tile and `num_stages` Q (and dO) blocks; then SM90's dS^T blocks of
         the k tile (two buffers, one with one stage; a 64-key tile keeps P^T beside each), fp32
-        lse / delta rows and the fp32 dQ staging tile (SM90's dO stages and dQ chunks are
-        `staging`, default `bwd_staging`), or one dS^T block for the portable and SM100
-        backwards. SM100's forward: the Q tile and the K/V stages (P stays in tensor memory)."""
+        lse / delta rows, the fp32 dQ staging tile (SM90's dO stages and dQ chunks are
+        `staging`, default `bwd_staging`) and a split piece's rank per warpgroup, or one dS^T
+        block for the portable and SM100 backwards. SM100's forward: the Q tile and the K/V stages (P stays in tensor memory)."""
         dims = self.head_dim + self.head_dim_v
         if self.direction == "bwd":
             kv = self.tile_n * dims
@@ -204,8 +204,8 @@ class KernelVariant:
             do_stages, dq_chunks = staging or self.bwd_staging
             qdo = self.tile_m * (self.num_stages * self.head_dim + do_stages * self.head_dim_v)
             scores = min(2, self.num_stages) * (2 if self.tile_n == WARPGROUP_ROWS else 1) * self.tile_n * self.tile_m
-            fp32 = self.tile_m * self.head_dim // dq_chunks + 2 * self.num_stages * self.tile_m
-            return (kv + qdo + scores) * self.element_bytes + 4 * fp32
+            words = self.tile_m * self.head_dim // dq_chunks + 2 * self.num_stages * self.tile_m + self.num_mma_warpgroups
+            return (kv + qdo + scores) * self.element_bytes + 4 * words
         if self.family is SM100:
             # Square head dims only: K and V share the stages.
             return (self.tile_m + self.num_stages * self.tile_n) * self.head_dim * self.element_bytes
