@@ -32,6 +32,11 @@ def variant(**overrides) -> KernelVariant:
     return KernelVariant(**fields)
 
 
+def split_parts(v: KernelVariant) -> int:
+    """The parts its warpgroups split a q block's queries and the head dims into: a 64-key tile's two."""
+    return 1 if v.tile_n > 64 else 2
+
+
 COMPILED = {
     "d128_bf16_8x2": variant(),
     "d64_fp16_8x8_softcap": variant(head_dim=64, dtype="fp16", num_heads_kv=8, has_softcap=True, num_stages=4),
@@ -131,7 +136,7 @@ def test_module_constants_describe_the_variant(name):
     features = {"HAS_SOFTCAP": v.has_softcap, "HAS_SINK": False, "HAS_MAX_LOGITS": False, "PACK_GQA": False,
                 "DETERMINISTIC": v.deterministic, "UNMASKED": v.unmasked}  # fmt: skip
     assert {k: c[k] for k in features} == features
-    parts = 1 if v.tile_n > 64 else 2  # a 64-key tile: the warpgroups split its queries and head dims
+    parts = split_parts(v)
     shape = {"HEAD_DIM": v.head_dim, "HEAD_DIM_V": v.head_dim_v, "TILE_Q": v.tile_m, "TILE_K": v.tile_n,
              "TILE_N": v.tile_m // parts, "NUM_STAGES": v.num_stages, "NUM_MMA_WG": v.num_mma_warpgroups,
              "DQ_COLS": v.head_dim // v.num_mma_warpgroups, "DK_COLS": v.head_dim // parts, "DV_COLS": v.head_dim_v // parts,
@@ -173,7 +178,7 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     v = COMPILED[name]
     assert ".target sm_90a" in ptx
     assert "wgmma.mma_async" in ptx
-    parts = 1 if v.tile_n > 64 else 2  # a 64-key tile: the warpgroups split its queries and head dims
+    parts = split_parts(v)
     dk_cols, dv_cols, key_blocks = v.head_dim // parts, v.head_dim_v // parts, v.tile_n // 64
     dq_chunks = v.bwd_staging[1]
     assert f"m64n{v.tile_m // parts}k16" in ptx  # S^T / dP^T
