@@ -34,7 +34,7 @@ def variant(**overrides) -> KernelVariant:
 
 def split_parts(v: KernelVariant) -> int:
     """The parts its warpgroups split a q block's queries and the head dims into: a 64-key tile's two."""
-    return 1 if v.tile_n > 64 else 2
+    return 1 if v.bwd_splits_keys else 2
 
 
 COMPILED = {

@@ -203,7 +203,7 @@ class KernelVariant:
                 return (kv + self.num_stages * self.tile_m * dims + self.tile_n * self.tile_m) * self.element_bytes
             do_stages, dq_chunks = staging or self.bwd_staging
             qdo = self.tile_m * (self.num_stages * self.head_dim + do_stages * self.head_dim_v)
-            scores = min(2, self.num_stages) * (2 if self.tile_n == WARPGROUP_ROWS else 1) * self.tile_n * self.tile_m
+            scores = min(2, self.num_stages) * (1 if self.bwd_splits_keys else 2) * self.tile_n * self.tile_m
             words = self.tile_m * self.head_dim // dq_chunks + 2 * self.num_stages * self.tile_m + self.num_mma_warpgroups
             return (kv + qdo + scores) * self.element_bytes + 4 * words
         if self.family is SM100:
@@ -212,6 +212,13 @@ class KernelVariant:
         q = q_stages * self.tile_m * self.head_dim
         kv = self.num_stages * self.tile_n * dims
         return (q + kv) * self.element_bytes
+
+    @property
+    def bwd_splits_keys(self) -> bool:
+        """The SM90 backward's warpgroups each own a 64-key block of a 128-key tile (P^T and dS^T
+        stay in registers); else they share a 64-key tile and split its queries and head dims,
+        P^T and dS^T going through shared memory (the templates' SPLIT_KEYS)."""
+        return self.tile_n > WARPGROUP_ROWS
 
     @property
     def bwd_staging(self) -> tuple[int, int]:
