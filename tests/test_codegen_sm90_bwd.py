@@ -41,6 +41,7 @@ COMPILED = {
     "d128_bf16_8x2": variant(),
     "d64_fp16_8x8_softcap": variant(head_dim=64, dtype="fp16", num_heads_kv=8, has_softcap=True, num_stages=4),
     "d128_bf16_8x2_deterministic": variant(deterministic=True),
+    "d64_bf16_8x2_128q_deterministic": variant(head_dim=64, tile_m=128, deterministic=True),
     "d128_bf16_8x2_unmasked": variant(unmasked=True),
     "d256_bf16_8x2": variant(head_dim=256, tile_n=64),
     "d192v128_fp16_8x8_softcap_deterministic": variant(
@@ -55,7 +56,9 @@ COMPILED = {
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"tile_m": 128}, "SM90 backward tile_m 128 is not supported; supported: 64"),
+        ({"tile_m": 192}, "SM90 backward tile_m 192 is not supported; supported: 64, 128"),
+        ({"tile_m": 128}, "tile_m 128 needs tile_n 128 and head_dim <= 64 (S^T and dP^T of 128 queries in registers)"),
+        ({"tile_m": 128, "head_dim": 64, "tile_n": 64}, "head_dim 64 with tile_n 64 takes tile_m 64"),
         ({"tile_n": 192}, "SM90 backward tile_n 192 is not supported; supported: 64, 128"),
         ({"has_sink": True}, "the SM90 backward has no sink variant"),
         ({"has_max_logits": True}, "the SM90 backward has no max_logits variant"),
@@ -89,6 +92,10 @@ def test_backward_variant_shape():
     narrow = variant(head_dim=256, tile_n=64, num_stages=1)
     assert narrow.bwd_staging == (1, 1) and variant().bwd_staging == (2, 1)
     assert narrow.smem_bytes() == (2 * 64 * 256 + 2 * 64 * 256 + 2 * 64 * 64) * 2 + (64 * 256 + 2 * 64 + 2) * 4
+    # d=64's 128-query blocks: the warpgroups split dQ by rows, each staging 64 x 64.
+    rows = variant(head_dim=64, tile_m=128)
+    assert rows.bwd_dq_splits_rows and not v.bwd_dq_splits_rows and rows.bwd_staging == (2, 1)
+    assert rows.smem_bytes() == (128 * 128 + 2 * 2 * 128 * 64 + 2 * 128 * 128) * 2 + (128 * 64 + 2 * 2 * 128 + 2) * 4
     mla = variant(head_dim=192, head_dim_v=128, tile_n=64)
     assert mla.smem_bytes() == (64 * 320 + 2 * 64 * 320 + 2 * 2 * 64 * 64) * 2 + (64 * 192 + 2 * 2 * 64 + 2) * 4
     assert variant(deterministic=True).key().startswith("attn_bwd_sm90_d128_bf16_h8x2_t64x128s2_d_")
@@ -139,10 +146,15 @@ def test_module_constants_describe_the_variant(name):
     parts = split_parts(v)
     shape = {"HEAD_DIM": v.head_dim, "HEAD_DIM_V": v.head_dim_v, "TILE_Q": v.tile_m, "TILE_K": v.tile_n,
              "TILE_N": v.tile_m // parts, "NUM_STAGES": v.num_stages, "NUM_MMA_WG": v.num_mma_warpgroups,
-             "DQ_COLS": v.head_dim // v.num_mma_warpgroups, "DK_COLS": v.head_dim // parts, "DV_COLS": v.head_dim_v // parts,
-             "COLS_PER_THREAD": v.tile_m // parts // 4, "MASK_SLOTS": 2 if v.head_dim == 64 else 0,
+             "DK_COLS": v.head_dim // parts, "DV_COLS": v.head_dim_v // parts, "COLS_PER_THREAD": v.tile_m // parts // 4,
+             "MASK_SLOTS": 2 if v.head_dim == 64 and v.tile_m == 64 else 0,
              "DO_STAGES": v.bwd_staging[0], "DQ_CHUNKS": v.bwd_staging[1]}  # fmt: skip
     assert {k: c[k] for k in shape} == shape
+    # dQ = dS K: 128-query blocks split by rows (dV then waits for dS^T), else by head-dim columns.
+    rows = v.tile_m == 128
+    dq = {"DQ_SPLITS_ROWS": rows, "DV_AFTER_DS": rows, "DQ_ROWS": v.tile_m // (2 if rows else 1),
+          "DQ_COLS": v.head_dim // (1 if rows else v.num_mma_warpgroups)}  # fmt: skip
+    assert {k: c[k] for k in dq} == dq
 
 
 def test_unmasked_is_a_backward_option():
@@ -183,7 +195,8 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     dq_chunks = v.bwd_staging[1]
     assert f"m64n{v.tile_m // parts}k16" in ptx  # S^T / dP^T
     assert f"m64n{dv_cols}k16" in ptx and f"m64n{dk_cols}k16" in ptx  # dV, dK
-    assert f"m64n{v.head_dim // 2 // dq_chunks}k16" in ptx  # each warpgroup's half of dQ (in chunks)
+    dq_cols = v.head_dim // (1 if v.bwd_dq_splits_rows else 2)
+    assert f"m64n{dq_cols // dq_chunks}k16" in ptx  # each warpgroup's part of dQ (in chunks): its rows, or half the columns
     assert "cp.async.bulk.tensor" in ptx  # TMA loads and the dK / dV stores
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)  # dQ += by TMA (rows in staging order)
     # No per-element atomics on dQ: only a split item's pieces add their dK / dV (their columns over two
@@ -199,9 +212,9 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     assert ("tanh.approx" in ptx) == v.has_softcap
     assert ("ld.global.acquire.gpu" in ptx and "red.release.gpu.global.add" in ptx) == v.deterministic
     # The line mask runs on partial blocks only: one block path without line masks (unmasked),
-    # or a masked and a full one; each has head_dim / 16 wgmma for S^T and for dP^T, 4 for dV
-    # and for dK (64 queries), 4 for dQ per 64-key block and chunk.
-    per_block = v.head_dim // 16 + v.head_dim_v // 16 + 8 + 4 * key_blocks * dq_chunks
+    # or a masked and a full one; each has head_dim / 16 wgmma for S^T and for dP^T, one per 16
+    # queries for dV and for dK, 4 for dQ per 64-key block and chunk.
+    per_block = v.head_dim // 16 + v.head_dim_v // 16 + 2 * (v.tile_m // 16) + 4 * key_blocks * dq_chunks
     assert ptx.count("wgmma.mma_async") == (1 if v.unmasked else 2) * per_block
     # Softcap's scale pair is the only optional argument: off, it reaches the kernel as None.
     assert sum(entry_params(ptx, "attn_bwd_kernel").values()) == 38 + 2 * v.has_softcap

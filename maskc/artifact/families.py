@@ -210,9 +210,15 @@ def _sm90_forward_fits(head_dim: HeadDim, tiles: Tiles) -> str | None:
 def _sm90_backward_fits(head_dim: HeadDim, tiles: Tiles) -> str | None:
     """A 128-key tile keeps dK and dV of a warpgroup's 64 keys over every head dim in its
     registers, qk / 2 + v / 2 of a thread's: 128 at d=128. A 64-key tile gives each of the two
-    warpgroups half of the head dims (backward_warpgroups)."""
+    warpgroups half of the head dims (backward_warpgroups). A 128-query block doubles S^T and
+    dP^T (64 registers each), which leaves room for dK and dV only at d=64."""
     if tiles.tile_n == 128 and max(head_dim.qk, head_dim.v) > 128:
         return f"tile_n 128 needs head_dim <= 128 (dK and dV in registers); head_dim {head_dim} takes tile_n 64"
+    if tiles.tile_m == 128 and (tiles.tile_n != 128 or max(head_dim.qk, head_dim.v) > 64):
+        return (
+            f"tile_m 128 needs tile_n 128 and head_dim <= 64 (S^T and dP^T of 128 queries in registers); "
+            f"head_dim {head_dim} with tile_n {tiles.tile_n} takes tile_m 64"
+        )
     return None
 
 
@@ -244,11 +250,12 @@ SM90 = KernelFamily(
         # q blocks of 64 queries against k tiles of 128 keys (up to d=128: two consumer
         # warpgroups of 64 keys, dK and dV in registers) or of 64 keys (above: the two warpgroups
         # split the head dims); blocks alternate two dS buffers, so the Q stages come in pairs.
+        # At d=64 the q blocks have 128 queries, dQ split by rows (KernelVariant.bwd_dq_splits_rows).
         # At d=256, dO gets one stage and dQ is staged in halves (KernelVariant.bwd_staging).
-        tiles={**dict.fromkeys(_square(64, 96, 128), Tiles(64, 128, 2)), HeadDim(192, 192): Tiles(64, 64, 2),
+        tiles={HeadDim(64, 64): Tiles(128, 128, 2), **dict.fromkeys(_square(96, 128), Tiles(64, 128, 2)), HeadDim(192, 192): Tiles(64, 64, 2),
                MLA: Tiles(64, 64, 2), HeadDim(256, 256): Tiles(64, 64, 2)},  # fmt: skip
         flags=frozenset({"has_softcap", "deterministic", "unmasked"}),
-        choices=TileChoices(tile_m=(64,), tile_n=(64, 128), num_stages=(1, 2, 4, 6, 8), fits=_sm90_backward_fits),
+        choices=TileChoices(tile_m=(64, 128), tile_n=(64, 128), num_stages=(1, 2, 4, 6, 8), fits=_sm90_backward_fits),
         summary="TMA, wgmma, warp-specialised; long items split by query head",
     ),
     split_backward=True,

@@ -221,6 +221,13 @@ class KernelVariant:
         return self.tile_n > WARPGROUP_ROWS
 
     @property
+    def bwd_dq_splits_rows(self) -> bool:
+        """The SM90 backward's warpgroups split a q block's dQ = dS K by queries, each its 64 of a
+        128-query block over every head dim (one N = head-dim wgmma per 64 keys); else by
+        head-dim columns, each over the whole block (the templates' DQ_SPLITS_ROWS)."""
+        return self.tile_m > WARPGROUP_ROWS
+
+    @property
     def bwd_staging(self) -> tuple[int, int]:
         """The SM90 backward's dO stages and the chunks a warpgroup stages its dQ columns of a q
         block in: `num_stages` and whole where that fits in shared memory, else one dO stage
