@@ -211,11 +211,11 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     assert "ld.global.v4" in ptx and "shfl.sync.bfly" in ptx
     assert ("tanh.approx" in ptx) == v.has_softcap
     assert ("ld.global.acquire.gpu" in ptx and "red.release.gpu.global.add" in ptx) == v.deterministic
-    # The line mask runs on partial blocks only: one block path without line masks (unmasked),
-    # or a masked and a full one; each has head_dim / 16 wgmma for S^T and for dP^T, one per 16
-    # queries for dV and for dK, 4 for dQ per 64-key block and chunk.
+    # One block path, which runs the line mask on partial blocks only (none: unmasked): head_dim /
+    # 16 wgmma for S^T and for dP^T, one per 16 queries for dV and for dK, 4 for dQ per 64-key
+    # block and chunk.
     per_block = v.head_dim // 16 + v.head_dim_v // 16 + 2 * (v.tile_m // 16) + 4 * key_blocks * dq_chunks
-    assert ptx.count("wgmma.mma_async") == (1 if v.unmasked else 2) * per_block
+    assert ptx.count("wgmma.mma_async") == per_block
     # Softcap's scale pair is the only optional argument: off, it reaches the kernel as None.
     assert sum(entry_params(ptx, "attn_bwd_kernel").values()) == 38 + 2 * v.has_softcap
     assert ".local" not in ptx  # register tensors stay in registers (no local-memory arrays)
