@@ -252,8 +252,8 @@ SM90 = KernelFamily(
         # split the head dims); blocks alternate two dS buffers, so the Q stages come in pairs.
         # At d=64 the q blocks have 128 queries, dQ split by rows (KernelVariant.bwd_dq_splits_rows).
         # At d=256, dO gets one stage and dQ is staged in halves (KernelVariant.bwd_staging).
-        tiles={HeadDim(64, 64): Tiles(128, 128, 2), **dict.fromkeys(_square(96, 128), Tiles(64, 128, 2)), HeadDim(192, 192): Tiles(64, 64, 2),
-               MLA: Tiles(64, 64, 2), HeadDim(256, 256): Tiles(64, 64, 2)},  # fmt: skip
+        tiles={HeadDim(64, 64): Tiles(128, 128, 2), **dict.fromkeys(_square(96, 128), Tiles(64, 128, 2)),
+               HeadDim(192, 192): Tiles(64, 64, 2), MLA: Tiles(64, 64, 2), HeadDim(256, 256): Tiles(64, 64, 2)},  # fmt: skip
         flags=frozenset({"has_softcap", "deterministic", "unmasked"}),
         choices=TileChoices(tile_m=(64, 128), tile_n=(64, 128), num_stages=(1, 2, 4, 6, 8), fits=_sm90_backward_fits),
         summary="TMA, wgmma, warp-specialised; long items split by query head",

@@ -223,7 +223,7 @@ class KernelVariant:
     @property
     def bwd_dq_splits_rows(self) -> bool:
         """The SM90 backward's warpgroups split a q block's dQ = dS K by queries, each its 64 of a
-        128-query block over every head dim (one N = head-dim wgmma per 64 keys); else by
+        128-query block over every head dim (one N = head-dim wgmma per 16 keys); else by
         head-dim columns, each over the whole block (the templates' DQ_SPLITS_ROWS)."""
         return self.tile_m > WARPGROUP_ROWS
 
