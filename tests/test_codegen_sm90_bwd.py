@@ -43,6 +43,7 @@ COMPILED = {
     "d128_bf16_8x2_deterministic": variant(deterministic=True),
     "d64_bf16_8x2_128q_deterministic": variant(head_dim=64, tile_m=128, deterministic=True),
     "d128_bf16_8x2_unmasked": variant(unmasked=True),
+    "d96_bf16_8x2_one_dq_warpgroup": variant(head_dim=96),
     "d256_bf16_8x2": variant(head_dim=256, tile_n=64),
     "d192v128_fp16_8x8_softcap_deterministic": variant(
         head_dim=192, head_dim_v=128, tile_n=64, dtype="fp16", num_heads_kv=8, has_softcap=True, deterministic=True
@@ -95,6 +96,8 @@ def test_backward_variant_shape():
     # d=64's 128-query blocks: the warpgroups split dQ by rows, each staging 64 x 64.
     rows = variant(head_dim=64, tile_m=128)
     assert rows.bwd_dq_splits_rows and not v.bwd_dq_splits_rows and rows.bwd_staging == (2, 1)
+    # d=96: warpgroup 0 alone computes dQ (halves would be 48 columns); the others split it.
+    assert variant(head_dim=96).bwd_dq_warpgroups == 1 and v.bwd_dq_warpgroups == rows.bwd_dq_warpgroups == 2
     assert rows.smem_bytes() == (128 * 128 + 2 * 2 * 128 * 64 + 2 * 128 * 128) * 2 + (128 * 64 + 2 * 2 * 128 + 2) * 4
     mla = variant(head_dim=192, head_dim_v=128, tile_n=64)
     assert mla.smem_bytes() == (64 * 320 + 2 * 64 * 320 + 2 * 2 * 64 * 64) * 2 + (64 * 192 + 2 * 2 * 64 + 2) * 4
@@ -150,10 +153,11 @@ def test_module_constants_describe_the_variant(name):
              "MASK_SLOTS": 2 if v.head_dim == 64 and v.tile_m == 64 else 0,
              "DO_STAGES": v.bwd_staging[0], "DQ_CHUNKS": v.bwd_staging[1]}  # fmt: skip
     assert {k: c[k] for k in shape} == shape
-    # dQ = dS K: 128-query blocks split by rows (dV then waits for dS^T), else by head-dim columns.
-    rows = v.tile_m == 128
-    dq = {"DQ_SPLITS_ROWS": rows, "DV_AFTER_DS": rows, "DQ_ROWS": v.tile_m // (2 if rows else 1),
-          "DQ_COLS": v.head_dim // (1 if rows else v.num_mma_warpgroups)}  # fmt: skip
+    # dQ = dS K: 128-query blocks split by rows (dV then waits for dS^T); at d=96 one warpgroup
+    # computes all of it; else the warpgroups split the head-dim columns.
+    rows, one = v.tile_m == 128, v.head_dim == 96
+    dq = {"DQ_SPLITS_ROWS": rows, "DV_AFTER_DS": rows, "DQ_WARPGROUPS": 1 if one else 2,
+          "DQ_ROWS": v.tile_m // (2 if rows else 1), "DQ_COLS": v.head_dim // (1 if rows or one else 2)}  # fmt: skip
     assert {k: c[k] for k in dq} == dq
 
 
@@ -193,18 +197,23 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     parts = split_parts(v)
     dk_cols, dv_cols, key_blocks = v.head_dim // parts, v.head_dim_v // parts, v.tile_n // 64
     dq_chunks = v.bwd_staging[1]
+    # With one dQ warpgroup each warpgroup's loop is traced apart, the second without dQ.
+    copies = 1 if v.bwd_dq_warpgroups == v.num_mma_warpgroups else 2
     assert f"m64n{v.tile_m // parts}k16" in ptx  # S^T / dP^T
     assert f"m64n{dv_cols}k16" in ptx and f"m64n{dk_cols}k16" in ptx  # dV, dK
-    dq_cols = v.head_dim // (1 if v.bwd_dq_splits_rows else 2)
+    dq_cols = v.head_dim // (1 if v.bwd_dq_splits_rows or v.bwd_dq_warpgroups == 1 else 2)
     assert f"m64n{dq_cols // dq_chunks}k16" in ptx  # each warpgroup's part of dQ (in chunks): its rows, or half the columns
     assert "cp.async.bulk.tensor" in ptx  # TMA loads and the dK / dV stores
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)  # dQ += by TMA (rows in staging order)
     # No per-element atomics on dQ: only a split item's pieces add their dK / dV (their columns over two
     # threads' rows: (dk_cols + dv_cols) / 2 values a thread) and count.
-    assert ptx.count("red.global") == ptx.count("red.global.add.f32") == (dk_cols + dv_cols) // 2
-    assert "atom.global" not in ptx and ptx.count("atom.acq_rel.gpu.global.add.s32") == 1
+    assert ptx.count("red.global") == ptx.count("red.global.add.f32") == copies * (dk_cols + dv_cols) // 2
+    assert "atom.global" not in ptx and ptx.count("atom.acq_rel.gpu.global.add.s32") == copies
     assert "stmatrix" in ptx  # dS^T and the dK / dV staging
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    # One dQ warpgroup (d=96) takes 16 registers of the other's, each running its own loop.
+    raised = sorted(set(re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)))
+    assert raised == (["224", "256"] if v.bwd_dq_warpgroups == 1 else ["240"])
     assert "ex2.approx" in ptx
     # The preprocess kernel launched first: 16-byte loads of O and dO, rows summed by shuffles.
     assert ".entry kernel_cutlass_attn_bwd_prep_kernel" in ptx
@@ -214,8 +223,8 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     # One block path, which runs the line mask on partial blocks only (none: unmasked): head_dim /
     # 16 wgmma for S^T and for dP^T, one per 16 queries for dV and for dK, 4 for dQ per 64-key
     # block and chunk.
-    per_block = v.head_dim // 16 + v.head_dim_v // 16 + 2 * (v.tile_m // 16) + 4 * key_blocks * dq_chunks
-    assert ptx.count("wgmma.mma_async") == per_block
+    products, dq_products = v.head_dim // 16 + v.head_dim_v // 16 + 2 * (v.tile_m // 16), 4 * key_blocks * dq_chunks
+    assert ptx.count("wgmma.mma_async") == copies * products + dq_products
     # Softcap's scale pair is the only optional argument: off, it reaches the kernel as None.
     assert sum(entry_params(ptx, "attn_bwd_kernel").values()) == 38 + 2 * v.has_softcap
     assert ".local" not in ptx  # register tensors stay in registers (no local-memory arrays)

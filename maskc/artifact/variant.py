@@ -228,6 +228,17 @@ class KernelVariant:
         return self.tile_m > WARPGROUP_ROWS
 
     @property
+    def bwd_dq_warpgroups(self) -> int:
+        """The SM90 backward's consumer warpgroups that compute dQ: all of them, or only the
+        first (FA4's dQ_single_wg) where halving the head dims would leave slices that are not
+        whole 32-column swizzle atoms (d=96: 48 columns). Then K keeps 64-byte swizzle atoms for
+        S^T = K Q^T, dQ is one N=96 product, and the first warpgroup gets 16 registers of the
+        other's."""
+        if self.bwd_splits_keys and not self.bwd_dq_splits_rows and (self.head_dim // 2) % 32:
+            return 1
+        return self.num_mma_warpgroups
+
+    @property
     def bwd_staging(self) -> tuple[int, int]:
         """The SM90 backward's dO stages and the chunks a warpgroup stages its dQ columns of a q
         block in: `num_stages` and whole where that fits in shared memory, else one dO stage
