@@ -46,6 +46,7 @@ COMPILED = {
         has_max_logits=True,
     ),
     "d128_bf16_8x1_mqa": variant(num_heads_q=8, num_heads_kv=1),
+    "d96_bf16_64x8_p_in_smem": variant(head_dim=96, tile_m=192),
     "d128_bf16_64x8_pack_gqa": variant(pack_gqa=True),
     "d64_fp16_8x1_pack_gqa_softcap_sink_maxlogits": variant(
         head_dim=64,
@@ -77,7 +78,9 @@ COMPILED = {
         ({"direction": "sideways"}, "direction 'sideways' is not supported"),
         ({"tile_m": 64}, "SM90 forward tile_m 64 is not supported; supported: 128, 192"),
         ({"tile_n": 120}, "SM90 forward tile_n 120 is not supported; supported: multiples of 16 in [64, 192]"),
-        ({"tile_m": 192, "head_dim": 128}, "needs head_dim <= 96"),
+        ({"tile_m": 192, "head_dim": 128}, "needs head_dim <= 64 with tile_n <= 128, or head_dim <= 96 with tile_n <= 144"),
+        ({"tile_m": 192, "head_dim": 96, "tile_n": 160}, "or head_dim <= 96 with tile_n <= 144"),
+        ({"tile_m": 192, "head_dim": 64, "tile_n": 144}, "needs head_dim <= 64 with tile_n <= 128"),
         ({"num_stages": 4}, "shared memory"),
         ({"num_heads_kv": 0}, "positive int"),
         ({"has_sink": 1}, "must be a bool"),
@@ -120,6 +123,15 @@ def test_q_buffers_double_when_they_fit():
     assert variant(num_stages=3).q_stages == 1  # 3 K/V stages leave room for one Q tile only
 
 
+def test_p_goes_through_shared_memory_where_registers_run_out():
+    """Three consumer warpgroups have 160 registers a thread: O, S and P of 64 rows fit at head
+    dim 64, not at 96, where P takes shared memory: at 192x144 it leaves room for one Q buffer."""
+    d96, d64 = variant(head_dim=96, tile_m=192), variant(head_dim=64, tile_m=192)
+    assert (d96.p_in_smem, d64.p_in_smem, variant().p_in_smem) == (True, False, False)
+    assert d96.smem_bytes(1) == (192 * 96 + 2 * 128 * (96 + 96) + 192 * 128) * 2  # Q, K and V stages, P
+    assert (d96.q_stages, variant(head_dim=96, tile_m=192, tile_n=144).q_stages) == (2, 1)
+
+
 # ---- rendering ---------------------------------------------------------------------------------
 
 
@@ -154,7 +166,8 @@ def test_module_constants_describe_the_variant(name):
     assert {k: c[k] for k in features} == features
     shape = {"HEAD_DIM": v.head_dim, "TILE_M": v.tile_m, "TILE_N": v.tile_n, "NUM_STAGES": v.num_stages,
              "Q_STAGES": v.q_stages, "NUM_MMA_WG": v.num_mma_warpgroups, "NUM_THREADS": 128 * (v.num_mma_warpgroups + 1),
-             "COLS_PER_THREAD": v.tile_n // 4, "MASK_SLOTS": 2 if v.num_mma_warpgroups == 2 else 0}  # fmt: skip
+             "COLS_PER_THREAD": v.tile_n // 4, "MASK_SLOTS": 2 if v.num_mma_warpgroups == 2 else 0,
+             "P_IN_SMEM": v.p_in_smem}  # fmt: skip
     assert {k: c[k] for k in shape} == shape
     assert c["PACK_G"] == (v.qheads_per_kvhead if v.pack_gqa else 1) and 2 ** c["PACK_G_LOG2"] == c["PACK_G"]
     assert c["ITEM_HEADS"] == (v.num_heads_kv if v.pack_gqa else v.num_heads_q)
@@ -212,6 +225,15 @@ def test_partial_and_full_blocks_take_separate_paths(compiled, name):
     S = Q K^T (HEAD_DIM / 16 wgmma) and O += P V (TILE_N / 16) three times each."""
     v = COMPILED[name]
     assert compiled[name].ptx_text.count("wgmma.mma_async") == 3 * (v.head_dim // 16 + v.tile_n // 16)
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_p_v_reads_p_where_the_variant_keeps_it(compiled, name):
+    """O += P V takes P as registers (a {...} A operand after the accumulator) or, with P in
+    shared memory, as a wgmma descriptor, like Q in S = Q K^T."""
+    wgmmas = [line for line in compiled[name].ptx_text.splitlines() if "wgmma.mma_async.sync" in line]
+    register_a = any(re.sub(r"^[^}]*\}, ", "", line).startswith("{") for line in wgmmas)
+    assert register_a == (not COMPILED[name].p_in_smem)
 
 
 def test_exported_structs_match_what_the_runtime_packs(compiled):

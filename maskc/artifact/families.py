@@ -195,13 +195,24 @@ class KernelFamily:
         return flag in self.kernel(direction).flags
 
 
+def sm90_p_in_smem(tile_m: int, head_dim_v: int) -> bool:
+    """Whether the SM90 forward's P reaches O += P V through shared memory instead of as a
+    register operand: with three consumer warpgroups (160 registers a thread) above head dim
+    64, O, S and P of a warpgroup's 64 rows do not fit in registers together."""
+    return tile_m > 128 and head_dim_v > 64
+
+
 def _sm90_forward_fits(head_dim: HeadDim, tiles: Tiles) -> str | None:
     """O and S of a consumer warpgroup's 64 rows live in its registers, and with them the P of
     the block before (softmax overlaps the previous P V): about head_dim.v / 2 + 3 * tile_n / 4
     of a thread's registers, and more than 188 spills (at d=128, 128x176 measured about 420
-    TFLOP/s against 600-690 for 128x128)."""
-    if tiles.tile_m == 192 and (head_dim.v > 96 or tiles.tile_n > 128):
-        return "tile_m 192 (3 consumer warpgroups) needs head_dim <= 96 and tile_n <= 128 (registers)"
+    TFLOP/s against 600-690 for 128x128). Three warpgroups have 160 registers: O, S and P up to
+    head dim 64, O and S (P in shared memory, `sm90_p_in_smem`) up to 96."""
+    if tiles.tile_m == 192 and (head_dim.v > 96 or tiles.tile_n > (144 if sm90_p_in_smem(192, head_dim.v) else 128)):
+        return (
+            "tile_m 192 (3 consumer warpgroups) needs head_dim <= 64 with tile_n <= 128, "
+            "or head_dim <= 96 with tile_n <= 144 (registers)"
+        )
     if head_dim.v // 2 + 3 * tiles.tile_n // 4 > 188:
         return f"tile_n {tiles.tile_n} with head_dim {head_dim} does not fit in registers"
     return None
@@ -237,7 +248,7 @@ SM90 = KernelFamily(
     forward=Kernel(
         # Key blocks sized per head dim: O, S and the previous P share the registers, and the
         # K / V stages the shared memory. Each shape won an A/B (docs/design/tile-shapes.md).
-        tiles={HeadDim(64, 64): Tiles(192, 128, 2), HeadDim(96, 96): Tiles(128, 160, 2),
+        tiles={HeadDim(64, 64): Tiles(192, 128, 2), HeadDim(96, 96): Tiles(192, 128, 2),
                HeadDim(128, 128): Tiles(128, 128, 2), MLA: Tiles(128, 128, 2), HeadDim(192, 192): Tiles(128, 96, 2),
                HeadDim(256, 256): Tiles(128, 80, 2)},  # fmt: skip
         flags=frozenset({"has_softcap", "has_sink", "has_max_logits", "pack_gqa"}),

@@ -31,6 +31,7 @@ from maskc.artifact.families import (
     family_of,
     pack_gqa_supported,
     select_tiles,
+    sm90_p_in_smem,
 )
 from maskc.errors import VariantError
 
@@ -195,7 +196,8 @@ class KernelVariant:
         the k tile (two buffers, one with one stage; a 64-key tile keeps P^T beside each), fp32
         lse / delta rows, the fp32 dQ staging tile (SM90's dO stages and dQ chunks are
         `staging`, default `bwd_staging`) and a split piece's rank per warpgroup, or one dS^T
-        block for the portable and SM100 backwards. SM100's forward: the Q tile and the K/V stages (P stays in tensor memory)."""
+        block for the portable and SM100 backwards. SM100's forward: the Q tile and the K/V stages (P stays in tensor memory); SM90's,
+        also P where it goes through shared memory."""
         dims = self.head_dim + self.head_dim_v
         if self.direction == "bwd":
             kv = self.tile_n * dims
@@ -211,7 +213,14 @@ class KernelVariant:
             return (self.tile_m + self.num_stages * self.tile_n) * self.head_dim * self.element_bytes
         q = q_stages * self.tile_m * self.head_dim
         kv = self.num_stages * self.tile_n * dims
-        return (q + kv) * self.element_bytes
+        p = self.tile_m * self.tile_n if self.p_in_smem else 0
+        return (q + kv + p) * self.element_bytes
+
+    @property
+    def p_in_smem(self) -> bool:
+        """The SM90 forward stages P in shared memory for O += P V (`sm90_p_in_smem`; the
+        templates' P_IN_SMEM)."""
+        return self.family is SM90 and self.direction == "fwd" and sm90_p_in_smem(self.tile_m, self.head_dim_v)
 
     @property
     def bwd_splits_keys(self) -> bool:
