@@ -9,7 +9,8 @@ offers its archs, head dims and dtypes, and docs/support.md's tables are generat
 Tile shapes were measured on an H200 (heads 64:8, bf16, 8k-16k tokens): at d=128, 128x128 tiles
 with two K/V stages (two consumer warpgroups) reach 600-690 TFLOP/s on full and causal masks,
 while 128x176 spills registers and drops to about 420; at d=64, 192x128 (three consumer
-warpgroups) beats 128x128 by about 15% on full masks.
+warpgroups) beats 128x128 by about 15% on full masks, and at d=96 (P through shared memory)
+128x160 by 3-10% (docs/design/tile-shapes.md).
 """
 
 from __future__ import annotations
