@@ -36,7 +36,7 @@ from maskc.ir.schedule import (
     build_deterministic_backward_schedule,
     build_schedule,
 )
-from maskc.ir.strategy import select_pack_gqa
+from maskc.ir.strategy import select_forward
 from maskc.runtime import registry
 
 #: The kernels' input dtypes, by torch dtype.
@@ -136,20 +136,31 @@ def memoized(mask: Mask, key: tuple, compute: Callable[[], Any]) -> Any:
 
 
 def forward_requests(mask: Mask, target: Target) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The forward kernel's request, and the one of a kernel that serves the call too (the
-    other GQA strategy, where the strategy was maskc's choice: maskc.ir.strategy)."""
+    """The forward kernel's request, and the one of a kernel that serves the call too, where
+    maskc chose (maskc.ir.strategy): with the tall tile, the other tile and the same GQA
+    strategy; else the other GQA strategy."""
     request = {**target.fields, "direction": "fwd", "has_sink": target.has_sink, "has_max_logits": target.has_max_logits}
     hq, hkv = request["num_heads_q"], request["num_heads_kv"]
-    if not target.family.has("fwd", "pack_gqa"):
-        return {**request, "pack_gqa": False}, None
-    if target.pack_gqa is not None:
-        return {**request, "pack_gqa": target.pack_gqa}, None
-    tiles = target.tiles("fwd")
-    key = ("pack_gqa", hq, hkv, tiles.tile_m, tiles.tile_n, target.num_sms)
-    packed = pack_gqa_supported(hq, hkv) and memoized(
-        mask, key, lambda: select_pack_gqa(mask, hq, hkv, tiles.tile_m, tiles.tile_n, target.num_sms, keep=True)
-    )
-    return {**request, "pack_gqa": packed}, {**request, "pack_gqa": not packed}
+    tiles, tall = target.tiles("fwd"), _tall_tiles(target)
+    if target.pack_gqa is not None or not target.family.has("fwd", "pack_gqa"):
+        packs: tuple[bool, ...] = (bool(target.pack_gqa),)
+    else:
+        packs = (False, True) if pack_gqa_supported(hq, hkv) else (False,)
+    if tall is None and len(packs) == 1:
+        return {**request, "pack_gqa": packs[0]}, None
+    shapes = ((tiles.tile_m, tiles.tile_n), None if tall is None else (tall.tile_m, tall.tile_n))
+    key = ("forward", hq, hkv, *shapes, packs, target.num_sms)
+    is_tall, packed = memoized(mask, key, lambda: select_forward(mask, hq, hkv, *shapes, target.num_sms, packs=packs, keep=True))
+    chosen = {**request, "pack_gqa": packed, **({"tall": True} if is_tall else {})}
+    if is_tall:
+        return chosen, {**request, "pack_gqa": packed}
+    return chosen, ({**request, "pack_gqa": not packed} if len(packs) == 2 else None)
+
+
+@lru_cache(maxsize=None)
+def _tall_tiles(target: Target) -> Tiles | None:
+    """The tall forward tile of the target's head dims, None where the family has none."""
+    return target.family.forward.tall_tiles.get(HeadDim.of(target.fields))
 
 
 def backward_requests(mask: Mask, target: Target) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -22,9 +22,9 @@ from maskc.runtime.launch import CuteRuntime, Kernel, runtime_at, runtime_of
 
 REQUEST_FIELDS = (
     "arch", "direction", "head_dim", "dtype", "num_heads_q", "num_heads_kv", "has_softcap", "has_sink", "has_max_logits",
-    "pack_gqa", "deterministic", "unmasked", "portable",
+    "pack_gqa", "deterministic", "unmasked", "portable", "tall",
 )  # fmt: skip
-_OPTIONAL_FIELDS = ("pack_gqa", "deterministic", "unmasked", "portable")  # False where a request or manifest leaves them out
+_OPTIONAL_FIELDS = ("pack_gqa", "deterministic", "unmasked", "portable", "tall")  # False where a request or manifest leaves them out
 
 
 def request_key(fields: Mapping[str, Any]) -> tuple:

@@ -20,7 +20,7 @@ import torch
 import maskc
 from maskc.artifact.families import HeadDim
 from maskc.frontend import load
-from maskc.ir import AttnSlice, Mask
+from maskc.ir import AttnSlice, Mask, strategy
 from maskc.runtime import plan, registry
 
 pytestmark = pytest.mark.gpu
@@ -195,6 +195,23 @@ def test_head_dims_with_head_layouts_fp16_and_options(d: str, hq: int, hkv: int)
 @pytest.mark.parametrize("n", [1, 129, 16411])
 def test_head_dims_at_sequence_edges(d: str, n: int) -> None:
     _check(Mask.from_cu_seqlens([0, n], causal=True), 8, 2, d, "bf16")
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_every_mask_family_on_the_tall_forward_tile(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """d=128's tall forward tile (192x128, three consumer warpgroups, P through shared memory),
+    which the runtime takes for masks of long full items, forced on every mask family, with
+    both GQA strategies, fp16, the options and short sequences."""
+    monkeypatch.setattr(strategy, "TALL_MARGIN", float("inf"))
+    _check(MASKS[name](), 64, 8, 128, "bf16", seed=name_seed(name))
+    _check(MASKS[name](), 8, 8, 128, "fp16", seed=name_seed(name))
+    _check(MASKS[name](), 8, 1, 128, "bf16", softcap=5.0, sink=True, max_logits=True, pack_gqa=name_seed(name) % 2 == 0)
+
+
+@pytest.mark.parametrize("n", [1, 129, 16411])
+def test_the_tall_forward_tile_at_sequence_edges(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(strategy, "TALL_MARGIN", float("inf"))
+    _check(Mask.from_cu_seqlens([0, n], causal=True), 8, 2, 128, "bf16")
 
 
 def test_the_portable_kernel_has_no_pack_gqa_yet() -> None:

@@ -209,23 +209,29 @@ def test_the_backward_without_line_masks_is_built_for_masks_that_need_it() -> No
 
 def test_an_arch_without_kernels_of_its_own_gets_the_portable_kernels() -> None:
     """sm_80 gets the portable forward and backward only (no PackGQA, no unmasked backward);
-    sm_90a its own kernels, plus the portable ones with --portable; sm_100a both."""
+    sm_90a its own kernels (at d=128 the forward in both tile shapes), plus the portable ones
+    with --portable; sm_100a both."""
     from maskc.cli import _kernel_requests, build_parser
 
     def requests(*flags):
         args = build_parser().parse_args(["compile", "x.mask", "-o", "out", "--heads", "8:2", *flags])
-        return sorted((r["arch"], r["direction"], r.get("pack_gqa"), r.get("deterministic", False), r.get("portable", False))
+        return sorted((r["arch"], r["direction"], r.get("pack_gqa"), r.get("tall", False), r.get("deterministic", False),
+                       r.get("portable", False))
                       for r in _kernel_requests(args, [Mask.from_cu_seqlens([0, 1000], causal=True)]))  # fmt: skip
 
-    portable = [(arch, d, False, det, True) for arch in ("sm_120a", "sm_80") for d, det in (("bwd", False), ("bwd", True), ("fwd", False))]
+    portable = [(arch, d, False, False, det, True) for arch in ("sm_120a", "sm_80")
+                for d, det in (("bwd", False), ("bwd", True), ("fwd", False))]  # fmt: skip
     assert requests("--arch", "sm_80,sm_120a", "--deterministic") == portable
-    native = [("sm_90a", "bwd", False, False, False), ("sm_90a", "fwd", False, False, False), ("sm_90a", "fwd", True, False, False)]
+    native = [("sm_90a", "bwd", False, False, False, False),
+              *(("sm_90a", "fwd", pack, tall, False, False) for pack in (False, True) for tall in (False, True))]  # fmt: skip
     assert requests() == native
-    assert requests("--portable") == sorted(native + [("sm_90a", d, False, False, True) for d in ("bwd", "fwd")])
+    assert requests("--head-dim", "96") == [r for r in native if not r[3]]
+    assert requests("--portable") == sorted(native + [("sm_90a", d, False, False, False, True) for d in ("bwd", "fwd")])
     # sm_100a: the portable kernels, and its own (experimental) ones without PackGQA.
-    blackwell = [("sm_100a", d, False, det, own) for d, det in (("bwd", False), ("bwd", True), ("fwd", False)) for own in (False, True)]
+    blackwell = [("sm_100a", d, False, False, det, own) for d, det in (("bwd", False), ("bwd", True), ("fwd", False))
+                 for own in (False, True)]  # fmt: skip
     assert requests("--arch", "sm_100a", "--deterministic") == blackwell
-    assert requests("--arch", "sm_100a") == [r for r in blackwell if not r[3]]
+    assert requests("--arch", "sm_100a") == [r for r in blackwell if not r[4]]
 
 
 @pytest.mark.slow

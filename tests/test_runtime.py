@@ -230,6 +230,32 @@ def test_the_unmasked_backward_serves_only_masks_without_partial_blocks(monkeypa
         plan.backward_kernel(full, target)  # neither registered: compile the unmasked one
 
 
+def test_the_forward_takes_the_tall_tile_per_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At d=128 a full mask asks for the tall forward (192x128) and short causal documents for
+    the 128x128 one; the other tile's kernel with the same GQA strategy serves the call where
+    only it is registered (an artifact compiled before the tall tile), never a compile. A GQA
+    strategy the caller fixed stays fixed."""
+    def compile_refused(request):
+        raise ArtifactError(f"would compile {request}")
+
+    monkeypatch.setattr(registry, "KERNELS", {})
+    monkeypatch.setattr(source, "_source", compile_refused)
+    target = plan.make_target((9, 0), 132, torch.bfloat16, 64, 8, HeadDim(128, 128), False, False, False, None, False)
+    full = Mask.from_cu_seqlens([0, 16384])
+    request, alternative = plan.forward_requests(full, target)
+    assert request["tall"] and not request["pack_gqa"] and alternative == {k: v for k, v in request.items() if k != "tall"}
+    docs = Mask.from_cu_seqlens(list(range(0, 16385, 512)), causal=True)
+    request_docs, alternative_docs = plan.forward_requests(docs, target)
+    assert "tall" not in request_docs and request_docs["pack_gqa"] and not alternative_docs["pack_gqa"]
+    fields = {**alternative, "tile_m": 128, "tile_n": 128}
+    entry = registry.KERNELS[registry.request_key(fields)] = registry.entry_for(None, fields)
+    assert registry.find_kernel(request, alternative) is entry
+    with pytest.raises(ArtifactError, match="would compile .*'tall': True"):
+        registry.find_kernel(request)
+    forced = plan.make_target((9, 0), 132, torch.bfloat16, 64, 8, HeadDim(128, 128), False, False, False, True, False)
+    assert plan.forward_requests(full, forced)[0]["pack_gqa"] and plan.forward_requests(full, forced)[0]["tall"]
+
+
 def fake_gpu_without_compiler(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], num_sms: int):
     """The runtime on a fake GPU with no kernel registered and a compiler that refuses (recording
     each request in `asked`); `plan_call` plans a causal 16k-token call, 8:2 heads, d=128, bf16."""

@@ -16,7 +16,7 @@ warpgroups) beats 128x128 by about 15% on full masks, and at d=96 (P through sha
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -145,10 +145,15 @@ class Kernel:
     choices: TileChoices | None
     #: How it works, for the docs.
     summary: str
+    #: A second, taller shape compiled for some head dims (more query rows a tile), which the
+    #: runtime takes per mask where its estimate is faster (maskc.ir.strategy.select_forward).
+    tall_tiles: Mapping[HeadDim, Tiles] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiles", MappingProxyType(dict(self.tiles)))
+        object.__setattr__(self, "tall_tiles", MappingProxyType(dict(self.tall_tiles)))
         assert self.flags <= FLAGS.keys(), self.flags - FLAGS.keys()
+        assert self.tall_tiles.keys() <= self.tiles.keys()
 
     @property
     def head_dims(self) -> tuple[HeadDim, ...]:
@@ -208,12 +213,13 @@ def _sm90_forward_fits(head_dim: HeadDim, tiles: Tiles) -> str | None:
     the block before (softmax overlaps the previous P V): about head_dim.v / 2 + 3 * tile_n / 4
     of a thread's registers, and more than 188 spills (at d=128, 128x176 measured about 420
     TFLOP/s against 600-690 for 128x128). Three warpgroups have 160 registers: O, S and P up to
-    head dim 64, O and S (P in shared memory, `sm90_p_in_smem`) up to 96."""
-    if tiles.tile_m == 192 and (head_dim.v > 96 or tiles.tile_n > (144 if sm90_p_in_smem(192, head_dim.v) else 128)):
-        return (
-            "tile_m 192 (3 consumer warpgroups) needs head_dim <= 64 with tile_n <= 128, "
-            "or head_dim <= 96 with tile_n <= 144 (registers)"
-        )
+    head dim 64; above it O and S alone (P in shared memory, `sm90_p_in_smem`), head_dim.v / 2 +
+    tile_n / 2 of them, up to 128 (d=128 at 192x128 spills 88 bytes outside its block loop)."""
+    if tiles.tile_m == 192:
+        if sm90_p_in_smem(192, head_dim.v) and head_dim.v // 2 + tiles.tile_n // 2 > 128:
+            return f"tile_m 192 (3 consumer warpgroups) with head_dim {head_dim} needs tile_n <= {256 - head_dim.v} (registers)"
+        if not sm90_p_in_smem(192, head_dim.v) and tiles.tile_n > 128:
+            return "tile_m 192 (3 consumer warpgroups) with head_dim <= 64 needs tile_n <= 128 (registers)"
     if head_dim.v // 2 + 3 * tiles.tile_n // 4 > 188:
         return f"tile_n {tiles.tile_n} with head_dim {head_dim} does not fit in registers"
     return None
@@ -252,6 +258,9 @@ SM90 = KernelFamily(
         tiles={HeadDim(64, 64): Tiles(192, 128, 2), HeadDim(96, 96): Tiles(192, 128, 2),
                HeadDim(128, 128): Tiles(128, 128, 2), MLA: Tiles(128, 128, 2), HeadDim(192, 192): Tiles(128, 96, 2),
                HeadDim(256, 256): Tiles(128, 80, 2)},  # fmt: skip
+        # d=128 with three consumer warpgroups: 6-7% faster on full blocks, slower on masks
+        # with many partial ones (tile-shapes.md).
+        tall_tiles={HeadDim(128, 128): Tiles(192, 128, 2)},
         flags=frozenset({"has_softcap", "has_sink", "has_max_logits", "pack_gqa"}),
         # q tiles of 64 rows per consumer warpgroup (two or three), O in registers.
         choices=TileChoices(tile_m=(128, 192), tile_n=tuple(range(64, 193, 16)), num_stages=tuple(range(1, 9)),
@@ -361,16 +370,27 @@ def family_of(arch_name: str, portable: bool = False) -> KernelFamily:
     return family
 
 
-def select_tiles(arch_name: str, head_dim: HeadDim, direction: str = "fwd", portable: bool = False) -> Tiles:
+def select_tiles(
+    arch_name: str, head_dim: HeadDim, direction: str = "fwd", portable: bool = False, tall: bool = False
+) -> Tiles:
     """Tile shape of the `direction` kernel for `arch_name` and `head_dim` (backward: tile_m is
-    the q block, tile_n the k tile), the arch's own kernel or the portable one."""
+    the q block, tile_n the k tile), the arch's own kernel or the portable one; with `tall` its
+    tall shape (`Kernel.tall_tiles`)."""
     if head_dim not in HEAD_DIMS:
         raise VariantError(f"head_dim {head_dim} is not supported; supported head dims: {_listed(HEAD_DIMS)}")
     if not portable and native_family(arch_name) is None:
         raise VariantError(f"no kernel of its own for arch {arch_name!r} ({_native_archs()} have them); use the portable kernel")
     family = family_of(arch_name, portable)
     check_head_dim(family, direction, head_dim)
-    return family.kernel(direction).tiles[head_dim]
+    kernel = family.kernel(direction)
+    if not tall:
+        return kernel.tiles[head_dim]
+    if head_dim not in kernel.tall_tiles:
+        raise VariantError(
+            f"the {family.title} {'forward' if direction == 'fwd' else 'backward'} has no tall tile for head_dim {head_dim}"
+            + (f"; it has one for {_listed(tuple(sorted(kernel.tall_tiles)))}" if kernel.tall_tiles else "")
+        )
+    return kernel.tall_tiles[head_dim]
 
 
 def check_head_dim(family: KernelFamily, direction: str, head_dim: HeadDim) -> None:
@@ -410,7 +430,11 @@ def _options(kernel: Kernel) -> str:
 def _tiles(kernel: Kernel) -> str:
     shapes = {}
     for head_dim, t in kernel.tiles.items():
-        shapes.setdefault(f"{t.tile_m} x {t.tile_n}, {t.num_stages} stage{'s' if t.num_stages > 1 else ''}", []).append(head_dim)
+        shape = f"{t.tile_m} x {t.tile_n}"
+        if head_dim in kernel.tall_tiles:
+            tall = kernel.tall_tiles[head_dim]
+            shape += f" (or {tall.tile_m} x {tall.tile_n} per mask)"
+        shapes.setdefault(f"{shape}, {t.num_stages} stage{'s' if t.num_stages > 1 else ''}", []).append(head_dim)
     if len(shapes) == 1:
         return next(iter(shapes))
     return "; ".join(f"d={_listed(tuple(ds))}: {shape}" for shape, ds in shapes.items())

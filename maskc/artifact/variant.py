@@ -71,6 +71,9 @@ class KernelVariant:
     #: The head dim of v and the output where it differs from q and k's (MLA: 192 / 128);
     #: None: the same.
     head_dim_v: int | None = None
+    #: Forward only: the family's tall tile for the head dim (`Kernel.tall_tiles`), compiled
+    #: beside the other and taken per mask (maskc.ir.strategy.select_forward).
+    tall: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim_v is None:
@@ -85,7 +88,7 @@ class KernelVariant:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise VariantError(f"{name} must be a positive int, got {value!r}")
-        for name in (*FLAGS, "portable"):
+        for name in (*FLAGS, "portable", "tall"):
             if not isinstance(getattr(self, name), bool):
                 raise VariantError(f"{name} must be a bool, got {getattr(self, name)!r}")
         family = family_of(self.arch, self.portable)
@@ -103,6 +106,8 @@ class KernelVariant:
                 f"pack_gqa needs num_heads_q / num_heads_kv to be a power of two in [2, {WARPGROUP_ROWS}], "
                 f"got {self.num_heads_q} / {self.num_heads_kv} = {self.num_heads_q // self.num_heads_kv}"
             )
+        if self.tall:
+            select_tiles(self.arch, self.head_dims, self.direction, self.portable, tall=True)  # names where there is one
         if self.direction == "fwd":
             if self.deterministic:
                 raise VariantError("deterministic is a backward option (the forward is deterministic already)")
@@ -300,8 +305,11 @@ class KernelVariant:
 
 def variant_for(request: Mapping[str, Any]) -> KernelVariant:
     """The variant serving a runtime request (a kernel's fields but its tile shape): the
-    request plus the tile shape its kernel family compiles for the head dim."""
-    tiles = select_tiles(request["arch"], HeadDim.of(request), request["direction"], request.get("portable", False))
+    request plus the tile shape its kernel family compiles for the head dim (the tall one
+    where the request asks for it)."""
+    tiles = select_tiles(
+        request["arch"], HeadDim.of(request), request["direction"], request.get("portable", False), request.get("tall", False)
+    )
     return KernelVariant(**request, tile_m=tiles.tile_m, tile_n=tiles.tile_n, num_stages=tiles.num_stages)
 
 

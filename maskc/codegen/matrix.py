@@ -36,7 +36,8 @@ def kernel_requests(
     dtype, from each family that serves the arch: the portable one where the arch has no
     verified kernels of its own (none, or experimental ones) or `features.portable` asks for
     it, and the arch's own. Per family, the forward per GQA strategy (plain, and PackGQA where
-    the family has it and the heads allow it; the runtime picks per mask) and the backward
+    the family has it and the heads allow it) and tile shape (also the tall one where the
+    family has one for the head dim; the runtime picks both per mask) and the backward
     (softcap is its only feature: sinks and max logits need nothing in it), also without line
     masks where the family has that variant and a mask's backward has no partial block. A head
     dim whose backward the family lacks gets its forward alone (the runtime refuses gradients
@@ -76,10 +77,11 @@ def _family_requests(
 ) -> list[dict[str, Any]]:
     kind = {"portable": True} if family.portable else {}
     packs = (False, True) if family.has("fwd", "pack_gqa") and pack_gqa_supported(base["num_heads_q"], base["num_heads_kv"]) else (False,)
+    talls = (False, True) if HeadDim.of(base) in family.forward.tall_tiles else (False,)
     forward = [
         {**base, "direction": "fwd", "has_softcap": features.softcap, "has_sink": features.sink,
-         "has_max_logits": features.max_logits, "pack_gqa": pack, **kind}
-        for pack in packs
+         "has_max_logits": features.max_logits, "pack_gqa": pack, **kind, **({"tall": True} if tall else {})}
+        for tall, pack in product(talls, packs)
     ]  # fmt: skip
     deterministic = (False, True) if features.deterministic and family.has("bwd", "deterministic") else (False,)
     backward = [

@@ -1,6 +1,6 @@
-"""The GQA strategy pass: per mask, plain kernels or PackGQA, by comparing the estimated time
-of both schedules. (The tile shapes it compares are the kernel families',
-maskc/artifact/families.py.)
+"""The forward strategy pass: per mask, plain kernels or PackGQA, and where the kernel family has
+a tall tile for the head dim, which tile, by comparing the estimated times of the schedules.
+(The tile shapes it compares are the kernel families', maskc/artifact/families.py.)
 """
 
 from __future__ import annotations
@@ -21,9 +21,19 @@ PACK_GQA_MARGIN = 0.9
 PACK_GQA_TIE = 1.02
 #: SMs of the GPU the estimate assumes when the caller does not say (H100 / H200 SXM).
 DEFAULT_NUM_SMS = 132
+#: A tall forward tile against the family's own for the head dim (d=128: 192x128, three
+#: consumer warpgroups with P through shared memory, against 128x128), measured on an H100
+#: (16k tokens, 64:8 heads, bf16, tile-shapes.md): 6-7% faster on full blocks, while its
+#: partial blocks cost about 1.75 full ones (three warpgroups keep no line slots in
+#: registers) against 1.25. It is taken where its estimate is below TALL_MARGIN of the other's.
+TALL_BLOCK_SPEEDUP = 1.07
+TALL_PARTIAL_BLOCK_COST = 1.75
+TALL_MARGIN = 0.97
 
 
-def estimated_time(schedule: Schedule, items_per_tile: int, num_sms: int) -> float:
+def estimated_time(
+    schedule: Schedule, items_per_tile: int, num_sms: int, partial_block_cost: float = PARTIAL_BLOCK_COST
+) -> float:
     """Estimated kernel time (in k-block steps of one CTA) of a schedule whose q tiles each
     make `items_per_tile` work items (one per query head, or one per K/V head with PackGQA):
     the larger of the even spread over the SMs and the heaviest item. Every item's block
@@ -33,10 +43,48 @@ def estimated_time(schedule: Schedule, items_per_tile: int, num_sms: int) -> flo
         return 0.0
     ranges = schedule.ranges
     lengths = (ranges[:, 1] - ranges[:, 0]).astype(np.float64)
-    weights = lengths * np.where(ranges[:, 2] != 0, PARTIAL_BLOCK_COST, 1.0)
+    weights = lengths * np.where(ranges[:, 2] != 0, partial_block_cost, 1.0)
     item = np.repeat(np.arange(schedule.num_work), np.diff(schedule.work_ranges))
     cost = np.bincount(item, weights=weights, minlength=schedule.num_work) + ITEM_OVERHEAD_BLOCKS
     return max(float(cost.sum()) * items_per_tile / num_sms, float(cost.max()))
+
+
+def _gqa_choice(
+    mask: Mask,
+    num_heads_q: int,
+    num_heads_kv: int,
+    tile_m: int,
+    tile_n: int,
+    num_sms: int,
+    partial_block_cost: float,
+    packs: tuple[bool, ...] = (False, True),
+) -> tuple[bool, Schedule, float]:
+    """select_pack_gqa's decision for a (tile_m x tile_n) kernel among the GQA strategies
+    `packs` (PackGQA or not), with the schedule it takes and that schedule's estimated time."""
+    g = num_heads_q // num_heads_kv
+    if packs == (True,):
+        packed_schedule = build_schedule(mask, tile_m // g, tile_n)
+        return True, packed_schedule, estimated_time(packed_schedule, num_heads_kv, num_sms, partial_block_cost)
+    plain_schedule = build_schedule(mask, tile_m, tile_n)
+    plain = estimated_time(plain_schedule, num_heads_q, num_sms, partial_block_cost)
+    if True not in packs or not pack_gqa_supported(num_heads_q, num_heads_kv) or tile_m % g:
+        return False, plain_schedule, plain
+    packed_schedule = build_schedule(mask, tile_m // g, tile_n)
+    packed = estimated_time(packed_schedule, num_heads_kv, num_sms, partial_block_cost)
+    if packed < PACK_GQA_MARGIN * plain:
+        chosen = True
+    else:
+        # A tie in blocks: measured on an H200, PackGQA wins when the mask has partial blocks
+        # (causal diagonals, document edges: 16k causal +7%, 8 causal documents +10% at 64:8)
+        # and loses on all-full masks (16k full -4% at 64:8, -9% at 8:1).
+        has_partial = bool((plain_schedule.ranges[:, 2] != 0).any())
+        chosen = packed <= PACK_GQA_TIE * plain and has_partial
+    return (True, packed_schedule, packed) if chosen else (False, plain_schedule, plain)
+
+
+def _keep_forward(mask: Mask, schedule: Schedule) -> None:
+    """Keep the chosen forward schedule for the runtime's `build_schedule` to take."""
+    keep_schedule(mask, schedule, "forward", schedule.tile_m, schedule.tile_n, True, False)
 
 
 def select_pack_gqa(
@@ -62,22 +110,37 @@ def select_pack_gqa(
     """
     if not pack_gqa_supported(num_heads_q, num_heads_kv):
         return False
-    g = num_heads_q // num_heads_kv
-    if tile_m % g:
-        return False
-    plain_schedule = build_schedule(mask, tile_m, tile_n)
-    plain = estimated_time(plain_schedule, num_heads_q, num_sms)
-    packed_schedule = build_schedule(mask, tile_m // g, tile_n)
-    packed = estimated_time(packed_schedule, num_heads_kv, num_sms)
-    if packed < PACK_GQA_MARGIN * plain:
-        chosen = True
-    else:
-        # A tie in blocks: measured on an H200, PackGQA wins when the mask has partial blocks
-        # (causal diagonals, document edges: 16k causal +7%, 8 causal documents +10% at 64:8)
-        # and loses on all-full masks (16k full -4% at 64:8, -9% at 8:1).
-        has_partial = bool((plain_schedule.ranges[:, 2] != 0).any())
-        chosen = packed <= PACK_GQA_TIE * plain and has_partial
+    packed, schedule, _ = _gqa_choice(mask, num_heads_q, num_heads_kv, tile_m, tile_n, num_sms, PARTIAL_BLOCK_COST)
     if keep:
-        schedule = packed_schedule if chosen else plain_schedule
-        keep_schedule(mask, schedule, "forward", schedule.tile_m, tile_n, True, False)
-    return chosen
+        _keep_forward(mask, schedule)
+    return packed
+
+
+def select_forward(
+    mask: Mask,
+    num_heads_q: int,
+    num_heads_kv: int,
+    tiles: tuple[int, int],
+    tall: tuple[int, int] | None,
+    num_sms: int = DEFAULT_NUM_SMS,
+    *,
+    packs: tuple[bool, ...] = (False, True),
+    keep: bool = False,
+) -> tuple[bool, bool]:
+    """The forward's tile shape and GQA strategy for `mask`: (tall, pack_gqa). Each shape, the
+    family's (tile_m, tile_n) `tiles` and its `tall` one (None: it has none), takes the GQA
+    strategy select_pack_gqa would among `packs` (one where the caller fixed it); the tall shape is chosen where its estimated time, in
+    query-key elements at its block speed, is below TALL_MARGIN of the other's: masks made
+    of long items of full blocks (full, causal), not those with many partial blocks (windows,
+    short documents). `keep` as in select_pack_gqa."""
+    packed, schedule, time = _gqa_choice(mask, num_heads_q, num_heads_kv, *tiles, num_sms, PARTIAL_BLOCK_COST, packs)
+    chosen = (False, packed, schedule)
+    if tall is not None:
+        tall_packed, tall_schedule, tall_time = _gqa_choice(
+            mask, num_heads_q, num_heads_kv, *tall, num_sms, TALL_PARTIAL_BLOCK_COST, packs
+        )
+        if tall_time * tall[0] * tall[1] / TALL_BLOCK_SPEEDUP < TALL_MARGIN * time * tiles[0] * tiles[1]:
+            chosen = (True, tall_packed, tall_schedule)
+    if keep:
+        _keep_forward(mask, chosen[2])
+    return chosen[0], chosen[1]
