@@ -149,12 +149,21 @@ def forward_requests(mask: Mask, target: Target) -> tuple[dict[str, Any], dict[s
     if tall is None and len(packs) == 1:
         return {**request, "pack_gqa": packs[0]}, None
     shapes = ((tiles.tile_m, tiles.tile_n), None if tall is None else (tall.tile_m, tall.tile_n))
-    key = ("forward", hq, hkv, *shapes, packs, target.num_sms)
-    is_tall, packed = memoized(mask, key, lambda: select_forward(mask, hq, hkv, *shapes, target.num_sms, packs=packs, keep=True))
+    # Plain ints (a prepared mask carries the decision): the tall tile (0 x 0: none), the
+    # strategies allowed (bit 0 plain, bit 1 PackGQA), and the choice as 2 * tall + PackGQA.
+    key = ("forward", hq, hkv, *shapes[0], *(shapes[1] or (0, 0)), sum(1 << p for p in packs), target.num_sms)
+    choice = memoized(
+        mask, key, lambda: _choice_code(*select_forward(mask, hq, hkv, *shapes, target.num_sms, packs=packs, keep=True))
+    )
+    is_tall, packed = bool(choice >> 1), bool(choice & 1)
     chosen = {**request, "pack_gqa": packed, **({"tall": True} if is_tall else {})}
     if is_tall:
         return chosen, {**request, "pack_gqa": packed}
     return chosen, ({**request, "pack_gqa": not packed} if len(packs) == 2 else None)
+
+
+def _choice_code(tall: bool, pack_gqa: bool) -> int:
+    return 2 * tall + pack_gqa
 
 
 @lru_cache(maxsize=None)

@@ -25,10 +25,10 @@ from maskc.ir.schedule import build_backward_schedule, build_deterministic_backw
 from maskc.runtime import plan
 from maskc.runtime.registry import LaunchShape, launch_shape
 
-_NAMES = ("pack_gqa", "partial", build_schedule.__name__, build_backward_schedule.__name__,
+_NAMES = ("forward", "partial", build_schedule.__name__, build_backward_schedule.__name__,
           build_deterministic_backward_schedule.__name__)  # fmt: skip
 """The first element of every memo key a plan carries (the others are ints and bools)."""
-_BOOL, _SCHEDULE = 0, 1
+_BOOL, _SCHEDULE, _INT = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def encode(table: torch.Tensor, memo: dict[Any, Any]) -> torch.Tensor:
             body = [_SCHEDULE, value.slots, value.num_ctas, len(value.rows), *value.rows]
             tail = value.flat.numpy()
         else:
-            body, tail = [_BOOL, int(value)], np.zeros(0, np.int32)
+            body, tail = [_BOOL if isinstance(value, bool) else _INT, int(value)], np.zeros(0, np.int32)
         head = [_NAMES.index(key[0]), len(key) - 1, *key[1:], *body]
         records.append(np.r_[len(head) + tail.size + 1, head, tail].astype(np.int32))
     return torch.from_numpy(np.concatenate(records))
@@ -136,6 +136,8 @@ def decode(data: torch.Tensor, table: torch.Tensor) -> list[tuple[tuple, Any]]:
                 if flat.numel() != _schedule_size(rows):
                     raise ValueError
                 entries.append((key, plan.HostSchedule(flat, rows, slots, num_ctas)))
+            elif values[body] == _INT:
+                entries.append((key, int(values[body + 1])))
             else:
                 entries.append((key, bool(values[body + 1])))
             at = end

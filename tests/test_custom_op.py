@@ -355,32 +355,34 @@ def cuda_on_cpu(monkeypatch: pytest.MonkeyPatch):
     builds: list[str] = []
     for name in ("build_schedule", "build_backward_schedule", "build_deterministic_backward_schedule"):
         monkeypatch.setattr(plan, name, _counted(getattr(schedules, name), builds))
+    monkeypatch.setattr(plan, "select_forward", _counted(plan.select_forward, builds))  # the forward's decision
     return entries, kernels, builds
 
 
 def _counted(build: Any, calls: list[str]) -> Any:
     """`build`, appending its name to `calls` at each call (under its own name: memo keys use it)."""
 
-    def counted(*args: Any) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(build.__name__)
-        return build(*args)
+        return build(*args, **kwargs)
 
     counted.__name__ = build.__name__
     return counted
 
 
 def test_the_gpu_path_plans_inside_the_op_once_per_mask(cuda_on_cpu: Any) -> None:
-    """Four layers with one mask, forward and backward: one forward and one backward schedule,
-    from the kernels the plan chose; the forward plans no backward."""
+    """Four layers with one mask, forward and backward: one forward decision (tile and GQA
+    strategy), one forward and one backward schedule, from the kernels the plan chose; the
+    forward plans no backward."""
     entries, kernels, builds = cuda_on_cpu
     q, k, v = _inputs(MASK)
     x = q
     for _ in range(4):
         x, _ = maskc.attention(x, k, v, MASK)
-    assert [name for name, _ in kernels.launches] == ["fwd"] * 4 and builds == ["build_schedule"]
+    assert [name for name, _ in kernels.launches] == ["fwd"] * 4 and builds == ["select_forward", "build_schedule"]
     x.float().sum().backward()
     assert [name for name, _ in kernels.launches[4:]] == ["bwd"] * 4
-    assert builds == ["build_schedule", "build_backward_schedule"]
+    assert builds == ["select_forward", "build_schedule", "build_backward_schedule"]
     assert kernels.launches[0][1].kernel in (entries["fwd", False], entries["fwd", True])
     assert kernels.launches[-1][1].kernel is entries["bwd", False] and q.grad is not None
 
@@ -433,14 +435,14 @@ def _target() -> plan.Target:
 
 def test_a_prepared_mask_crosses_a_process_boundary_and_needs_no_planning(cuda_on_cpu: Any) -> None:
     """What a DataLoader worker does: prepare the mask, pickle it (the Mask itself stays behind);
-    the training step then builds no schedule and gets the same results."""
+    the training step then decides nothing, builds no schedule and gets the same results."""
     entries, kernels, builds = cuda_on_cpu
     mask = Mask.from_cu_seqlens([0, 300, 1000, 1500], causal=True)
     ready = prepared.prepare(mask, pickle.loads(pickle.dumps(_target())))  # the target crosses to the worker too
     data = pickle.dumps(ready)
     assert len(data) < 4 * (ready.table.numel() + ready.plan.numel()) + 4096  # the tensors, not the Mask they carry
     shipped = pickle.loads(data)
-    assert builds == ["build_schedule", "build_backward_schedule"]
+    assert builds == ["select_forward", "build_schedule", "build_backward_schedule"]
     builds.clear()
     assert getattr(shipped.table, "_maskc_mask", None) is None
     q, k, v = _inputs(mask)
@@ -464,7 +466,7 @@ def test_a_plan_for_another_target_is_ignored_and_planned_in_the_call(cuda_on_cp
     q, k, v = _inputs(mask)
     with torch.no_grad():
         maskc.attention(q, k, v, shipped)
-    assert builds == ["build_schedule"]
+    assert builds == ["select_forward", "build_schedule"]
 
 
 def test_a_prepared_plan_is_only_used_with_its_own_mask() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from maskc.artifact.families import pack_gqa_supported
 from maskc.frontend import load
-from maskc.ir import AttnSlice, Mask
+from maskc.ir import AttnSlice, Mask, strategy
 from maskc.ir.schedule import build_schedule
 from maskc.ir.strategy import estimated_time, select_forward, select_pack_gqa
 
@@ -85,6 +85,22 @@ def test_masks_of_many_partial_blocks_keep_the_other_tile():
     # measured (H100, 16k, 64:8): the 1024-key window -5%, short causal documents -1%
     assert select_forward(_window(16384, 1024), 64, 8, TILES, TALL) == (False, True)
     assert select_forward(_docs(16384, 20), 64, 8, TILES, TALL) == (False, True)
+
+
+def test_masks_of_many_partial_blocks_do_not_build_the_tall_schedule(monkeypatch):
+    """The tall tile's schedule is a new mask's host time: built only where it can win."""
+    built = []
+
+    def counted(mask, tile_m, tile_n, **kwargs):
+        built.append(tile_m)
+        return build_schedule(mask, tile_m, tile_n, **kwargs)
+
+    monkeypatch.setattr(strategy, "build_schedule", counted)
+    select_forward(_window(16384, 1024), 64, 8, TILES, TALL)
+    assert sorted(set(built)) == [16, 128]  # the other tile, plain and packed
+    built.clear()
+    select_forward(Mask([AttnSlice((0, 16384), (0, 16384), "causal")], 16384, 16384), 64, 8, TILES, TALL)
+    assert sorted(set(built)) == [16, 24, 128]  # and the tall tile with the strategy chosen (PackGQA)
 
 
 def test_without_a_tall_tile_the_choice_is_the_gqa_strategy():

@@ -29,6 +29,10 @@ DEFAULT_NUM_SMS = 132
 TALL_BLOCK_SPEEDUP = 1.07
 TALL_PARTIAL_BLOCK_COST = 1.75
 TALL_MARGIN = 0.97
+#: The tall tile is not estimated (its schedule not built) where this share of the other
+#: tile's blocks or more is partial: its own share is at least as large (taller tiles cross
+#: more edges), and at 0.1 its blocks alone already cost 0.98 of the other's.
+TALL_MAX_PARTIAL = 0.1
 
 
 def estimated_time(
@@ -82,6 +86,13 @@ def _gqa_choice(
     return (True, packed_schedule, packed) if chosen else (False, plain_schedule, plain)
 
 
+def _partial_share(schedule: Schedule) -> float:
+    """The share of a schedule's k blocks that are partial."""
+    lengths = schedule.ranges[:, 1] - schedule.ranges[:, 0]
+    total = int(lengths.sum())
+    return float(lengths[schedule.ranges[:, 2] != 0].sum()) / total if total else 0.0
+
+
 def _keep_forward(mask: Mask, schedule: Schedule) -> None:
     """Keep the chosen forward schedule for the runtime's `build_schedule` to take."""
     keep_schedule(mask, schedule, "forward", schedule.tile_m, schedule.tile_n, True, False)
@@ -127,20 +138,21 @@ def select_forward(
     packs: tuple[bool, ...] = (False, True),
     keep: bool = False,
 ) -> tuple[bool, bool]:
-    """The forward's tile shape and GQA strategy for `mask`: (tall, pack_gqa). Each shape, the
-    family's (tile_m, tile_n) `tiles` and its `tall` one (None: it has none), takes the GQA
-    strategy select_pack_gqa would among `packs` (one where the caller fixed it); the tall shape is chosen where its estimated time, in
-    query-key elements at its block speed, is below TALL_MARGIN of the other's: masks made
-    of long items of full blocks (full, causal), not those with many partial blocks (windows,
-    short documents). `keep` as in select_pack_gqa."""
+    """The forward's tile shape and GQA strategy for `mask`: (tall, pack_gqa). The family's
+    (tile_m, tile_n) `tiles` take the GQA strategy select_pack_gqa would among `packs` (one
+    where the caller fixed it), its `tall` shape (None: it has none) the same strategy; the
+    tall shape is chosen where its estimated time, in query-key elements at its block speed,
+    is below TALL_MARGIN of the other's: masks made of long items of full blocks (full,
+    causal), not those with many partial blocks (windows, short documents; from
+    TALL_MAX_PARTIAL on it is not estimated). `keep` as in select_pack_gqa."""
     packed, schedule, time = _gqa_choice(mask, num_heads_q, num_heads_kv, *tiles, num_sms, PARTIAL_BLOCK_COST, packs)
     chosen = (False, packed, schedule)
-    if tall is not None:
-        tall_packed, tall_schedule, tall_time = _gqa_choice(
-            mask, num_heads_q, num_heads_kv, *tall, num_sms, TALL_PARTIAL_BLOCK_COST, packs
+    if tall is not None and _partial_share(schedule) < TALL_MAX_PARTIAL:
+        _, tall_schedule, tall_time = _gqa_choice(
+            mask, num_heads_q, num_heads_kv, *tall, num_sms, TALL_PARTIAL_BLOCK_COST, (packed,)
         )
         if tall_time * tall[0] * tall[1] / TALL_BLOCK_SPEEDUP < TALL_MARGIN * time * tiles[0] * tiles[1]:
-            chosen = (True, tall_packed, tall_schedule)
+            chosen = (True, packed, tall_schedule)
     if keep:
         _keep_forward(mask, chosen[2])
     return chosen[0], chosen[1]
