@@ -76,10 +76,11 @@ class Target:
     def family(self) -> KernelFamily:
         return family_of(self.arch, self.portable)
 
-    def tiles(self, direction: str) -> Tiles:
-        """The tile shape of the family's `direction` kernel for the call's head dims; an error
-        naming the head dims it has where it has none (a backward of a forward-only head dim)."""
-        return _target_tiles(self, direction)
+    def tiles(self, direction: str, tall: bool = False) -> Tiles:
+        """The tile shape of the family's `direction` kernel for the call's head dims (its tall
+        one with `tall`); an error naming the head dims it has where it has none (a backward of
+        a forward-only head dim)."""
+        return _target_tiles(self, direction, tall)
 
     @property
     def fields(self) -> dict[str, Any]:
@@ -87,11 +88,12 @@ class Target:
 
 
 @lru_cache(maxsize=None)
-def _target_tiles(target: Target, direction: str) -> Tiles:
+def _target_tiles(target: Target, direction: str, tall: bool) -> Tiles:
     """`Target.tiles`, once per target (an eager call with gradients asks for the backward's)."""
     head_dim = HeadDim.of(target.fields)
     check_head_dim(target.family, direction, head_dim)
-    return target.family.kernel(direction).tiles[head_dim]
+    kernel = target.family.kernel(direction)
+    return (kernel.tall_tiles if tall else kernel.tiles)[head_dim]
 
 
 @lru_cache(maxsize=256)

@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import maskc
 from maskc import reference
 from maskc.artifact.families import HeadDim, select_tiles
+from maskc.artifact.variant import variant_for
 from maskc.ir import AttnSlice, Mask
 from maskc.ir import schedule as schedules
 from maskc.runtime import masks, ops, plan, prepared, registry
@@ -455,6 +456,21 @@ def test_a_prepared_mask_crosses_a_process_boundary_and_needs_no_planning(cuda_o
     torch.testing.assert_close(out, ref)
     for ours, theirs in zip((q, k, v), leaves):
         torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+def test_a_prepared_mask_carries_the_schedule_of_the_tall_tile(cuda_on_cpu: Any) -> None:
+    """A mask whose forward takes d=128's tall tile: the worker builds that tile's schedule,
+    which the step then finds (no decision, no build)."""
+    _, _, builds = cuda_on_cpu
+    target = _target()
+    shipped = pickle.loads(pickle.dumps(prepared.prepare(Mask.from_cu_seqlens([0, 8192]), target)))
+    builds.clear()
+    mask = masks.mask_of(shipped.table, shipped.plan)
+    request, _ = plan.forward_requests(mask, target)
+    kernel = variant_for(request)  # the kernel the call runs, and the shape it launches with
+    shape = registry.launch_shape({**request, "tile_m": kernel.tile_m, "tile_n": kernel.tile_n})
+    assert request["tall"] and kernel.tile_m == 192 and plan.forward_schedule(mask, shape, target.num_sms)
+    assert builds == []
 
 
 def test_a_plan_for_another_target_is_ignored_and_planned_in_the_call(cuda_on_cpu: Any) -> None:
