@@ -197,12 +197,18 @@ def test_head_dims_at_sequence_edges(d: str, n: int) -> None:
     _check(Mask.from_cu_seqlens([0, n], causal=True), 8, 2, d, "bf16")
 
 
+def _force_tall_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The strategy pass takes the tall tile wherever the family has one."""
+    monkeypatch.setattr(strategy, "TALL_MARGIN", float("inf"))
+    monkeypatch.setattr(strategy, "TALL_MAX_PARTIAL", float("inf"))
+
+
 @pytest.mark.parametrize("name", list(MASKS))
 def test_every_mask_family_on_the_tall_forward_tile(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """d=128's tall forward tile (192x128, three consumer warpgroups, P through shared memory),
     which the runtime takes for masks of long full items, forced on every mask family, with
     both GQA strategies, fp16, the options and short sequences."""
-    monkeypatch.setattr(strategy, "TALL_MARGIN", float("inf"))
+    _force_tall_tile(monkeypatch)
     _check(MASKS[name](), 64, 8, 128, "bf16", seed=name_seed(name))
     _check(MASKS[name](), 8, 8, 128, "fp16", seed=name_seed(name))
     _check(MASKS[name](), 8, 1, 128, "bf16", softcap=5.0, sink=True, max_logits=True, pack_gqa=name_seed(name) % 2 == 0)
@@ -210,7 +216,7 @@ def test_every_mask_family_on_the_tall_forward_tile(name: str, monkeypatch: pyte
 
 @pytest.mark.parametrize("n", [1, 129, 16411])
 def test_the_tall_forward_tile_at_sequence_edges(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(strategy, "TALL_MARGIN", float("inf"))
+    _force_tall_tile(monkeypatch)
     _check(Mask.from_cu_seqlens([0, n], causal=True), 8, 2, 128, "bf16")
 
 
