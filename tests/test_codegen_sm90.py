@@ -82,6 +82,7 @@ COMPILED = {
         ({"tile_m": 192, "head_dim": 128, "tile_n": 144}, "with head_dim 128 needs tile_n <= 128 (registers)"),
         ({"tile_m": 192, "head_dim": 96, "tile_n": 176}, "with head_dim 96 needs tile_n <= 160 (registers)"),
         ({"tile_m": 192, "head_dim": 64, "tile_n": 144}, "with head_dim <= 64 needs tile_n <= 128 (registers)"),
+        ({"tile_m": 192, "head_dim": 192, "tile_n": 64}, "tile_m 192 (3 consumer warpgroups) needs head_dim <= 128, got 192"),
         ({"tall": True, "head_dim": 96}, "has no tall tile for head_dim 96; it has one for 128"),
         ({"tall": True, "direction": "bwd", "tile_m": 64}, "backward has no tall tile for head_dim 128"),
         ({"num_stages": 4}, "shared memory"),

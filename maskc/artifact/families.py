@@ -214,8 +214,12 @@ def _sm90_forward_fits(head_dim: HeadDim, tiles: Tiles) -> str | None:
     of a thread's registers, and more than 188 spills (at d=128, 128x176 measured about 420
     TFLOP/s against 600-690 for 128x128). Three warpgroups have 160 registers: O, S and P up to
     head dim 64; above it O and S alone (P in shared memory, `sm90_p_in_smem`), head_dim.v / 2 +
-    tile_n / 2 of them, up to 128 (d=128 at 192x128 spills 88 bytes outside its block loop)."""
+    tile_n / 2 of them, up to 128 (d=128 at 192x128 spills 88 bytes outside its block loop).
+    Up to head dim 128 only: there the warpgroups take turns at the tensor cores, and that
+    barrier orders every warp's P before the product that reads it."""
     if tiles.tile_m == 192:
+        if head_dim.v > 128:
+            return f"tile_m 192 (3 consumer warpgroups) needs head_dim <= 128, got {head_dim}"
         if sm90_p_in_smem(192, head_dim.v) and head_dim.v // 2 + tiles.tile_n // 2 > 128:
             return f"tile_m 192 (3 consumer warpgroups) with head_dim {head_dim} needs tile_n <= {256 - head_dim.v} (registers)"
         if not sm90_p_in_smem(192, head_dim.v) and tiles.tile_n > 128:
