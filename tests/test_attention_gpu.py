@@ -207,7 +207,7 @@ def _force_tall_tile(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_mask_family_on_the_tall_forward_tile(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """d=128's tall forward tile (192x128, three consumer warpgroups, P through shared memory),
     which the runtime takes for masks of long full items, forced on every mask family, with
-    both GQA strategies, fp16, the options and short sequences."""
+    fp16, softcap, sinks and max logits, and each GQA strategy (forced) on some families."""
     _force_tall_tile(monkeypatch)
     _check(MASKS[name](), 64, 8, 128, "bf16", seed=name_seed(name))
     _check(MASKS[name](), 8, 8, 128, "fp16", seed=name_seed(name))
