@@ -105,9 +105,10 @@ def attention(
     (float32 too) the reference attention. Inside torch.compile(fullgraph=True) the mask is
     data: a new one every call compiles nothing.
 
-    pack_gqa: the GQA strategy. None (default) lets maskc.ir.strategy.select_pack_gqa decide
-    from the mask and the head counts (PackGQA packs the G = Hq / Hkv query heads of a K/V
-    head into one M tile); True / False force it (True needs G a power of two in [2, 64]).
+    pack_gqa: the GQA strategy. None (default) lets maskc.ir.strategy.select_forward decide
+    from the mask and the head counts, with the forward's tile where there are two (PackGQA
+    packs the G = Hq / Hkv query heads of a K/V head into one M tile); True / False force it
+    (True needs G a power of two in [2, 64]; the tile is still chosen per mask).
     deterministic: the backward adds each q block's dQ contributions in a fixed order, so the
     gradients are bitwise identical from run to run (a little slower).
     portable: the kernel family. None (default) takes the GPU's own kernels where maskc has

@@ -123,8 +123,8 @@ def build_schedule(
     """The forward schedule of `mask` for (tile_m x tile_n) tiles; work items heaviest first, or
     in tile order (`heaviest_first=False`). With `free_past_end` the columns past the last one
     need no mask (the backward's queries past Tq: their P is 0), so a block a line covers up to
-    the last column is full. The one the GQA strategy built and kept, if it did
-    (`maskc.ir.strategy.select_pack_gqa`)."""
+    the last column is full. The one the forward strategy pass built and kept, if it did
+    (`maskc.ir.strategy.select_forward`)."""
     if tile_m <= 0 or tile_n <= 0:
         raise MaskError(f"tile shape must be positive, got {tile_m} x {tile_n}")
     kept = _kept(mask, "forward", tile_m, tile_n, heaviest_first, free_past_end)
