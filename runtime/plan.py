@@ -76,11 +76,10 @@ class Target:
     def family(self) -> KernelFamily:
         return family_of(self.arch, self.portable)
 
-    def tiles(self, direction: str, tall: bool = False) -> Tiles:
-        """The tile shape of the family's `direction` kernel for the call's head dims (its tall
-        one with `tall`); an error naming the head dims it has where it has none (a backward of
-        a forward-only head dim)."""
-        return _target_tiles(self, direction, tall)
+    def tiles(self, direction: str) -> Tiles:
+        """The tile shape of the family's `direction` kernel for the call's head dims; an error
+        naming the head dims it has where it has none (a backward of a forward-only head dim)."""
+        return _target_tiles(self, direction)
 
     @property
     def fields(self) -> dict[str, Any]:
@@ -88,12 +87,11 @@ class Target:
 
 
 @lru_cache(maxsize=None)
-def _target_tiles(target: Target, direction: str, tall: bool) -> Tiles:
+def _target_tiles(target: Target, direction: str) -> Tiles:
     """`Target.tiles`, once per target (an eager call with gradients asks for the backward's)."""
     head_dim = HeadDim.of(target.fields)
     check_head_dim(target.family, direction, head_dim)
-    kernel = target.family.kernel(direction)
-    return (kernel.tall_tiles if tall else kernel.tiles)[head_dim]
+    return target.family.kernel(direction).tiles[head_dim]
 
 
 @lru_cache(maxsize=256)
@@ -143,7 +141,7 @@ def forward_requests(mask: Mask, target: Target) -> tuple[dict[str, Any], dict[s
     strategy; else the other GQA strategy."""
     request = {**target.fields, "direction": "fwd", "has_sink": target.has_sink, "has_max_logits": target.has_max_logits}
     hq, hkv = request["num_heads_q"], request["num_heads_kv"]
-    tiles, tall = target.tiles("fwd"), _tall_tiles(target)
+    tiles, tall = target.tiles("fwd"), tall_tiles(target)
     if target.pack_gqa is not None or not target.family.has("fwd", "pack_gqa"):
         packs: tuple[bool, ...] = (bool(target.pack_gqa),)
     else:
@@ -169,7 +167,7 @@ def _choice_code(tall: bool, pack_gqa: bool) -> int:
 
 
 @lru_cache(maxsize=None)
-def _tall_tiles(target: Target) -> Tiles | None:
+def tall_tiles(target: Target) -> Tiles | None:
     """The tall forward tile of the target's head dims, None where the family has none."""
     return target.family.forward.tall_tiles.get(HeadDim.of(target.fields))
 

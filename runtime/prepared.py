@@ -82,7 +82,7 @@ def prepare(mask: Mask, target: plan.Target | None, *, backward: bool = True) ->
 
 def _shape(target: plan.Target, request: dict[str, Any]) -> LaunchShape:
     """The launch shape of `request`'s kernel with the family table's tiles (those it is compiled with)."""
-    tiles = target.tiles(request["direction"], request.get("tall", False))
+    tiles = plan.tall_tiles(target) if request.get("tall", False) else target.tiles(request["direction"])
     return launch_shape({**request, "tile_m": tiles.tile_m, "tile_n": tiles.tile_n})
 
 

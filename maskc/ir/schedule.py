@@ -54,6 +54,12 @@ class Schedule:
         lengths = self.ranges[:, 1] - self.ranges[:, 0]
         return np.bincount(item, weights=lengths, minlength=self.num_work).astype(np.int64)
 
+    def partial_share(self) -> float:
+        """The share of its k blocks that are partial."""
+        lengths = self.ranges[:, 1] - self.ranges[:, 0]
+        total = int(lengths.sum())
+        return float(lengths[self.ranges[:, 2] != 0].sum()) / total if total else 0.0
+
     def arrays(self) -> tuple[np.ndarray, ...]:
         """The kernel arguments, in ABI order."""
         return (self.work_tile, self.work_ranges, self.ranges, self.work_lines, self.lines)

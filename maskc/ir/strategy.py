@@ -86,18 +86,6 @@ def _gqa_choice(
     return (True, packed_schedule, packed) if chosen else (False, plain_schedule, plain)
 
 
-def _partial_share(schedule: Schedule) -> float:
-    """The share of a schedule's k blocks that are partial."""
-    lengths = schedule.ranges[:, 1] - schedule.ranges[:, 0]
-    total = int(lengths.sum())
-    return float(lengths[schedule.ranges[:, 2] != 0].sum()) / total if total else 0.0
-
-
-def _keep_forward(mask: Mask, schedule: Schedule) -> None:
-    """Keep the chosen forward schedule for the runtime's `build_schedule` to take."""
-    keep_schedule(mask, schedule, "forward", schedule.tile_m, schedule.tile_n, True, False)
-
-
 def select_pack_gqa(
     mask: Mask,
     num_heads_q: int,
@@ -121,10 +109,7 @@ def select_pack_gqa(
     """
     if not pack_gqa_supported(num_heads_q, num_heads_kv):
         return False
-    packed, schedule, _ = _gqa_choice(mask, num_heads_q, num_heads_kv, tile_m, tile_n, num_sms, PARTIAL_BLOCK_COST)
-    if keep:
-        _keep_forward(mask, schedule)
-    return packed
+    return select_forward(mask, num_heads_q, num_heads_kv, (tile_m, tile_n), None, num_sms, keep=keep)[1]
 
 
 def select_forward(
@@ -147,12 +132,12 @@ def select_forward(
     TALL_MAX_PARTIAL on it is not estimated). `keep` as in select_pack_gqa."""
     packed, schedule, time = _gqa_choice(mask, num_heads_q, num_heads_kv, *tiles, num_sms, PARTIAL_BLOCK_COST, packs)
     chosen = (False, packed, schedule)
-    if tall is not None and _partial_share(schedule) < TALL_MAX_PARTIAL:
+    if tall is not None and schedule.partial_share() < TALL_MAX_PARTIAL:
         _, tall_schedule, tall_time = _gqa_choice(
             mask, num_heads_q, num_heads_kv, *tall, num_sms, TALL_PARTIAL_BLOCK_COST, (packed,)
         )
         if tall_time * tall[0] * tall[1] / TALL_BLOCK_SPEEDUP < TALL_MARGIN * time * tiles[0] * tiles[1]:
             chosen = (True, packed, tall_schedule)
-    if keep:
-        _keep_forward(mask, chosen[2])
+    if keep:  # for the runtime's build_schedule to take
+        keep_schedule(mask, chosen[2], "forward", chosen[2].tile_m, chosen[2].tile_n, True, False)
     return chosen[0], chosen[1]
