@@ -200,7 +200,8 @@ class KernelVariant:
         Backward: the K and V tile and `num_stages` Q (and dO) blocks; then SM90's dS^T blocks of
         the k tile (two buffers, one with one stage; a 64-key tile keeps P^T beside each), fp32
         lse / delta rows, the fp32 dQ staging tile (SM90's dO stages and dQ chunks are
-        `staging`, default `bwd_staging`) and a split piece's rank per warpgroup, or one dS^T
+        `staging`, default `bwd_staging`), a split piece's rank per warpgroup and each stage's
+        q block and flag (the producer's walk), or one dS^T
         block for the portable and SM100 backwards. SM100's forward: the Q tile and the K/V stages (P stays in tensor memory); SM90's,
         also P where it goes through shared memory."""
         dims = self.head_dim + self.head_dim_v
@@ -211,7 +212,8 @@ class KernelVariant:
             do_stages, dq_chunks = staging or self.bwd_staging
             qdo = self.tile_m * (self.num_stages * self.head_dim + do_stages * self.head_dim_v)
             scores = min(2, self.num_stages) * (1 if self.bwd_splits_keys else 2) * self.tile_n * self.tile_m
-            words = self.tile_m * self.head_dim // dq_chunks + 2 * self.num_stages * self.tile_m + self.num_mma_warpgroups
+            stats = 2 * self.num_stages * self.tile_m
+            words = self.tile_m * self.head_dim // dq_chunks + stats + self.num_mma_warpgroups + 2 * self.num_stages
             return (kv + qdo + scores) * self.element_bytes + 4 * words
         if self.family is SM100:
             # Square head dims only: K and V share the stages.
