@@ -137,18 +137,19 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
         tensors["dq_semaphore"] = torch.zeros(semaphores, dtype=torch.int32, device=q.device)
     else:
         tensors.update(dq_semaphore=unused, work_blocks=unused, block_rank=unused)
-    # Split items' fp32 dK / dV sums and piece counters in one zeroed buffer.
     if launch.slots:
-        sums, counts = launch.slots * entry.tile_n * (d + v.shape[-1]), launch.slots * warpgroups
-        split = torch.zeros(sums + counts, dtype=torch.float32, device=q.device)
-        tensors["dkv_accum"], tensors["dkv_count"] = split[:sums], split[sums:].view(torch.int32)
+        tensors["dkv_accum"], tensors["dkv_count"] = _split_sums(launch.slots, entry.tile_n * (d + v.shape[-1]),
+                                                                 warpgroups, q.device)  # fmt: skip
     else:
         tensors["dkv_accum"] = tensors["dkv_count"] = unused
     _run(launch, tensors, scale, softcap, q.device)
     dsink = None
-    if sink is not None:
-        delta_rows = delta[:, :tq].t()  # [Tq, Hq]
-        dsink = -(torch.exp(sink[None] - lse[:, None, :]) * delta_rows[:, None, :]).sum(dim=0)
+    if sink is not None:  # delta as [Tq, 1, Hq]
+        dsink = -(torch.exp(sink[None] - lse[:, None, :]) * delta[:, :tq].t()[:, None, :]).sum(dim=0)
+    # The statistics and split sums are dead once the kernels are queued: freed before the dQ
+    # cast, whose temporary then fits in their memory instead of raising the peak.
+    tensors.clear()
+    del delta
     if not accumulate:
         dq = dq_rows if rows8 == tq else dq_rows[:tq]
         dq = cast_in_place(dq, q.dtype) if dq_rows.nbytes >= IN_PLACE_CAST_BYTES else dq.to(q.dtype)
@@ -156,6 +157,13 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
     if dq_rows is not dq_accum:
         dq_accum.copy_(dq_rows[:tq])
     return dq_accum, dk, dv, dsink
+
+
+def _split_sums(slots: int, sums_per_slot: int, counters_per_slot: int, device: torch.device):
+    """Split items' fp32 dK / dV sums and piece counters: views of one zeroed buffer."""
+    sums = slots * sums_per_slot
+    split = torch.zeros(sums + slots * counters_per_slot, dtype=torch.float32, device=device)
+    return split[:sums], split[sums:].view(torch.int32)
 
 
 #: From this many bytes of float32 dQ on, backward_cuda casts it over the accumulator's own memory

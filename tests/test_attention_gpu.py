@@ -449,6 +449,36 @@ def test_gradients_with_dq_cast_over_its_accumulator(mask: Mask, hq: int, hkv: i
     _check_grads(mask, hq, hkv, d, dtype)
 
 
+@pytest.mark.parametrize("cu_seqlens", [[0, 2048], [0, 700, 1001, 2048]])
+def test_the_dq_cast_adds_nothing_to_the_backward_peak(cu_seqlens: list[int], monkeypatch) -> None:
+    """The statistics and split sums are freed before dQ is cast over its accumulator, whose
+    temporary then fits in their memory: a backward that casts peaks exactly one float32
+    accumulator above the same backward adding into a caller's dQ (no cast)."""
+    from maskc.runtime.api import attention_backward, attention_forward
+
+    monkeypatch.setattr(maskc.runtime.ops, "IN_PLACE_CAST_BYTES", 0)
+    mask = Mask.from_cu_seqlens(cu_seqlens, causal=True)
+    tq, tk = mask.shape
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v = (torch.randn(t, h, 128, device="cuda", generator=g).bfloat16() for t, h in ((tq, 64), (tk, 8), (tk, 8)))
+    out, lse, _ = attention_forward(q, k, v, mask)
+    dout = torch.randn_like(out)
+    accum = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
+
+    def peak(**kwargs) -> int:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        grads = attention_backward(q, k, v, out, lse, dout, None, mask, **kwargs)
+        torch.cuda.synchronize()
+        del grads
+        return torch.cuda.max_memory_allocated() - before
+
+    assert tq % 8 == 0 and accum.nbytes % 512 == 0  # no padded rows, no allocator rounding
+    peak(dq_accum=accum)  # the call that plans the backward keeps its schedule on the GPU
+    assert peak() - peak(dq_accum=accum) == accum.nbytes
+
+
 @pytest.mark.parametrize("cu_seqlens", [[0, 1], [0, 1000], [0, 4096], [0, 1024, 1100], [0, 600, 1000]])
 def test_gradients_of_masks_without_partial_blocks(cu_seqlens: list[int]) -> None:
     """Full masks at any length and documents on k tile edges take the backward kernel without
