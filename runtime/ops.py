@@ -93,9 +93,13 @@ def _forward_outputs(q: torch.Tensor, v: torch.Tensor, return_max_logits: bool) 
     return out, lse, row_max
 
 
-def _run(launch: Launch, tensors: dict, scale: float, softcap: float, device: torch.device) -> None:
+def _stream(device: torch.device) -> int:
+    """The current stream of `device`, without a Stream object."""
+    return torch._C._cuda_getCurrentRawStream(device.index)
+
+
+def _run(launch: Launch, tensors: dict, scale: float, softcap: float, stream: int) -> None:
     scalars = {"softmax_scale": scale, "softcap": softcap, "num_ctas": launch.num_ctas}
-    stream = torch._C._cuda_getCurrentRawStream(device.index)  # the current stream, without a Stream object
     launch.kernel.kernel(tensors, schedule_views(launch.schedule, launch.rows), scalars, stream)
 
 
@@ -104,7 +108,7 @@ def forward_cuda(q, k, v, sink, launch: Launch, scale: float, softcap: float, re
     out, lse, row_max = _forward_outputs(q, v, return_max_logits)
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "row_max": row_max if return_max_logits else lse}
     tensors["sink"] = sink if sink is not None else lse  # read only by kernels with sinks
-    _run(launch, tensors, scale, softcap, q.device)
+    _run(launch, tensors, scale, softcap, _stream(q.device))
     return out, lse, row_max
 
 
@@ -131,6 +135,7 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
                "dlse": dlse.contiguous() if dlse is not None else lse[:0], "lse_log2": torch.empty_like(delta).view(-1),
                "delta": delta.view(-1), "dq_accum": dq_rows, "dk": dk, "dv": dv}  # fmt: skip
     unused = _unused(q.device)
+    stream = _stream(q.device)
     warpgroups = backward_warpgroups(entry.tile_n)
     if entry.deterministic:  # one counter per (head, q block, consumer warpgroup)
         semaphores = hq * padded // entry.tile_m * warpgroups
@@ -139,10 +144,10 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
         tensors.update(dq_semaphore=unused, work_blocks=unused, block_rank=unused)
     if launch.slots:
         tensors["dkv_accum"], tensors["dkv_count"] = _split_sums(launch.slots, entry.tile_n * (d + v.shape[-1]),
-                                                                 warpgroups, q.device)  # fmt: skip
+                                                                 warpgroups, q.device, stream)  # fmt: skip
     else:
         tensors["dkv_accum"] = tensors["dkv_count"] = unused
-    _run(launch, tensors, scale, softcap, q.device)
+    _run(launch, tensors, scale, softcap, stream)
     dsink = None
     if sink is not None:  # delta as [Tq, 1, Hq]
         dsink = -(torch.exp(sink[None] - lse[:, None, :]) * delta[:, :tq].t()[:, None, :]).sum(dim=0)
@@ -159,11 +164,26 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
     return dq_accum, dk, dv, dsink
 
 
-def _split_sums(slots: int, sums_per_slot: int, counters_per_slot: int, device: torch.device):
-    """Split items' fp32 dK / dV sums and piece counters: views of one zeroed buffer."""
+#: Per (device, stream): the zeroed workspace of the split items' sums and counters. The
+#: kernels leave it zeroed (each item's last piece clears its slot), so a backward costs no fill
+#: and no allocation unless it needs more than the largest before it; launches on one stream
+#: never overlap, and each stream has its own.
+_SPLIT_WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _split_sums(slots: int, sums_per_slot: int, counters_per_slot: int, device: torch.device, stream: int):
+    """Split items' fp32 dK / dV sums and piece counters, zero: views of the stream's
+    workspace (a fresh buffer while a CUDA graph is captured, whose replays must not share
+    memory with eager launches)."""
     sums = slots * sums_per_slot
-    split = torch.zeros(sums + slots * counters_per_slot, dtype=torch.float32, device=device)
-    return split[:sums], split[sums:].view(torch.int32)
+    size = sums + slots * counters_per_slot
+    if torch.cuda.is_current_stream_capturing():
+        split = torch.zeros(size, dtype=torch.float32, device=device)
+    else:
+        split = _SPLIT_WORKSPACES.get((device, stream))
+        if split is None or split.numel() < size:
+            split = _SPLIT_WORKSPACES[(device, stream)] = torch.zeros(size, dtype=torch.float32, device=device)
+    return split[:sums], split[sums:size].view(torch.int32)
 
 
 #: From this many bytes of float32 dQ on, backward_cuda casts it over the accumulator's own memory
