@@ -12,6 +12,7 @@ of every run that holds one, newest first, each with the baselines measured in t
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -133,11 +134,20 @@ PLAN_FIELDS = ("mask", "gpus", "tokens", "chunk", "algorithm", "imbalance", "bou
 STAGES_FIELDS = ("mask", "gpus", "tokens", "chunk", "stages", "fused", "model_fwd_ms", "model_bwd_ms", "chosen")
 
 
-def run_order(rows: Sequence[dict]) -> dict[str, tuple[str, int]]:
-    """Each run's place in time: its date, then where its first row comes in the files."""
-    order: dict[str, tuple[str, int]] = {}
+#: The start time in a run's name (`Run.start`: `<date>T<hhmmss>Z-<commit>`).
+RUN_TIME = re.compile(r"\d{4}-\d\d-\d\dT(\d{6})Z-")
+
+
+def run_order(rows: Sequence[dict]) -> dict[str, tuple[str, str, int]]:
+    """Each run's place in time: its date, the start time its name records (older names have
+    none and come first), then where its first row comes in the files. The files are read kind
+    by kind, so by position alone a run with host rows would come before one of the same day
+    without them."""
+    order: dict[str, tuple[str, str, int]] = {}
     for index, row in enumerate(rows):
-        order.setdefault(row["run"], (row["date"], index))
+        if row["run"] not in order:
+            started = RUN_TIME.match(row["run"])
+            order[row["run"]] = (row["date"], started.group(1) if started else "", index)
     return order
 
 

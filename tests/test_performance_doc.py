@@ -90,6 +90,22 @@ def test_the_doc_shows_the_newest_figure_of_each_implementation(tmp_path: Path) 
     assert "500" not in doc
 
 
+def test_runs_of_one_day_are_ordered_by_their_start(tmp_path: Path) -> None:
+    """Rows are read kind by kind (host before kernel), so the later of two runs on one day
+    whose rows start in an earlier file still supersedes the other: its name's start time
+    orders them."""
+    case = {"mask": "full", "seqlen": 16384, "heads": "64:8", "head_dim": 128, "dtype": "bf16", "direction": "fwd"}
+    early = Run.start("kernel", "NVIDIA H200", tmp_path / "a", argv=["bench/kernel.py"], now=NOW.replace(hour=9))
+    early.write("kernel", impl="maskc", tflops=500.0, **case)
+    late = Run.start("kernel", "NVIDIA H200", tmp_path / "a", argv=["bench/kernel.py"], now=NOW.replace(hour=17))
+    late.write("host", step="one maskc.attention call", ms=0.05)
+    late.write("kernel", impl="maskc", tflops=600.0, **case)
+    rows = read_results(tmp_path / "a")
+    assert rows[0]["kind"] == "host" and rows[0]["run"] == late.run
+    assert report.current_runs(rows, "kernel", report.KERNEL_IMPLS) == [late.run]
+    assert "| 16k | full | 600 |" in report.render(rows)
+
+
 def test_rows_are_checked_when_written(tmp_path: Path) -> None:
     run = scratch_run(tmp_path)
     case = {"mask": "full", "seqlen": 1024, "heads": "64:8", "head_dim": 128, "dtype": "bf16", "direction": "fwd"}
