@@ -207,9 +207,11 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     assert "cp.async.bulk.tensor" in ptx  # TMA loads and the dK / dV stores
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)  # dQ += by TMA (rows in staging order)
     # No per-element atomics on dQ: only a split item's pieces add their dK / dV (their columns over two
-    # threads' rows: (dk_cols + dv_cols) / 2 values a thread) and count.
+    # threads' rows: (dk_cols + dv_cols) / 2 values a thread) and count, and the last piece takes the sums
+    # back, leaving zeros (one exchange a value).
     assert ptx.count("red.global") == ptx.count("red.global.add.f32") == copies * (dk_cols + dv_cols) // 2
-    assert "atom.global" not in ptx and ptx.count("atom.acq_rel.gpu.global.add.s32") == copies
+    assert ptx.count("atom.global") == ptx.count("atom.global.exch.b32") == copies * (dk_cols + dv_cols) // 2
+    assert ptx.count("atom.acq_rel.gpu.global.add.s32") == copies
     assert "stmatrix" in ptx  # dS^T and the dK / dV staging
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     # One dQ warpgroup (d=96) takes 16 registers of the other's, each running its own loop.
