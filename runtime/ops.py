@@ -15,6 +15,7 @@ dispatcher (`EagerAttention`).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Sequence
@@ -167,8 +168,11 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
 #: Per (device, stream): the zeroed workspace of the split items' sums and counters. The
 #: kernels leave it zeroed (each item's last piece clears its slot), so a backward costs no fill
 #: and no allocation unless it needs more than the largest before it; launches on one stream
-#: never overlap, and each stream has its own.
-_SPLIT_WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
+#: never overlap, and each stream has its own. The SPLIT_WORKSPACE_STREAMS streams used last
+#: keep theirs (a program that makes new streams must not pile workspaces up); an evicted one
+#: goes back to the allocator, which reuses it only on its own stream, after its kernels.
+_SPLIT_WORKSPACES: OrderedDict[tuple[torch.device, int], torch.Tensor] = OrderedDict()
+SPLIT_WORKSPACE_STREAMS = 4
 
 
 def _split_sums(slots: int, sums_per_slot: int, counters_per_slot: int, device: torch.device, stream: int):
@@ -180,9 +184,13 @@ def _split_sums(slots: int, sums_per_slot: int, counters_per_slot: int, device: 
     if torch.cuda.is_current_stream_capturing():
         split = torch.zeros(size, dtype=torch.float32, device=device)
     else:
-        split = _SPLIT_WORKSPACES.get((device, stream))
+        key = (device, stream)
+        split = _SPLIT_WORKSPACES.get(key)
         if split is None or split.numel() < size:
-            split = _SPLIT_WORKSPACES[(device, stream)] = torch.zeros(size, dtype=torch.float32, device=device)
+            split = _SPLIT_WORKSPACES[key] = torch.zeros(size, dtype=torch.float32, device=device)
+        _SPLIT_WORKSPACES.move_to_end(key)
+        while len(_SPLIT_WORKSPACES) > SPLIT_WORKSPACE_STREAMS:
+            _SPLIT_WORKSPACES.popitem(last=False)
     return split[:sums], split[sums:size].view(torch.int32)
 
 

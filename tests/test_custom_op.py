@@ -523,3 +523,25 @@ def test_the_dq_cast_in_place_is_the_cast_written_over_the_accumulator(rows: int
     expected = accum[:rows].to(dtype)
     got = ops.cast_in_place(accum[:rows], dtype)
     assert got.data_ptr() == accum.data_ptr() and got.dtype == dtype and torch.equal(got, expected)
+
+
+def test_split_workspaces_are_kept_per_stream_grown_and_bounded(monkeypatch) -> None:
+    """The split items' workspace (ops._split_sums): one per (device, stream), reused while big
+    enough, grown (a new zeroed buffer) when a schedule needs more, and kept for the last
+    SPLIT_WORKSPACE_STREAMS streams only. (CPU tensors stand in for the GPU's: the logic is the same.)"""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(ops, "_SPLIT_WORKSPACES", type(ops._SPLIT_WORKSPACES)())
+    cpu = torch.device("cpu")
+    sums, counts = ops._split_sums(2, 8, 2, cpu, stream=1)
+    assert (sums.numel(), counts.numel(), counts.dtype) == (16, 4, torch.int32) and not sums.any() and not counts.any()
+    assert counts.data_ptr() == sums.data_ptr() + 16 * 4  # one buffer: the counters after the sums
+    again, _ = ops._split_sums(1, 8, 2, cpu, stream=1)
+    assert again.data_ptr() == sums.data_ptr()  # big enough: the same memory
+    grown, _ = ops._split_sums(4, 8, 2, cpu, stream=1)
+    assert grown.numel() == 32 and grown.data_ptr() != sums.data_ptr()
+    for stream in range(2, 2 + ops.SPLIT_WORKSPACE_STREAMS):
+        ops._split_sums(1, 8, 2, cpu, stream=stream)
+    assert len(ops._SPLIT_WORKSPACES) == ops.SPLIT_WORKSPACE_STREAMS and (cpu, 1) not in ops._SPLIT_WORKSPACES
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    captured, _ = ops._split_sums(1, 8, 2, cpu, stream=2)
+    assert all(captured.data_ptr() != w.data_ptr() for w in ops._SPLIT_WORKSPACES.values())  # a graph's own zeros
