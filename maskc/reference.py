@@ -323,8 +323,8 @@ def check_attention_tensors(
     if not 0 <= softcap < math.inf:
         raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    if not -math.inf < scale < math.inf:
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if not 0 < scale < math.inf:
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale}")
     return scale
 
 
@@ -344,11 +344,11 @@ def reference_attention(
     """Masked (GQA) attention, differentiable in q, k, v and sink; the oracle for kernels.
 
     q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv] (Dv = D but in MLA-style models) with
-    Hq % Hkv == 0, out [Tq, Hq, Dv]; logits are softmax_scale * q.k (default scale 1/sqrt(D)),
-    softcapped as c * tanh(s / c) when softcap > 0. sink [S, Hq] holds raw logits that join
-    every row's denominator without a value. Rows without an allowed key give out = 0 and
-    lse = -inf (logsumexp of the sinks with a sink). _block_q/_block_k size the tiles; tests
-    shrink them to exercise the multi-tile paths.
+    Hq % Hkv == 0, out [Tq, Hq, Dv]; logits are softmax_scale * q.k (softmax_scale > 0,
+    default 1/sqrt(D)), softcapped as c * tanh(s / c) when softcap > 0. sink [S, Hq] holds raw
+    logits that join every row's denominator without a value. Rows without an allowed key give
+    out = 0 and lse = -inf (logsumexp of the sinks with a sink). _block_q/_block_k size the
+    tiles; tests shrink them to exercise the multi-tile paths.
     """
     if _block_q <= 0 or _block_k <= 0:
         raise ValueError(f"block sizes must be positive, got ({_block_q}, {_block_k})")

@@ -300,6 +300,8 @@ def _valid() -> dict:
         ({"sink": torch.randn(1, 4, dtype=torch.float64)}, TypeError, "sink dtype"),
         ({"softcap": -1.0}, ValueError, "softcap"),
         ({"softmax_scale": math.inf}, ValueError, "softmax_scale"),
+        ({"softmax_scale": 0.0}, ValueError, "softmax_scale must be a finite number > 0"),
+        ({"softmax_scale": -0.125}, ValueError, "softmax_scale must be a finite number > 0"),
         ({"_block_q": 0}, ValueError, "block sizes"),
     ],
 )
