@@ -141,7 +141,7 @@ BACKWARD_ABI: tuple[Arg, ...] = (
     TensorArg("lse", "float32", ("Tq", "Hq"), param="mLSEf", doc="the forward's lse"),
     TensorArg("dlse", "float32", ("DL", "Hq"), param="mdLSE", doc="the gradient of lse, if any"),
     TensorArg("lse_log2", "float32", ("QP",), align=16, param="mLSE",
-              doc="written by the preprocess: lse * log2(e) per head, padded to q blocks (+inf: P = 0)"),
+              doc="written by the preprocess: lse * log2(e) per head (SM90: - log2(scale)), padded (+inf: P = 0)"),
     TensorArg("delta", "float32", ("QP",), align=16, param="mDelta",
               doc="written by the preprocess: rowsum(dO * O) - dlse per head, padded to q blocks"),
     TensorArg("dq_accum", "float32", ("Tq8", "Hq", "D"), align=16, param="mdQ",
@@ -169,7 +169,8 @@ tiles, runs are q blocks, lines have keys as rows). `out` and `lse` are the forw
 the gradient of lse (DL = Tq) or empty (DL = 0). A preprocess kernel launched first writes the
 per-query statistics head-major and padded to whole q blocks (QP = Hq * ceil(Tq / tile_m) *
 tile_m; the main kernel loads a block's with one TMA copy) into the caller's scratch buffers:
-`lse_log2` = lse * log2(e), +inf for padding and rows with no key (P = 0); `delta` =
+`lse_log2` = lse * log2(e), +inf for padding and rows with no key (P = 0), on SM90 minus
+log2(softmax scale), so that P, dS and the products of dS come out scaled; `delta` =
 rowsum(dO * O) - dlse in float32, 0 for padding. dK/dV are owned per (k tile, kv head) and
 summed over the kv head's query heads; dQ (times the softmax scale) is added to `dq_accum` in
 fp32 by TMA reductions (zeroed by the caller; Tq8 = Tq rounded up to a multiple of 8: the
