@@ -172,6 +172,14 @@ def test_sequence_lengths_from_1_to_64k(n: int, portable: bool | None) -> None:
     _check(Mask.from_cu_seqlens([0, n], causal=True), 8, 8, 128, "bf16", portable=portable)
 
 
+@pytest.mark.parametrize("portable,pack_gqa", [(None, False), (None, True), (True, False)])
+def test_kv_head_groups_of_a_long_forward(portable: bool | None, pack_gqa: bool) -> None:
+    """From about 16k tokens (d=128) the forward walks its K/V heads in groups that fit L2, after
+    a first section over every head: here 4 groups of 2 of the 8 K/V heads, with 4 query heads
+    each (plain) or packed."""
+    _check(Mask.from_cu_seqlens([0, 16411], causal=True), 32, 8, 128, "bf16", pack_gqa=pack_gqa, portable=portable)
+
+
 # ---- Head dims beyond 64 and 128 (the Hopper kernels: the portable ones have 64 and 128) --------
 
 NEW_HEAD_DIMS = ["96", "192", "256", "192/128"]
