@@ -96,7 +96,11 @@ ONE_GPU = """\
 `bench/kernel.py`: maskc's kernels for Hopper (`maskc`; `maskc deterministic` with
 `deterministic=True`) and the portable kernels every NVIDIA GPU since Ampere runs (`maskc
 portable`, measured with `portable=True` on the same GPU), beside the libraries that express
-each mask natively. The backward is `out.backward` timed alone.
+each mask natively. The backward is `out.backward` timed alone. `maskc / FA4` is maskc's
+TFLOP/s over FA4's on the same line (forward / backward), `maskc / full` over maskc's own on the
+full mask of the same length: below 1 in the first, FA4 is the faster there
+(`docs/design/fa4-comparison.md` says what holds maskc back); the second says what a mask's
+shape costs.
 """
 
 SEVERAL_GPUS = """\
@@ -200,6 +204,37 @@ def direction_cell(rows: Sequence[dict]) -> str:
     return " / ".join(parts) if parts else DASH
 
 
+def ratio_cell(ours: Sequence[dict], theirs: Sequence[dict]) -> str:
+    """`ours`' TFLOP/s over `theirs`' per direction, 'fwd / bwd'; a dash where either lacks
+    a direction the other has (or failed it), one dash where either has none."""
+    mine = {row["direction"]: row["tflops"] for row in ours if "error" not in row}
+    other = {row["direction"]: row["tflops"] for row in theirs if "error" not in row}
+    if not mine or not other:
+        return DASH
+    parts = [f"{mine[d] / other[d]:.2f}" if d in mine and d in other else DASH
+             for d in ("fwd", "bwd") if d in mine or d in other]  # fmt: skip
+    return " / ".join(parts)
+
+
+def ratio_columns(kernel: Sequence[dict]) -> dict[str, Callable[[list[dict]], str]]:
+    """The columns that say where maskc stands: its TFLOP/s over FA4's on the same line, and
+    over its own on the full mask of the same length (each where the run measured both)."""
+    def impl_rows(line: list[dict], impl: str) -> list[dict]:
+        return [row for row in line if row["impl"] == impl]
+
+    columns: dict[str, Callable[[list[dict]], str]] = {}
+    impls = {row["impl"] for row in kernel}
+    if {"maskc", "fa4"} <= impls:
+        columns["maskc / FA4"] = lambda line: ratio_cell(impl_rows(line, "maskc"), impl_rows(line, "fa4"))
+    full: dict[int, list[dict]] = defaultdict(list)
+    for row in kernel:
+        if row["impl"] == "maskc" and row["mask"] == "full":
+            full[row["seqlen"]].append(row)
+    if full and any(row["mask"] != "full" for row in kernel):
+        columns["maskc / full"] = lambda line: ratio_cell(impl_rows(line, "maskc"), full[line[0]["seqlen"]])
+    return columns
+
+
 def attention_table(
     rows: Sequence[dict], size: str, impls: dict[str, str], extra: dict[str, Callable[[list[dict]], str]] | None = None
 ) -> list[str]:
@@ -264,7 +299,7 @@ def head_dim_tables(kernel: list[dict], memory: list[dict], impls: dict[str, str
     """The TFLOP/s table of one head dim's kernel rows, and the memory table of its memory rows if any."""
     names = {"fwd": "forward", "bwd": "backward"}
     directions = " / ".join(names[d] for d in names if any(row["direction"] == d for row in kernel))
-    lines = [f"TFLOP/s, {directions}:", "", *attention_table(kernel, "seqlen", impls)]
+    lines = [f"TFLOP/s, {directions}:", "", *attention_table(kernel, "seqlen", impls, ratio_columns(kernel))]
     if memory:
         lines += ["", "Peak memory of one forward + backward on top of q, k and v (MiB, the range over masks):", "",
                   *memory_table(memory)]

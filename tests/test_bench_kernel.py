@@ -130,7 +130,7 @@ def test_a_head_dim_without_maskc_backward_gives_error_rows(kernel: dict, tmp_pa
     assert sorted(map(json.dumps, read_results(tmp_path))) == sorted(map(json.dumps, rows))
     fwd, bwd = f"{rows[0]['tflops']:.0f}", f"{2.5 * rows[0]['tflops']:.0f}"
     table = report.kernel_tables(rows)
-    assert f"| 256 | causal | {fwd} / failed | {fwd} / {bwd} | failed / failed |" in table
+    assert f"| 256 | causal | 1.00 / — | {fwd} / failed | {fwd} / {bwd} | failed / failed |" in table
     assert "| 256 | — | 10 | — |" in table
 
 

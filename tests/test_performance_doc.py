@@ -86,8 +86,25 @@ def test_the_doc_shows_the_newest_figure_of_each_implementation(tmp_path: Path) 
     rows = read_results(tmp_path / "a")
     assert report.current_runs(rows, "kernel", report.KERNEL_IMPLS) == ["newer", "new"]
     doc = report.render(rows)
-    assert doc.index("| 16k | full | failed | 640 |") < doc.index("| 16k | full | 600 |")
+    assert doc.index("| 16k | full | — | failed | 640 |") < doc.index("| 16k | full | 600 |")
     assert "500" not in doc
+
+
+def test_kernel_tables_say_where_maskc_stands(tmp_path: Path) -> None:
+    """Beside the TFLOP/s: maskc over FA4 on each line, and over maskc's own full mask at the
+    same length (a dash where the run lacks either side)."""
+    run = Run.start("kernel", "NVIDIA H200", tmp_path / "a", argv=["bench/kernel.py"], now=NOW)
+    case = {"seqlen": 16384, "heads": "64:8", "head_dim": 128, "dtype": "bf16"}
+    for mask, direction, maskc, fa4 in (("full", "fwd", 600.0, 650.0), ("full", "bwd", 500.0, 625.0),
+                                        ("causal", "fwd", 570.0, 570.0), ("shared_question", "fwd", 540.0, None)):
+        run.write("kernel", impl="maskc", tflops=maskc, mask=mask, direction=direction, **case)
+        if fa4 is not None:
+            run.write("kernel", impl="fa4", tflops=fa4, mask=mask, direction=direction, **case)
+    doc = report.render(read_results(tmp_path / "a"))
+    assert "| seqlen | mask | maskc / FA4 | maskc / full | maskc | FA4 |" in doc
+    assert "| 16k | full | 0.92 / 0.80 | 1.00 / 1.00 | 600 / 500 | 650 / 625 |" in doc
+    assert "| 16k | causal | 1.00 | 0.95 / — | 570 | 570 |" in doc
+    assert "| 16k | shared question | — | 0.90 / — | 540 | — |" in doc
 
 
 def test_runs_of_one_day_are_ordered_by_their_start(tmp_path: Path) -> None:
@@ -192,7 +209,7 @@ def test_kernel_benchmark_rows_with_fake_timings(tmp_path: Path) -> None:
     assert rows[4]["error"] == rows[5]["error"] == "NotImplementedError: no backward for this mask"
     assert sorted(map(json.dumps, read_results(tmp_path))) == sorted(map(json.dumps, rows))
     table = report.kernel_tables(rows)
-    assert "| 16k | causal | 600 / 520 | 600 / failed |" in table
+    assert "| 16k | causal | 1.00 / — | 600 / 520 | 600 / failed |" in table
     assert "| 16k | 1360 | — |" in table
 
 
