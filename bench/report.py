@@ -231,7 +231,7 @@ def ratio_columns(kernel: Sequence[dict]) -> dict[str, Callable[[list[dict]], st
         if row["impl"] == "maskc" and row["mask"] == "full":
             full[row["seqlen"]].append(row)
     if full and any(row["mask"] != "full" for row in kernel):
-        columns["maskc / full"] = lambda line: ratio_cell(impl_rows(line, "maskc"), full[line[0]["seqlen"]])
+        columns["maskc / full"] = lambda line: ratio_cell(impl_rows(line, "maskc"), full.get(line[0]["seqlen"], []))
     return columns
 
 
