@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from common import pack_documents
-from record import RESULTS, Run
+from record import HOST_IMPLS, HOST_PASSES, RESULTS, Run
 from report import kernel_tables, markdown_table
 
 import maskc
@@ -69,10 +69,6 @@ HALF_WINDOW = WINDOW // 2
 HOST_TOKENS = 128
 HOST_WARMUP = 50
 HOST_CALLS = 2000
-#: What one call of each implementation is, in its host rows' steps.
-HOST_IMPLS = {"maskc": "one maskc.attention call", "sdpa_cudnn": "one SDPA cuDNN call", "fa4": "one FA4 flash_attn_func call"}
-#: What each host pass times, in the steps.
-HOST_PASSES = {"fwd": "forward", "fwd+bwd": "forward + backward through autograd"}
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window_causal", "varlen_block_causal",
          "shared_question", "global_sliding_window")  # fmt: skip
 

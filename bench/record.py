@@ -81,6 +81,11 @@ KINDS: dict[str, Kind] = {
     ),
 }
 
+#: What one call of each implementation is, at the start of its host rows' steps (bench/kernel.py).
+HOST_IMPLS = {"maskc": "one maskc.attention call", "sdpa_cudnn": "one SDPA cuDNN call", "fa4": "one FA4 flash_attn_func call"}
+#: What each host pass times, next in the steps.
+HOST_PASSES = {"fwd": "forward", "fwd+bwd": "forward + backward through autograd"}
+
 #: What every row carries, whatever its kind; `versions` and `note` are optional.
 COMMON: dict[str, Check] = {"kind": tuple(KINDS), "bench": str, "run": str, "date": str, "device": str, "commit": str, "command": str}
 OPTIONAL_COMMON: dict[str, Check] = {"versions": str, "note": str}
