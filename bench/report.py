@@ -138,9 +138,10 @@ What holds these back, as measured so far:
 - The forward on varlen masks: maskc's tiles sit on a fixed grid where FA4's start at each
   document, 2-6% more blocks (`docs/design/forward-kernel.md`); at 16k FA4's own figures on
   these masks move between runs about as much as the gap.
-- Masks with many partial blocks against the full mask: each partial block builds its keep
-  masks from line bounds read from global memory, and a window leaves every q tile few blocks
-  to spread its prologue and epilogue over (`docs/design/backward-order.md`).
+- Masks with many partial blocks against the full mask: each partial block computes and
+  applies its keep masks (an item's lines past the registers' slots come from global memory
+  inside the block loop), and a window leaves every q tile few blocks to spread its prologue
+  and epilogue over (`docs/design/backward-order.md`).
 - Memory: the peak holds the backward's float32 dQ accumulator. At d=64 and d=128 what is
   over FlexAttention is the copy of lse in log2 units the backward's preprocess writes for
   its kernels to load (`docs/design/backward-dq.md`); at 192/128, where dQ is wider than the
