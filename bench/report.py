@@ -41,6 +41,8 @@ PLOT_SEQLENS = (16384, 65536)
 #: The head dim of the kernel figure (the page's settings), in a run that measured several.
 PLOT_HEAD_DIM = 128
 DASH = "—"
+#: The directions' names in prose.
+DIRECTION_NAMES = {"fwd": "forward", "bwd": "backward"}
 
 INTRO = """\
 # How fast maskc is
@@ -295,14 +297,23 @@ def attention_table(
     return markdown_table(header, lines, {0, *range(2 + len(extra), len(header))})
 
 
+def peaks(memory: Sequence[dict]) -> dict[int, dict[str, list[float]]]:
+    """The measured peaks (MiB, one per mask) of memory rows: {seqlen: {impl: sorted peaks}}."""
+    by_seqlen: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for row in memory:
+        if "error" not in row:
+            by_seqlen[row["seqlen"]][row["impl"]].append(row["peak_mib"])
+    return {seqlen: {impl: sorted(values) for impl, values in by_impl.items()} for seqlen, by_impl in sorted(by_seqlen.items())}
+
+
 def memory_table(rows: Sequence[dict]) -> list[str]:
     """Peak MiB of one forward + backward: a line per sequence length, the range over masks."""
     columns = [impl for impl in KERNEL_IMPLS if any(row["impl"] == impl for row in rows)]
     lines = []
-    for seqlen in sorted({row["seqlen"] for row in rows}):
+    for seqlen, by_impl in peaks(rows).items():
         cells = []
         for impl in columns:
-            values = sorted(row["peak_mib"] for row in rows if row["seqlen"] == seqlen and row["impl"] == impl and "error" not in row)
+            values = by_impl.get(impl)
             low, high = (f"{values[0]:.0f}", f"{values[-1]:.0f}") if values else (DASH, DASH)
             cells.append(low if low == high else f"{low}-{high}")
         lines.append([tokens(seqlen), *cells])
@@ -334,8 +345,7 @@ def head_dim_title(head_dim: int | str) -> str:
 
 def head_dim_tables(kernel: list[dict], memory: list[dict], impls: dict[str, str]) -> list[str]:
     """The TFLOP/s table of one head dim's kernel rows, and the memory table of its memory rows if any."""
-    names = {"fwd": "forward", "bwd": "backward"}
-    directions = " / ".join(names[d] for d in names if any(row["direction"] == d for row in kernel))
+    directions = " / ".join(name for d, name in DIRECTION_NAMES.items() if any(row["direction"] == d for row in kernel))
     lines = [f"TFLOP/s, {directions}:", "", *attention_table(kernel, "seqlen", impls, ratio_columns(kernel))]
     if memory:
         lines += ["", "Peak memory of one forward + backward on top of q, k and v (MiB, the range over masks):", "",
@@ -440,7 +450,7 @@ def tflops_shortfalls(tflops: dict[tuple, float]) -> dict[str, list[str]]:
     and below OWN_FULL_TARGET; by what falls short and direction."""
     fa4_masks = {(seqlen, mask) for impl, seqlen, mask, _ in tflops if impl == "fa4"}
     below = ("below FA4", f"below {OWN_FULL_TARGET:.0%} of full")
-    short: dict[str, list[str]] = {f"{what}, {d}": [] for what in below for d in ("forward", "backward")}
+    short: dict[str, list[str]] = {f"{what}, {d}": [] for what in below for d in DIRECTION_NAMES.values()}
     for (impl, seqlen, mask, direction), value in tflops.items():
         fa4 = tflops.get(("fa4", seqlen, mask, direction))
         full = tflops.get(("maskc", seqlen, "full", direction))
@@ -448,7 +458,7 @@ def tflops_shortfalls(tflops: dict[tuple, float]) -> dict[str, list[str]]:
             continue  # FA4 failed the direction, or the run has no full mask to compare with
         ratio, target = (value / fa4, 1.0) if fa4 else (value / full, OWN_FULL_TARGET)
         if round(ratio, 2) < target:
-            what = f"{below[not fa4]}, {'forward' if direction == 'fwd' else 'backward'}"
+            what = f"{below[not fa4]}, {DIRECTION_NAMES[direction]}"
             short[what].append(f"{mask.replace('_', ' ')} {tokens(seqlen)} {ratio:.2f}")
     return short
 
@@ -457,13 +467,10 @@ def memory_shortfalls(memory: Sequence[dict]) -> list[str]:
     """Per sequence length, maskc's highest peak (of one head dim's memory rows in one run)
     where above the lowest other library's highest."""
     short = []
-    for seqlen in sorted({row["seqlen"] for row in memory}):
-        peaks = defaultdict(list)
-        for row in memory:  # maskc's other variants are not other libraries
-            if row["seqlen"] == seqlen and (row["impl"] == "maskc" or not row["impl"].startswith("maskc")):
-                peaks[row["impl"]].append(row["peak_mib"])
-        ours = max(peaks.pop("maskc", [0.0]))
-        if peaks and ours > (lowest := min(max(values) for values in peaks.values())):
+    for seqlen, by_impl in peaks(memory).items():
+        # maskc's deterministic and portable variants are not other libraries
+        others = [values[-1] for impl, values in by_impl.items() if not impl.startswith("maskc")]
+        if "maskc" in by_impl and others and (ours := by_impl["maskc"][-1]) > (lowest := min(others)):
             short.append(f"{tokens(seqlen)} {ours:.0f} MiB against {lowest:.0f}")
     return short
 
@@ -474,14 +481,14 @@ def kernel_shortfalls(rows: Sequence[dict]) -> list[str]:
     lines: dict[int | str, str] = {}
     for run in current_runs(rows, "kernel", {"maskc", "fa4"}):
         mine = [row for row in of_run(rows, run, "kernel") if "error" not in row]
+        memory = of_run(rows, run, "memory")
         for head_dim in dict.fromkeys(row["head_dim"] for row in mine):
             tflops = {(row["impl"], row["seqlen"], row["mask"], row["direction"]): row["tflops"]
                       for row in mine if row["head_dim"] == head_dim}  # fmt: skip
             if head_dim in lines or not {"maskc", "fa4"} <= {impl for impl, *_ in tflops}:
                 continue
             short = tflops_shortfalls(tflops)
-            short["peak memory"] = memory_shortfalls(
-                [row for row in of_run(rows, run, "memory") if row["head_dim"] == head_dim and "error" not in row])
+            short["peak memory"] = memory_shortfalls([row for row in memory if row["head_dim"] == head_dim])
             parts = [f"{what}: {', '.join(items)}" for what, items in short.items() if items]
             first = mine[0]
             lines[head_dim] = (f"- **{head_dim_title(head_dim)}** ({first['device']}, {first['date']}, `{first['commit']}`): "
