@@ -191,7 +191,15 @@ def sync_group_order(last_block: np.ndarray, cost: np.ndarray, num_heads_kv: int
         paired[candidates] = fewer
     works, second = _in_pairs(works, sizes, cost, paired)
     flags = heads_inner(last_block)[works] * HEADS_INNER + second * ASCENDING
-    return _groups_by_head(works, sizes, flags, num_heads_kv)
+    return _groups_by_head(works, _lone_runs_joined(sizes), flags, num_heads_kv)
+
+
+def _lone_runs_joined(sizes: np.ndarray) -> np.ndarray:
+    """Group sizes with each run of consecutive one-tile groups (a sliding window's tiles)
+    joined into one group, so that the run goes one K/V head after the other."""
+    lone = sizes == 1
+    starts = ~lone | np.r_[True, ~lone[:-1]]
+    return np.bincount(np.cumsum(starts) - 1, weights=sizes).astype(np.int64)
 
 
 def section_order(last_block: np.ndarray, num_heads_kv: int) -> np.ndarray:
