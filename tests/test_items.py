@@ -27,6 +27,17 @@ def test_sync_groups_run_together_heaviest_item_first_ties_by_last_block() -> No
     ]  # fmt: skip
 
 
+def test_a_run_of_one_tile_groups_goes_head_by_head() -> None:
+    """A sliding window's tiles each end at their own q block: consecutive one-tile groups run
+    as one, every tile of K/V head 0 before head 1, so the CTAs running together share one
+    head's Q, dO and dQ rows; a group of several tiles keeps its own heads."""
+    order = sync_group_order(np.array([10, 11, 5, 5, 12]), np.full(5, 3), num_heads_kv=2, num_ctas=8)
+    assert order.tolist() == [
+        [2, 0, HEADS_INNER], [3, 0, HEADS_INNER], [2, 1, HEADS_INNER], [3, 1, HEADS_INNER],
+        [0, 0, 0], [1, 0, 0], [4, 0, 0], [0, 1, 0], [1, 1, 0], [4, 1, 0],
+    ]  # fmt: skip
+
+
 def test_a_group_of_even_lengths_pairs_its_longest_and_shortest_works() -> None:
     ramp = np.arange(12, 0, -1)  # a causal mask's k tiles: lengths 12 .. 1, each pair costs 13
     order = sync_group_order(np.full(12, 20), ramp, num_heads_kv=1, num_ctas=3)

@@ -10,7 +10,8 @@ varlen mask, every tile of a causal one). The kernel walks an item's q blocks la
 so the tiles of a group meet each Q / dO block and each block of dQ rows at the same time if
 they also take the query heads innermost (whatever their lengths); a tile alone in its
 group (a sliding window) walks heads outermost instead, a step behind its neighbour of the
-same length. Each item carries that choice (`HEADS_INNER` in its flags).
+same length. Each item carries that choice (`HEADS_INNER` in its flags). A run of such tiles
+goes one K/V head after the other, so the CTAs running together share one head's rows.
 
 A group's tiles have unequal lengths (a causal tile reaches from its diagonal to the end), so
 after its first item a CTA would start the next one while the others are midway, and the CTAs
@@ -23,8 +24,9 @@ mask of a context-parallel rank: whole chunks of keys see the same queries) the 
 differ and walking in order keeps the CTAs closer; the deal's model decides (`_places`: how
 many (head, q block) places the CTAs walk at once, the rows the L2 must hold).
 
-- `sync_group_order`: group by group, heaviest items first; a group's items run together,
-  one K/V head after the other, in (longest, shortest) pairs where that pays.
+- `sync_group_order`: group by group, heaviest items first; a group's items (or a run of
+  one-tile groups) run together, one K/V head after the other, in (longest, shortest) pairs
+  where that pays.
 - `section_order`: k tile order in sections (the deterministic kernel's, whose CTAs may only
   wait for lower items: for each K/V head the k tiles ascend).
 
@@ -160,7 +162,8 @@ def _places(rows: np.ndarray, group: np.ndarray, cost: np.ndarray, last_block: n
 def sync_group_order(last_block: np.ndarray, cost: np.ndarray, num_heads_kv: int, num_ctas: int) -> np.ndarray:
     """Items group by group, the group with the heaviest item first, ties by last block (so
     equal items start in step: a sliding window's tiles run in rounds, its light last tiles
-    after them); inside a group head by head, each head's works in (longest, shortest) pairs,
+    after them); inside a group, or a run of one-tile groups (else a window's CTAs would walk
+    every head's rows at once), head by head, each head's works in (longest, shortest) pairs,
     the second of each ASCENDING, if the group's items fill `num_ctas` CTAs, its costs differ
     by PAIR_SPREAD and the pairs keep its CTAs at fewer places (`_places`, over a deal of the
     groups that could pair, in pairs against in order).
