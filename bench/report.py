@@ -118,6 +118,8 @@ slowest rank's median time.
 #: Where FA4 has no kernel for a mask, maskc's target is this share of its own TFLOP/s on the
 #: full mask of the same length (where FA4 has one, FA4's TFLOP/s).
 OWN_FULL_TARGET = 0.92
+#: The sequence lengths the speed and memory targets are set at (the seeds' 16k and 64k).
+TARGET_SEQLENS = (16384, 65536)
 
 SHORT = """\
 ## Short of the targets
@@ -125,8 +127,9 @@ SHORT = """\
 maskc's targets: at least FA4's TFLOP/s on every mask FA4 has a kernel for, and at least 92% of
 its own full-mask TFLOP/s at the same length on the others; no more peak memory for a forward +
 backward, and no more host time per call, than the lowest of the other libraries in the same
-run. What falls short in the newest run of each head dim with FA4 beside maskc, and in the
-newest host-time run (maskc's figure over the target's):
+run; at 16k and 64k tokens. What falls short in the newest measurement of each head dim,
+mask and length with FA4 beside maskc (the runs named), and in the newest host-time run
+(maskc's figure over the target's):
 """
 
 LIMITS = """\
@@ -444,28 +447,35 @@ def plotted_runs(rows: Sequence[dict], plots: dict[str, str], plot: str, caption
     return out
 
 
-def tflops_shortfalls(tflops: dict[tuple, float]) -> dict[str, list[str]]:
+def ratios(tflops: dict[tuple, float]) -> dict[tuple, tuple[float, bool]]:
     """maskc's TFLOP/s ({(impl, seqlen, mask, direction): TFLOP/s} of one head dim in one run)
-    over FA4's where below 1, over its own full mask's where FA4 has no kernel for the mask
-    and below OWN_FULL_TARGET; by what falls short and direction."""
+    per (seqlen, mask, direction): over FA4's (True), or over its own full mask's (False) where
+    FA4 has no kernel for the mask; nothing where FA4 failed the direction or the run has no
+    full mask to compare with."""
     fa4_masks = {(seqlen, mask) for impl, seqlen, mask, _ in tflops if impl == "fa4"}
-    below = ("below FA4", f"below {OWN_FULL_TARGET:.0%} of full")
-    short: dict[str, list[str]] = {f"{what}, {d}": [] for what in below for d in DIRECTION_NAMES.values()}
+    out = {}
     for (impl, seqlen, mask, direction), value in tflops.items():
         fa4 = tflops.get(("fa4", seqlen, mask, direction))
         full = tflops.get(("maskc", seqlen, "full", direction))
-        if impl != "maskc" or not (fa4 or full and (seqlen, mask) not in fa4_masks):
-            continue  # FA4 failed the direction, or the run has no full mask to compare with
-        ratio, target = (value / fa4, 1.0) if fa4 else (value / full, OWN_FULL_TARGET)
-        if round(ratio, 2) < target:
-            what = f"{below[not fa4]}, {DIRECTION_NAMES[direction]}"
-            short[what].append(f"{mask.replace('_', ' ')} {tokens(seqlen)} {ratio:.2f}")
+        if impl == "maskc" and (fa4 or full and (seqlen, mask) not in fa4_masks):
+            out[(seqlen, mask, direction)] = (value / fa4, True) if fa4 else (value / full, False)
+    return out
+
+
+def tflops_shortfalls(measured: dict[tuple, tuple[float, bool]]) -> dict[str, list[str]]:
+    """The `ratios` below their targets (FA4's TFLOP/s, OWN_FULL_TARGET of the full mask's), by
+    what falls short and direction."""
+    below = {True: "below FA4", False: f"below {OWN_FULL_TARGET:.0%} of full"}
+    short: dict[str, list[str]] = {f"{what}, {d}": [] for what in below.values() for d in DIRECTION_NAMES.values()}
+    for (seqlen, mask, direction), (ratio, against_fa4) in measured.items():
+        if round(ratio, 2) < (1.0 if against_fa4 else OWN_FULL_TARGET):
+            short[f"{below[against_fa4]}, {DIRECTION_NAMES[direction]}"].append(f"{mask.replace('_', ' ')} {tokens(seqlen)} {ratio:.2f}")
     return short
 
 
 def memory_shortfalls(memory: Sequence[dict]) -> list[str]:
-    """Per sequence length, maskc's highest peak (of one head dim's memory rows in one run)
-    where above the lowest other library's highest."""
+    """Per sequence length, maskc's highest peak (of one head dim's memory rows, each length's
+    from one run) where above the lowest other library's highest."""
     short = []
     for seqlen, by_impl in peaks(memory).items():
         # maskc's deterministic and portable variants are not other libraries
@@ -476,24 +486,39 @@ def memory_shortfalls(memory: Sequence[dict]) -> list[str]:
 
 
 def kernel_shortfalls(rows: Sequence[dict]) -> list[str]:
-    """A line per head dim, from the newest run measuring it with maskc and FA4: what of its
-    TFLOP/s and peak memory falls short (tflops_shortfalls, memory_shortfalls)."""
-    lines: dict[int | str, str] = {}
+    """A line per head dim: what of its TFLOP/s and peak memory falls short (tflops_shortfalls,
+    memory_shortfalls) at TARGET_SEQLENS, each (sequence length, mask) from the newest run
+    measuring it with maskc and FA4, each length's memory from the newest of those runs
+    measuring it; the line names those runs."""
+    found: dict[int | str, dict[tuple, tuple[float, bool]]] = defaultdict(dict)
+    memory: dict[int | str, dict[int, list[dict]]] = defaultdict(dict)
+    used: dict[int | str, dict[str, dict]] = defaultdict(dict)
+    mask_order = list(dict.fromkeys(row["mask"] for row in rows if row["kind"] == "kernel"))
     for run in current_runs(rows, "kernel", {"maskc", "fa4"}):
         mine = [row for row in of_run(rows, run, "kernel") if "error" not in row]
-        memory = of_run(rows, run, "memory")
         for head_dim in dict.fromkeys(row["head_dim"] for row in mine):
             tflops = {(row["impl"], row["seqlen"], row["mask"], row["direction"]): row["tflops"]
                       for row in mine if row["head_dim"] == head_dim}  # fmt: skip
-            if head_dim in lines or not {"maskc", "fa4"} <= {impl for impl, *_ in tflops}:
+            if not {"maskc", "fa4"} <= {impl for impl, *_ in tflops}:
                 continue
-            short = tflops_shortfalls(tflops)
-            short["peak memory"] = memory_shortfalls([row for row in memory if row["head_dim"] == head_dim])
-            parts = [f"{what}: {', '.join(items)}" for what, items in short.items() if items]
-            first = mine[0]
-            lines[head_dim] = (f"- **{head_dim_title(head_dim)}** ({first['device']}, {first['date']}, `{first['commit']}`): "
-                               + ("; ".join(parts) if parts else "none") + ".")  # fmt: skip
-    return [lines[d] for d in sorted(lines, key=lambda d: tuple(map(int, str(d).split("/"))))]
+            new = {k: v for k, v in ratios(tflops).items() if k[0] in TARGET_SEQLENS and k not in found[head_dim]}
+            peaks_of = defaultdict(list)
+            for row in of_run(rows, run, "memory"):
+                if row["head_dim"] == head_dim and row["seqlen"] in TARGET_SEQLENS and row["seqlen"] not in memory[head_dim]:
+                    peaks_of[row["seqlen"]].append(row)
+            if new or peaks_of:
+                found[head_dim].update(new)
+                memory[head_dim].update(peaks_of)
+                used[head_dim][run] = mine[0]
+    lines = []
+    for head_dim in sorted(used, key=lambda d: tuple(map(int, str(d).split("/")))):
+        measured = sorted(found[head_dim].items(), key=lambda item: (item[0][0], mask_order.index(item[0][1])))
+        short = tflops_shortfalls(dict(measured))
+        short["peak memory"] = memory_shortfalls([row for seqlen_rows in memory[head_dim].values() for row in seqlen_rows])
+        parts = [f"{what}: {', '.join(items)}" for what, items in short.items() if items]
+        runs = "; ".join(dict.fromkeys(f"{first['device']}, {first['date']}, `{first['commit']}`" for first in used[head_dim].values()))
+        lines.append(f"- **{head_dim_title(head_dim)}** ({runs}): " + ("; ".join(parts) if parts else "none") + ".")
+    return lines
 
 
 def host_shortfalls(rows: Sequence[dict]) -> list[str]:
