@@ -143,10 +143,19 @@ What holds these back, as measured so far:
 - The forward on varlen masks: maskc's tiles sit on a fixed grid where FA4's start at each
   document, 2-6% more blocks (`docs/design/forward-kernel.md`); at 16k FA4's own figures on
   these masks move between runs about as much as the gap.
+- The backward at d=192 and 256: 64-key tiles with the head dims split between the
+  warpgroups, where FA4's d=192 tile has 96 keys (its S has the queries on the wgmma M axis), so
+  it does 1.5 times the work per Q / dO load, barrier and dQ reduction; that formulation is not
+  built (`docs/design/head-dims.md`).
 - Masks with many partial blocks against the full mask: each partial block computes and
   applies its keep masks (an item's lines past the registers' slots come from global memory
   inside the block loop), and a window leaves every q tile few blocks to spread its prologue
-  and epilogue over (`docs/design/backward-order.md`).
+  and epilogue over (`docs/design/backward-order.md`). Whole tiles also bound these masks: of
+  the elements in the tiles a mask touches (the forward's chosen tile, 16 tokens a tile under
+  PackGQA; the backward's) it keeps 91-93% for global + window (96% in the 64-key backward of
+  d=192 and 256), 92-97% for varlen block causal and shared question at 16k (90% in d=64's
+  128 x 128 backward) and 95-99% at 64k; the full mask 99-100% (`bench/fill.py`). Where that
+  share is near 92%, the target asks partial blocks to cost no more than full ones.
 - Memory: the peak holds the backward's float32 dQ accumulator. At d=64 and d=128 what is
   over FlexAttention is the copy of lse in log2 units the backward's preprocess writes for
   its kernels to load (`docs/design/backward-dq.md`); at 192/128, where dQ is wider than the
