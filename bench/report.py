@@ -115,21 +115,24 @@ values before FlexAttention. Per-GPU TFLOP/s: the whole mask's FLOPs over the GP
 slowest rank's median time.
 """
 
-#: Where FA4 has no kernel for a mask, maskc's target is this share of its own TFLOP/s on the
-#: full mask of the same length (where FA4 has one, FA4's TFLOP/s).
+#: Where no peer (PEERS) has a kernel for a mask, maskc's target is this share of its own TFLOP/s
+#: on the full mask of the same length (where one has, the faster peer's TFLOP/s).
 OWN_FULL_TARGET = 0.92
+#: The libraries whose kernels maskc's are held against, mask by mask: the faster of those that
+#: ran the mask sets the target (FA4 has every benchmark mask but three, SDPA cuDNN full and causal).
+PEERS = ("fa4", "sdpa_cudnn")
 #: The sequence lengths the speed and memory targets are set at (the seeds' 16k and 64k).
 TARGET_SEQLENS = (16384, 65536)
 
 SHORT = """\
 ## Short of the targets
 
-maskc's targets: at least FA4's TFLOP/s on every mask FA4 has a kernel for, and at least 92% of
-its own full-mask TFLOP/s at the same length on the others; no more peak memory for a forward +
-backward, and no more host time per call, than the lowest of the other libraries in the same
-run; at 16k and 64k tokens. What falls short in the newest measurement of each head dim,
-mask and length with FA4 beside maskc (the runs named), and in the newest host-time run
-(maskc's figure over the target's):
+maskc's targets: at least the TFLOP/s of the faster of FA4 and cuDNN on every mask either has
+a kernel for, and at least 92% of its own full-mask TFLOP/s at the same length on the others;
+no more peak memory for a forward + backward, and no more host time per call, than the lowest
+of the other libraries in the same run; at 16k and 64k tokens. What falls short in the newest
+measurement of each head dim, mask and length beside FA4 or cuDNN (the runs named), and in
+the newest host-time run (maskc's figure over the target's, named by the faster library):
 """
 
 LIMITS = """\
@@ -143,10 +146,12 @@ What holds these back, as measured so far:
 - The forward on varlen masks: maskc's tiles sit on a fixed grid where FA4's start at each
   document, 2-6% more blocks (`docs/design/forward-kernel.md`); at 16k FA4's own figures on
   these masks move between runs about as much as the gap.
-- The backward at d=192 and 256: 64-key tiles with the head dims split between the
+- The backward at d=192, 192/128 and 256: 64-key tiles with the head dims split between the
   warpgroups, where FA4's d=192 tile has 96 keys (its S has the queries on the wgmma M axis), so
-  it does 1.5 times the work per Q / dO load, barrier and dQ reduction; that formulation is not
-  built (`docs/design/head-dims.md`).
+  it does 1.5 times the work per Q / dO load, barrier and dQ reduction; at d=192 the two loops
+  issue about as many instructions per score element on the full mask, so the per-block
+  latencies are what the wider tile amortises. That formulation is not built
+  (`docs/design/head-dims.md`).
 - Masks with many partial blocks against the full mask: each partial block computes and
   applies its keep masks (an item's lines past the registers' slots come from global memory
   inside the block loop), and a window leaves every q tile few blocks to spread its prologue
@@ -456,29 +461,34 @@ def plotted_runs(rows: Sequence[dict], plots: dict[str, str], plot: str, caption
     return out
 
 
-def ratios(tflops: dict[tuple, float]) -> dict[tuple, tuple[float, bool]]:
+def ratios(tflops: dict[tuple, float]) -> dict[tuple, tuple[float, str | None]]:
     """maskc's TFLOP/s ({(impl, seqlen, mask, direction): TFLOP/s} of one head dim in one run)
-    per (seqlen, mask, direction): over FA4's (True), or over its own full mask's (False) where
-    FA4 has no kernel for the mask; nothing where FA4 failed the direction or the run has no
-    full mask to compare with."""
-    fa4_masks = {(seqlen, mask) for impl, seqlen, mask, _ in tflops if impl == "fa4"}
-    out = {}
+    per (seqlen, mask, direction): over the faster of the PEERS that ran it (with that peer), or
+    over its own full mask's (None) where no peer has a kernel for the mask; nothing where the
+    peers failed the direction or the run has no full mask to compare with."""
+    peer_masks = {(seqlen, mask) for impl, seqlen, mask, _ in tflops if impl in PEERS}
+    out: dict[tuple, tuple[float, str | None]] = {}
     for (impl, seqlen, mask, direction), value in tflops.items():
-        fa4 = tflops.get(("fa4", seqlen, mask, direction))
+        if impl != "maskc":
+            continue
+        ran = [(tflops[(peer, seqlen, mask, direction)], peer) for peer in PEERS if (peer, seqlen, mask, direction) in tflops]
         full = tflops.get(("maskc", seqlen, "full", direction))
-        if impl == "maskc" and (fa4 or full and (seqlen, mask) not in fa4_masks):
-            out[(seqlen, mask, direction)] = (value / fa4, True) if fa4 else (value / full, False)
+        if ran:
+            best, peer = max(ran)
+            out[(seqlen, mask, direction)] = (value / best, peer)
+        elif full and (seqlen, mask) not in peer_masks:
+            out[(seqlen, mask, direction)] = (value / full, None)
     return out
 
 
-def tflops_shortfalls(measured: dict[tuple, tuple[float, bool]]) -> dict[str, list[str]]:
-    """The `ratios` below their targets (FA4's TFLOP/s, OWN_FULL_TARGET of the full mask's), by
-    what falls short and direction."""
-    below = {True: "below FA4", False: f"below {OWN_FULL_TARGET:.0%} of full"}
+def tflops_shortfalls(measured: dict[tuple, tuple[float, str | None]]) -> dict[str, list[str]]:
+    """The `ratios` below their targets (the faster peer's TFLOP/s, OWN_FULL_TARGET of the full
+    mask's), by what falls short and direction."""
+    below = {**{peer: f"below {KERNEL_IMPLS[peer]}" for peer in PEERS}, None: f"below {OWN_FULL_TARGET:.0%} of full"}
     short: dict[str, list[str]] = {f"{what}, {d}": [] for what in below.values() for d in DIRECTION_NAMES.values()}
-    for (seqlen, mask, direction), (ratio, against_fa4) in measured.items():
-        if round(ratio, 2) < (1.0 if against_fa4 else OWN_FULL_TARGET):
-            short[f"{below[against_fa4]}, {DIRECTION_NAMES[direction]}"].append(f"{mask.replace('_', ' ')} {tokens(seqlen)} {ratio:.2f}")
+    for (seqlen, mask, direction), (ratio, peer) in measured.items():
+        if round(ratio, 2) < (1.0 if peer else OWN_FULL_TARGET):
+            short[f"{below[peer]}, {DIRECTION_NAMES[direction]}"].append(f"{mask.replace('_', ' ')} {tokens(seqlen)} {ratio:.2f}")
     return short
 
 
@@ -497,18 +507,18 @@ def memory_shortfalls(memory: Sequence[dict]) -> list[str]:
 def kernel_shortfalls(rows: Sequence[dict]) -> list[str]:
     """A line per head dim: what of its TFLOP/s and peak memory falls short (tflops_shortfalls,
     memory_shortfalls) at TARGET_SEQLENS, each (sequence length, mask) from the newest run
-    measuring it with maskc and FA4, each length's memory from the newest of those runs
+    measuring it with maskc and a peer, each length's memory from the newest of those runs
     measuring it; the line names those runs."""
-    found: dict[int | str, dict[tuple, tuple[float, bool]]] = defaultdict(dict)
+    found: dict[int | str, dict[tuple, tuple[float, str | None]]] = defaultdict(dict)
     memory: dict[int | str, dict[int, list[dict]]] = defaultdict(dict)
     used: dict[int | str, dict[str, dict]] = defaultdict(dict)
     mask_order = list(dict.fromkeys(row["mask"] for row in rows if row["kind"] == "kernel"))
-    for run in current_runs(rows, "kernel", {"maskc", "fa4"}):
+    for run in current_runs(rows, "kernel", {"maskc", *PEERS}):
         mine = [row for row in of_run(rows, run, "kernel") if "error" not in row]
         for head_dim in dict.fromkeys(row["head_dim"] for row in mine):
             tflops = {(row["impl"], row["seqlen"], row["mask"], row["direction"]): row["tflops"]
                       for row in mine if row["head_dim"] == head_dim}  # fmt: skip
-            if not {"maskc", "fa4"} <= {impl for impl, *_ in tflops}:
+            if "maskc" not in {impl for impl, *_ in tflops} or not set(PEERS) & {impl for impl, *_ in tflops}:
                 continue
             new = {k: v for k, v in ratios(tflops).items() if k[0] in TARGET_SEQLENS and k not in found[head_dim]}
             peaks_of = defaultdict(list)
