@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel import HKV, HQ, MASKS, build_masks  # noqa: E402
 
-from maskc.artifact.families import HEAD_DIMS, default_family  # noqa: E402
+from maskc.artifact.families import HEAD_DIMS, HeadDim, default_family  # noqa: E402
 from maskc.ir import Mask  # noqa: E402
 from maskc.ir.schedule import Schedule, build_schedule, transposed_schedule  # noqa: E402
 from maskc.ir.strategy import select_forward  # noqa: E402
@@ -32,7 +32,7 @@ def kept_share(mask: Mask, schedule: Schedule) -> float:
     return mask.area() / (int(schedule.blocks_per_item().sum()) * schedule.tile_m * schedule.tile_n)
 
 
-def forward_schedule(mask: Mask, head_dim) -> Schedule:
+def forward_schedule(mask: Mask, head_dim: HeadDim) -> Schedule:
     """The forward schedule of the tile and GQA strategy maskc picks for `mask` at `head_dim`."""
     kernel = default_family(ARCH).kernel("fwd")
     tiles, tall = kernel.tiles[head_dim], kernel.tall_tiles.get(head_dim)
