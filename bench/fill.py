@@ -19,12 +19,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel import HKV, HQ, MASKS, build_masks  # noqa: E402
 
-from maskc.artifact.families import HEAD_DIMS, HeadDim, default_family  # noqa: E402
+import torch  # noqa: E402
+
+from maskc.artifact.families import HEAD_DIMS, HeadDim  # noqa: E402
 from maskc.ir import Mask  # noqa: E402
 from maskc.ir.schedule import Schedule, build_schedule, transposed_schedule  # noqa: E402
-from maskc.ir.strategy import select_forward  # noqa: E402
+from maskc.runtime import plan  # noqa: E402
 
-ARCH = "sm_90a"
+#: The GPU the kernels are planned for: an H100 / H200 (sm_90a, 132 SMs).
+CAPABILITY, NUM_SMS = (9, 0), 132
 
 
 def kept_share(mask: Mask, schedule: Schedule) -> float:
@@ -32,33 +35,35 @@ def kept_share(mask: Mask, schedule: Schedule) -> float:
     return mask.area() / (int(schedule.blocks_per_item().sum()) * schedule.tile_m * schedule.tile_n)
 
 
-def forward_schedule(mask: Mask, head_dim: HeadDim) -> Schedule:
-    """The forward schedule of the tile and GQA strategy maskc picks for `mask` at `head_dim`."""
-    kernel = default_family(ARCH).kernel("fwd")
-    tiles, tall = kernel.tiles[head_dim], kernel.tall_tiles.get(head_dim)
-    shapes = ((tiles.tile_m, tiles.tile_n), None if tall is None else (tall.tile_m, tall.tile_n))
-    is_tall, packed = select_forward(mask, HQ, HKV, *shapes)
-    tile_m, tile_n = shapes[1] if is_tall else shapes[0]
-    return build_schedule(mask, tile_m // (HQ // HKV) if packed else tile_m, tile_n)
+def target(head_dim: HeadDim) -> plan.Target:
+    """The calls the table is for: 64:8 bf16 heads of `head_dim`, no options."""
+    return plan.make_target(CAPABILITY, NUM_SMS, torch.bfloat16, HQ, HKV, head_dim, False, False, False, None, False)
+
+
+def schedule(mask: Mask, target: plan.Target, request: dict) -> Schedule:
+    """The schedule of the kernel the runtime picks for `request` (`plan.forward_requests` or
+    `plan.backward_requests`), with its launch shape (tokens a tile under PackGQA)."""
+    shape = plan.launch_shape_of(target, request)
+    build = build_schedule if request["direction"] == "fwd" else transposed_schedule
+    return build(mask, shape.tile_m, shape.tile_n)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqlens", default="16384,65536", help="comma-separated sequence lengths")
     args = parser.parse_args()
-    backward = default_family(ARCH).kernel("bwd")
-    dims = [d for d in HEAD_DIMS if d in backward.tiles]
-    print("| seqlen | mask | " + " | ".join(f"d={d} fwd / bwd" for d in dims) + " |")
-    print("|---:|---|" + "---|" * len(dims))
+    targets = {d: target(d) for d in HEAD_DIMS}
+    print("| seqlen | mask | " + " | ".join(f"d={d} fwd / bwd" for d in targets) + " |")
+    print("|---:|---|" + "---|" * len(targets))
     for seqlen in map(int, args.seqlens.split(",")):
         masks, _ = build_masks(seqlen)
         for name in MASKS:
             mask = masks[name]
             cells = []
-            for d in dims:
-                tiles = backward.tiles[d]
-                bwd = kept_share(mask, transposed_schedule(mask, tiles.tile_m, tiles.tile_n))
-                cells.append(f"{kept_share(mask, forward_schedule(mask, d)):.3f} / {bwd:.3f}")
+            for t in targets.values():
+                fwd, bwd = (kept_share(mask, schedule(mask, t, requests(mask, t)[0]))
+                            for requests in (plan.forward_requests, plan.backward_requests))  # fmt: skip
+                cells.append(f"{fwd:.3f} / {bwd:.3f}")
             print(f"| {seqlen} | {name} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -461,6 +461,11 @@ def plotted_runs(rows: Sequence[dict], plots: dict[str, str], plot: str, caption
     return out
 
 
+def shortfall_source(row: dict) -> str:
+    """Where a shortfall was measured: the device, date and commit of a row of its run."""
+    return f"{row['device']}, {row['date']}, `{row['commit']}`"
+
+
 def ratios(tflops: dict[tuple, float]) -> dict[tuple, tuple[float, str | None]]:
     """maskc's TFLOP/s ({(impl, seqlen, mask, direction): TFLOP/s} of one head dim in one run)
     per (seqlen, mask, direction): over the faster of the PEERS that ran it (with that peer), or
@@ -518,7 +523,8 @@ def kernel_shortfalls(rows: Sequence[dict]) -> list[str]:
         for head_dim in dict.fromkeys(row["head_dim"] for row in mine):
             tflops = {(row["impl"], row["seqlen"], row["mask"], row["direction"]): row["tflops"]
                       for row in mine if row["head_dim"] == head_dim}  # fmt: skip
-            if "maskc" not in {impl for impl, *_ in tflops} or not set(PEERS) & {impl for impl, *_ in tflops}:
+            impls = {impl for impl, *_ in tflops}
+            if "maskc" not in impls or not impls.intersection(PEERS):
                 continue
             new = {k: v for k, v in ratios(tflops).items() if k[0] in TARGET_SEQLENS and k not in found[head_dim]}
             peaks_of = defaultdict(list)
@@ -535,7 +541,7 @@ def kernel_shortfalls(rows: Sequence[dict]) -> list[str]:
         short = tflops_shortfalls(dict(measured))
         short["peak memory"] = memory_shortfalls([row for seqlen_rows in memory[head_dim].values() for row in seqlen_rows])
         parts = [f"{what}: {', '.join(items)}" for what, items in short.items() if items]
-        runs = "; ".join(dict.fromkeys(f"{first['device']}, {first['date']}, `{first['commit']}`" for first in used[head_dim].values()))
+        runs = "; ".join(dict.fromkeys(map(shortfall_source, used[head_dim].values())))
         lines.append(f"- **{head_dim_title(head_dim)}** ({runs}): " + ("; ".join(parts) if parts else "none") + ".")
     return lines
 
@@ -553,7 +559,7 @@ def host_shortfalls(rows: Sequence[dict]) -> list[str]:
             ours = times.pop("maskc", None)
             if ours is not None and times and ours > min(times.values()):
                 peer = min(times, key=times.get)
-                lines.append(f"- **Host time, {title}** ({mine[0]['device']}, {mine[0]['date']}, `{mine[0]['commit']}`): "
+                lines.append(f"- **Host time, {title}** ({shortfall_source(mine[0])}): "
                              f"{ours:.1f} us against {KERNEL_IMPLS.get(peer, peer)}'s {times[peer]:.1f}.")  # fmt: skip
     return lines
 

@@ -44,7 +44,6 @@ from maskc.frontend import load  # noqa: E402
 from maskc.ir import Mask  # noqa: E402
 from maskc.runtime import masks as runtime_masks  # noqa: E402
 from maskc.runtime import plan  # noqa: E402
-from maskc.runtime.prepared import _shape  # noqa: E402
 
 from common import sample_doc_lengths  # noqa: E402
 from record import RESULTS, Run, cpu_device  # noqa: E402
@@ -77,11 +76,11 @@ def fresh(mask: Mask) -> Mask:
 
 
 def forward_decisions(mask: Mask) -> Any:
-    return _shape(TARGET, plan.forward_requests(mask, TARGET)[0])
+    return plan.launch_shape_of(TARGET, plan.forward_requests(mask, TARGET)[0])
 
 
 def backward_decisions(mask: Mask) -> Any:
-    return _shape(TARGET, plan.backward_requests(mask, TARGET)[0])
+    return plan.launch_shape_of(TARGET, plan.backward_requests(mask, TARGET)[0])
 
 
 def plan_inline(mask: Mask) -> None:

@@ -172,6 +172,13 @@ def tall_tiles(target: Target) -> Tiles | None:
     return target.family.forward.tall_tiles.get(HeadDim.of(target.fields))
 
 
+def launch_shape_of(target: Target, request: dict[str, Any]) -> registry.LaunchShape:
+    """The launch shape of `request`'s kernel with the family table's tiles (those it is
+    compiled with): what a plan made ahead of the kernels (`maskc.prepare`) builds schedules for."""
+    tiles = tall_tiles(target) if request.get("tall", False) else target.tiles(request["direction"])
+    return registry.launch_shape({**request, "tile_m": tiles.tile_m, "tile_n": tiles.tile_n})
+
+
 def backward_requests(mask: Mask, target: Target) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The backward kernel's request: without line masks where the mask's backward schedule has
     no partial block (a full mask at any length: the masked kernel spills registers in its block

@@ -23,7 +23,6 @@ from maskc.errors import MaskcError
 from maskc.ir import Mask
 from maskc.ir.schedule import build_backward_schedule, build_deterministic_backward_schedule, build_schedule
 from maskc.runtime import plan
-from maskc.runtime.registry import LaunchShape, launch_shape
 
 _NAMES = ("forward", "partial", build_schedule.__name__, build_backward_schedule.__name__,
           build_deterministic_backward_schedule.__name__)  # fmt: skip
@@ -73,17 +72,11 @@ def prepare(mask: Mask, target: plan.Target | None, *, backward: bool = True) ->
     if target is None:
         return PreparedMask(mask.table, torch.zeros(0, dtype=torch.int32))
     forward, _ = plan.forward_requests(mask, target)
-    plan.forward_schedule(mask, _shape(target, forward), target.num_sms)
+    plan.forward_schedule(mask, plan.launch_shape_of(target, forward), target.num_sms)
     if backward:
         request, _ = plan.backward_requests(mask, target)
-        plan.backward_schedule(mask, _shape(target, request), target.num_sms)
+        plan.backward_schedule(mask, plan.launch_shape_of(target, request), target.num_sms)
     return PreparedMask(mask.table, encode(mask.table, mask.memo))
-
-
-def _shape(target: plan.Target, request: dict[str, Any]) -> LaunchShape:
-    """The launch shape of `request`'s kernel with the family table's tiles (those it is compiled with)."""
-    tiles = plan.tall_tiles(target) if request.get("tall", False) else target.tiles(request["direction"])
-    return launch_shape({**request, "tile_m": tiles.tile_m, "tile_n": tiles.tile_n})
 
 
 def _digest(table: torch.Tensor) -> list[int]:
