@@ -150,8 +150,9 @@ What holds these back, as measured so far:
   warpgroups, where FA4's d=192 tile has 96 keys (its S has the queries on the wgmma M axis), so
   it does 1.5 times the work per Q / dO load, barrier and dQ reduction; at d=192 the two loops
   issue about as many instructions per score element on the full mask, so the per-block
-  latencies are what the wider tile amortises. That formulation is not built
-  (`docs/design/head-dims.md`).
+  latencies are what the wider tile amortises (on causal 16k both move the same DRAM bytes,
+  and maskc's tensor pipes are active 52% of the time against FA4's 62%). That formulation is
+  not built (`docs/design/head-dims.md`).
 - Masks with many partial blocks against the full mask: each partial block computes and
   applies its keep masks (an item's lines past the registers' slots come from global memory
   inside the block loop), and a window leaves every q tile few blocks to spread its prologue
@@ -161,10 +162,11 @@ What holds these back, as measured so far:
   d=192 and 256), 92-97% for varlen block causal and shared question at 16k (90% in d=64's
   128 x 128 backward) and 95-99% at 64k; the full mask 99-100% (`bench/fill.py`). Where that
   share is near 92%, the target asks partial blocks to cost no more than full ones.
-- Memory: the peak holds the backward's float32 dQ accumulator. At d=64 and d=128 what is
-  over FlexAttention is the copy of lse in log2 units the backward's preprocess writes for
-  its kernels to load (`docs/design/backward-dq.md`); at 192/128, where dQ is wider than the
-  output, the gap has not been looked into yet.
+- Memory: the peak holds the backward's float32 dQ accumulator. Where q and v have one head
+  dim, what is over FlexAttention is the copy of lse in log2 units the backward's preprocess
+  writes for its kernels to load by TMA; reading the forward's lse instead cost the backward
+  1-4% at d=128. At 192/128 the accumulator's 192 float32 columns add 128 bytes per query row
+  and head over FlexAttention's peak (`docs/design/backward-dq.md`).
 - Host time: maskc's autograd node and launches run in Python, cuDNN's in C++
   (`docs/design/host-time.md`).
 """
