@@ -163,10 +163,12 @@ What holds these back, as measured so far:
   128 x 128 backward) and 95-99% at 64k; the full mask 99-100% (`bench/fill.py`). Where that
   share is near 92%, the target asks partial blocks to cost no more than full ones.
 - Memory: the peak holds the backward's float32 dQ accumulator. Where q and v have one head
-  dim, what is over FlexAttention is the copy of lse in log2 units the backward's preprocess
-  writes for its kernels to load by TMA; reading the forward's lse instead cost the backward
-  1-4% at d=128. At 192/128 the accumulator's 192 float32 columns add 128 bytes per query row
-  and head over FlexAttention's peak (`docs/design/backward-dq.md`).
+  dim, the runs above held lse twice (the forward's and the log2 copy the backward loads); the
+  forward now writes that copy for its backward, which keeps it instead of lse, and maskc alone
+  then measured FlexAttention's peaks at d=128, 192 and 256 (d=64 and 96 hold the same
+  buffers; the next runs beside the other libraries will show it). At 192/128 the
+  accumulator's 192 float32 columns add 128 bytes per query row and head over FlexAttention's
+  peak (`docs/design/backward-dq.md`).
 - Host time: maskc's autograd node and launches run in Python, cuDNN's in C++
   (`docs/design/host-time.md`).
 """

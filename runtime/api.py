@@ -122,15 +122,16 @@ def attention(
     options = chosen.encode()
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"attention_mask must be a [B, S] tensor, got {type(attention_mask).__name__}")
-    inputs = (q, k, v, sink, table, prepared, attention_mask, scale, float(softcap), return_max_logits, options)
+    for_backward = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sink))
+    inputs = (q, k, v, sink, table, prepared, attention_mask, scale, float(softcap), return_max_logits, for_backward, options)
     if torch.compiler.is_compiling():
-        out, lse, row_max = torch.ops.maskc.attn_fwd(*inputs)
-    elif torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sink)):
+        out, lse, row_max, _ = torch.ops.maskc.attn_fwd(*inputs)
+    elif for_backward:
         if q.is_cuda:  # a head dim with a forward but no backward fails now, not after the forward
             ops.call_target(q, k, v, softcap > 0, sink is not None, return_max_logits, chosen).tiles("bwd")
-        out, lse, row_max = ops.EagerAttention.apply(*inputs)
+        out, lse, row_max, _ = ops.EagerAttention.apply(*inputs)
     else:
-        out, lse, row_max = ops.attn_fwd_impl(*inputs)
+        out, lse, row_max, _ = ops.attn_fwd_impl(*inputs)
     max_logits = row_max.flatten(0, -2).amax(dim=0) if return_max_logits else None
     return out, AttentionMeta(lse=lse, max_logits=max_logits)
 
@@ -163,7 +164,7 @@ def attention_forward(
     options = Options(None, False, None)
     target = ops.call_target(q, k, v, softcap > 0, sink is not None, return_max_logits, options, sm_margin)
     launch = plan_forward(mask, target, q.device)
-    out, lse, row_max = ops.forward_cuda(q, k, v, sink, launch, scale, float(softcap), return_max_logits)
+    out, lse, row_max, _ = ops.forward_cuda(q, k, v, sink, launch, scale, float(softcap), return_max_logits)
     return out, lse, row_max.amax(dim=0) if return_max_logits else None
 
 

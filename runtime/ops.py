@@ -84,14 +84,24 @@ def _call_mask(mask: torch.Tensor, prepared: torch.Tensor | None, padding: torch
     return masks.call_mask(base, q.shape, k.shape, padding)
 
 
-def _forward_outputs(q: torch.Tensor, v: torch.Tensor, return_max_logits: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward_outputs(q: torch.Tensor, v: torch.Tensor, return_max_logits: bool,
+                     lse_log2_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """out (q's rows and heads, v's head dim), lse and row_max (q's shape without head_dim;
-    row_max empty unless asked for: op outputs never alias)."""
+    row_max empty unless asked for: op outputs never alias), and the backward's lse_log2, head
+    by head `lse_log2_rows` rows (empty for none)."""
     rows = q.shape[:-1]
     out = q.new_empty(*rows, v.shape[-1])
     lse = q.new_empty(rows, dtype=torch.float32)
     row_max = q.new_empty(rows if return_max_logits else (0,), dtype=torch.float32)
-    return out, lse, row_max
+    lse_log2 = q.new_empty(q.shape[-2] * lse_log2_rows, dtype=torch.float32)
+    return out, lse, row_max, lse_log2
+
+
+def lse_log2_rows(q: torch.Tensor, target: Target) -> int:
+    """The rows a head of the backward's lse_log2 has for q ([T, H, D] or [B, S, H, D]): the
+    call's rows rounded up to whole q blocks of `target`'s backward."""
+    tile = target.tiles("bwd").tile_m
+    return -(-(q.numel() // (q.shape[-2] * q.shape[-1])) // tile) * tile
 
 
 def _stream(device: torch.device) -> int:
@@ -104,24 +114,29 @@ def _run(launch: Launch, tensors: dict, scale: float, softcap: float, stream: in
     launch.kernel.kernel(tensors, schedule_views(launch.schedule, launch.rows), scalars, stream)
 
 
-def forward_cuda(q, k, v, sink, launch: Launch, scale: float, softcap: float, return_max_logits: bool):
-    """out, lse and row_max from the forward kernel, for q [T, H, D]."""
-    out, lse, row_max = _forward_outputs(q, v, return_max_logits)
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "row_max": row_max if return_max_logits else lse}
+def forward_cuda(q, k, v, sink, launch: Launch, scale: float, softcap: float, return_max_logits: bool,
+                 lse_log2_rows: int = 0):  # fmt: skip
+    """out, lse, row_max and lse_log2 (`_forward_outputs`) from the forward kernel, for q [T, H, D]."""
+    out, lse, row_max, lse_log2 = _forward_outputs(q, v, return_max_logits, lse_log2_rows)
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "lse_log2": lse_log2,
+               "row_max": row_max if return_max_logits else lse}  # fmt: skip
     tensors["sink"] = sink if sink is not None else lse  # read only by kernels with sinks
     _run(launch, tensors, scale, softcap, _stream(q.device))
-    return out, lse, row_max
+    return out, lse, row_max, lse_log2
 
 
 def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: float, softcap: float,
-                  dq_accum: torch.Tensor | None = None):  # fmt: skip
+                  dq_accum: torch.Tensor | None = None, lse_log2: torch.Tensor | None = None):  # fmt: skip
     """dq, dk, dv, dsink from the backward kernels for q [T, H, D]; dsink from its closed form
     (the sinks join the softmax with no value: d sink = -sum over rows of P_sink * (rowsum(dO * O)
     - dlse)). With `dq_accum` (float32, like q) the kernel adds dQ into it and dq is that
-    buffer, uncast."""
+    buffer, uncast. `lse_log2`: the forward's (`forward_cuda`), used instead of lse (None where
+    there is none); lse is then needed only with sinks."""
     entry = launch.kernel
     tq, hq, d = q.shape
     padded = -(-tq // entry.tile_m) * entry.tile_m
+    if lse_log2 is not None and lse_log2.numel() != hq * padded:
+        raise ValueError(f"lse_log2 has {lse_log2.numel()} rows where this backward takes {hq * padded}")
     accumulate = dq_accum is not None
     # The kernel adds whole 8-row groups of dQ (the ABI's Tq8): pad the buffer when Tq is not a multiple.
     rows8 = -(-tq // 8) * 8
@@ -129,11 +144,14 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
     if accumulate and dq_rows is not dq_accum:
         dq_rows[:tq] = dq_accum
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    # The preprocess kernel fills the statistics (head-major, padded to whole q blocks).
+    # The preprocess kernel fills the statistics (head-major, padded to whole q blocks): lse_log2
+    # from lse, or only its padding where the forward wrote the rest.
     delta = torch.empty(hq, padded, dtype=torch.float32, device=q.device)
+    no_rows = _no_rows(q.device, hq)
     # Autograd hands over broadcast gradients (that of lse.sum() has stride 0): the kernels read dense rows.
-    tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout.contiguous(), "lse": lse,
-               "dlse": dlse.contiguous() if dlse is not None else lse[:0], "lse_log2": torch.empty_like(delta).view(-1),
+    tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout.contiguous(),
+               "lse": lse if lse_log2 is None else no_rows, "dlse": dlse.contiguous() if dlse is not None else no_rows,
+               "lse_log2": torch.empty_like(delta).view(-1) if lse_log2 is None else lse_log2,
                "delta": delta.view(-1), "dq_accum": dq_rows, "dk": dk, "dv": dv}  # fmt: skip
     unused = _unused(q.device)
     stream = _stream(q.device)
@@ -198,8 +216,10 @@ def _split_sums(slots: int, sums_per_slot: int, counters_per_slot: int, device: 
 #: (cast_in_place): the backward's memory peak drops by the gradient's size for a few more
 #: launches, a trade worth it only where the kernels run long enough to hide them.
 IN_PLACE_CAST_BYTES = 64 * 2**20
-#: cast_in_place's first 1/IN_PLACE_HEAD of the elements goes through a temporary.
-IN_PLACE_HEAD = 64
+#: cast_in_place's first 1/IN_PLACE_HEAD of the elements goes through a temporary: 2 D / 128
+#: bytes a query row and head, no more than the 4 of delta, which is freed before the cast, up
+#: to head dim 256 (so the cast never raises the peak above the kernels').
+IN_PLACE_HEAD = 128
 
 
 def cast_in_place(accum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -224,6 +244,13 @@ def cast_in_place(accum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @lru_cache(maxsize=None)
+def _no_rows(device: torch.device, heads: int) -> torch.Tensor:
+    """A float32 [0, heads] on `device`: what the backward kernels take for an lse or a dlse
+    they are not to read (made once: an allocation costs host time in every call)."""
+    return torch.empty(0, heads, dtype=torch.float32, device=device)
+
+
+@lru_cache(maxsize=None)
 def _unused(device: torch.device) -> torch.Tensor:
     """Zeros standing in, on `device`, for the arrays a backward never touches: the ordering
     arrays of a kernel that is not deterministic, the split sums of a schedule with no split
@@ -236,45 +263,53 @@ def _config(mask: Mask, scale: float, softcap: float, return_max_logits: bool = 
     return reference._Config(mask, scale, softcap, reference.BLOCK_Q, reference.BLOCK_K, return_max_logits)
 
 
-def attn_fwd_cuda(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, options):
-    """out, lse and row_max ([0] unless return_max_logits), shaped like q."""
+def attn_fwd_cuda(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, for_backward,
+                  options):  # fmt: skip
+    """out, lse and row_max ([0] unless return_max_logits), shaped like q, and with
+    `for_backward` the backward's lse_log2 (else [0])."""
     decoded = Options.decode(options)
     call_mask = _call_mask(mask, prepared, padding, q, k, decoded)
     target = call_target(q, k, v, softcap > 0, sink is not None, return_max_logits, decoded)
     launch = plan.plan_forward(call_mask, target, q.device)
-    out, lse, row_max = forward_cuda(packed_rows(q), packed_rows(k), packed_rows(v), sink, launch, softmax_scale,
-                                     softcap, return_max_logits)  # fmt: skip
+    out, lse, row_max, lse_log2 = forward_cuda(packed_rows(q), packed_rows(k), packed_rows(v), sink, launch,
+                                               softmax_scale, softcap, return_max_logits,
+                                               lse_log2_rows(q, target) if for_backward else 0)  # fmt: skip
     if q.dim() == 3:
-        return out, lse, row_max
+        return out, lse, row_max, lse_log2
     rows = q.shape[:-1]
-    return out.view(*rows, v.shape[-1]), lse.view(rows), row_max.view(rows) if return_max_logits else row_max
+    return out.view(*rows, v.shape[-1]), lse.view(rows), row_max.view(rows) if return_max_logits else row_max, lse_log2
 
 
-def attn_fwd_cpu(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, options):
-    """The forward on the CPU: the reference attention's tiles."""
+def attn_fwd_cpu(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, for_backward,
+                 options):  # fmt: skip
+    """The forward on the CPU: the reference attention's tiles (no lse_log2: its backward takes lse)."""
     cfg = _config(_call_mask(mask, prepared, padding, q, k, Options.decode(options)), softmax_scale, softcap,
                   return_max_logits)  # fmt: skip
     out, lse, max_logits = reference._forward(packed_rows(q), packed_rows(k), packed_rows(v), sink, cfg)
     rows = q.shape[:-1]
     row_max = max_logits.expand(rows).contiguous() if return_max_logits else lse.new_empty(0)
-    return out.view(*rows, v.shape[-1]), lse.view(rows), row_max
+    return out.view(*rows, v.shape[-1]), lse.view(rows), row_max, lse.new_empty(0)
 
 
-def attn_bwd_cuda(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options):
+def attn_bwd_cuda(q, k, v, out, lse, lse_log2, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap,
+                  options):  # fmt: skip
     """dq, dk, dv and dsink (empty without sinks: ops return tensors), shaped like their inputs."""
     decoded = Options.decode(options)
     call_mask = _call_mask(mask, prepared, padding, q, k, decoded)
     launch = plan.plan_backward(call_mask, call_target(q, k, v, softcap > 0, False, False, decoded), q.device)
     flat = [packed_rows(x) for x in (q, k, v, out)]
-    lse_rows = lse if lse.dim() == 2 else lse.view(-1, lse.shape[-1])
+    lse_rows = None if lse is None else lse.reshape(-1, lse.shape[-1])
     dlse_rows = None if dlse is None else dlse.reshape(-1, dlse.shape[-1])
     dq, dk, dv, dsink = backward_cuda(*flat, lse_rows, sink, packed_rows(dout.contiguous()), dlse_rows, launch,
-                                      softmax_scale, softcap)  # fmt: skip
-    return _like(dq, q.shape), _like(dk, k.shape), _like(dv, v.shape), dsink if dsink is not None else lse.new_empty(0)
+                                      softmax_scale, softcap, lse_log2=lse_log2)  # fmt: skip
+    dsink = dsink if dsink is not None else q.new_empty(0, dtype=torch.float32)
+    return _like(dq, q.shape), _like(dk, k.shape), _like(dv, v.shape), dsink
 
 
-def attn_bwd_cpu(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options):
-    """The backward on the CPU: the reference attention's, recomputing its tiles."""
+def attn_bwd_cpu(q, k, v, out, lse, lse_log2, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap,
+                 options):  # fmt: skip
+    """The backward on the CPU: the reference attention's, recomputing its tiles (from lse: the
+    CPU forward makes no lse_log2)."""
     cfg = _config(_call_mask(mask, prepared, padding, q, k, Options.decode(options)), softmax_scale, softcap)
     lse_rows = lse.reshape(-1, lse.shape[-1])
     dlse_rows = torch.zeros_like(lse_rows) if dlse is None else dlse.reshape(-1, dlse.shape[-1])
@@ -294,22 +329,30 @@ def attn_fwd_impl(
     softmax_scale: float,
     softcap: float,
     return_max_logits: bool,
+    for_backward: bool,
     options: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """out, lse and row_max of masked attention: q [T, Hq, D] or [B, S, Hq, D], k, v alike;
     `mask` a `Mask.table` over the call's rows (over one row of a batch, or all of them),
     `prepared` its plan (`maskc.prepare`), `padding` a batch's [B, S] attention mask (true on
-    real tokens), `options` the encoded `Options`."""
+    real tokens), `options` the encoded `Options`. With `for_backward`, on the GPU, also lse in
+    the backward's layout (`lse_log2_rows`), which the backward keeps instead of lse: a caller
+    that drops lse does not hold it through the backward; else [0]."""
     impl = attn_fwd_cuda if q.device.type == "cuda" else attn_fwd_cpu
-    return impl(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, options)
+    return impl(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, for_backward, options)
 
 
 _attn_fwd = torch.library.custom_op("maskc::attn_fwd", attn_fwd_impl, mutates_args=(), device_types=("cuda", "cpu"))
 
 
 @_attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, options):
-    return _forward_outputs(q, v, return_max_logits)
+def _attn_fwd_fake(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, for_backward,
+                   options):  # fmt: skip
+    rows = 0
+    if for_backward and q.device.type == "cuda":
+        target = call_target(q, k, v, softcap > 0, sink is not None, return_max_logits, Options.decode(options))
+        rows = lse_log2_rows(q, target)
+    return _forward_outputs(q, v, return_max_logits, rows)
 
 
 def attn_bwd_impl(
@@ -317,7 +360,8 @@ def attn_bwd_impl(
     k: torch.Tensor,
     v: torch.Tensor,
     out: torch.Tensor,
-    lse: torch.Tensor,
+    lse: torch.Tensor | None,
+    lse_log2: torch.Tensor | None,
     sink: torch.Tensor | None,
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
@@ -328,40 +372,46 @@ def attn_bwd_impl(
     softcap: float,
     options: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv and dsink (empty without sinks: ops return tensors) of `attn_fwd_impl`."""
+    """dq, dk, dv and dsink (empty without sinks: ops return tensors) of `attn_fwd_impl`, from
+    its lse or its lse_log2 (lse is needed with sinks, and on the CPU)."""
     impl = attn_bwd_cuda if q.device.type == "cuda" else attn_bwd_cpu
-    return impl(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options)
+    return impl(q, k, v, out, lse, lse_log2, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options)
 
 
 _attn_bwd = torch.library.custom_op("maskc::attn_bwd", attn_bwd_impl, mutates_args=(), device_types=("cuda", "cpu"))
 
 
 @_attn_bwd.register_fake
-def _attn_bwd_fake(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options):
-    dsink = torch.empty_like(sink) if sink is not None else lse.new_empty(0)
+def _attn_bwd_fake(q, k, v, out, lse, lse_log2, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap,
+                   options):  # fmt: skip
+    dsink = torch.empty_like(sink) if sink is not None else q.new_empty(0, dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    """Saves q, k, v, out, lse, the sinks and the mask's tensors; the kernel recomputes the rest.
-    Gradients that do not exist stay None (no zeros for lse's gradient: a fill per call, and a
-    kernel that would read them)."""
-    q, k, v, sink, mask, prepared, padding, scale, softcap, _, options = inputs
-    out, lse, row_max = output
-    ctx.save_for_backward(q, k, v, out, lse, sink, mask, prepared, padding)
+    """Saves q, k, v, out, the forward's lse_log2 where it made one (else lse; lse too with
+    sinks, whose gradient needs it), the sinks and the mask's tensors; the kernel recomputes the
+    rest. Gradients that do not exist stay None (no zeros for lse's gradient: a fill per call,
+    and a kernel that would read them)."""
+    q, k, v, sink, mask, prepared, padding, scale, softcap, _, _, options = inputs
+    out, lse, row_max, lse_log2 = output
+    has_log2 = lse_log2.numel() > 0
+    keep_lse = lse if sink is not None or not has_log2 else None
+    ctx.save_for_backward(q, k, v, out, keep_lse, lse_log2 if has_log2 else None, sink, mask, prepared, padding)
     ctx.scalars = (scale, softcap, options)
-    ctx.mark_non_differentiable(row_max)
+    ctx.mark_non_differentiable(row_max, lse_log2)
     ctx.set_materialize_grads(False)
 
 
 def _attn_fwd_backward(
-    ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None, _drow_max: Any, attn_bwd: Callable = torch.ops.maskc.attn_bwd
-) -> tuple:
-    q, k, v, out, lse, sink, mask, prepared, padding = ctx.saved_tensors
+    ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None, _drow_max: Any, _dlse_log2: Any,
+    attn_bwd: Callable = torch.ops.maskc.attn_bwd,
+) -> tuple:  # fmt: skip
+    q, k, v, out, lse, lse_log2, sink, mask, prepared, padding = ctx.saved_tensors
     if dout is None:  # only lse reached the loss
         dout = torch.zeros_like(out)
-    dq, dk, dv, dsink = attn_bwd(q, k, v, out, lse, sink, dout, dlse, mask, prepared, padding, *ctx.scalars)
-    return (dq, dk, dv, dsink if sink is not None else None) + (None,) * 7
+    dq, dk, dv, dsink = attn_bwd(q, k, v, out, lse, lse_log2, sink, dout, dlse, mask, prepared, padding, *ctx.scalars)
+    return (dq, dk, dv, dsink if sink is not None else None) + (None,) * 8
 
 
 _attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_setup_context)
@@ -372,12 +422,12 @@ class EagerAttention(torch.autograd.Function):
     costs a custom op 25-60 us of host time per call; torch.compile traces the ops instead."""
 
     @staticmethod
-    def forward(ctx: Any, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def forward(ctx: Any, *inputs: Any) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         output = attn_fwd_impl(*inputs)
         _setup_context(ctx, inputs, output)
         return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor, drow_max: torch.Tensor) -> tuple:  # type: ignore[override]
-        return _attn_fwd_backward(ctx, dout, dlse, drow_max, attn_bwd=attn_bwd_impl)
+    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor, *_: Any) -> tuple:  # type: ignore[override]
+        return _attn_fwd_backward(ctx, dout, dlse, None, None, attn_bwd=attn_bwd_impl)

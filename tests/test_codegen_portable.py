@@ -146,10 +146,11 @@ def test_compiles_for_every_arch_with_warp_mma_cp_async_and_ldmatrix(compiled, n
     v = COMPILED[name]
     params = entry_params(ptx, f"attn_{v.direction}_kernel")
     if v.direction == "fwd":
-        # Global tensors: Q, K, V, O, the LSE and the five schedule tensors; the row max, the sinks.
-        assert params[".align 8 .b8"] == 10 + v.has_max_logits + v.has_sink
-        # Scalars: the exponent's scale; the max logits' scale, the softcap's two.
-        assert params[".f32"] == 1 + v.has_max_logits + 2 * v.has_softcap
+        # Global tensors: Q, K, V, O, the LSE, the backward's lse_log2 and the five schedule
+        # tensors; the row max, the sinks.
+        assert params[".align 8 .b8"] == 11 + v.has_max_logits + v.has_sink
+        # Scalars: the exponent's scale and lse_log2's offset; the max logits' scale, the softcap's two.
+        assert params[".f32"] == 2 + v.has_max_logits + 2 * v.has_softcap
     else:
         # Q, K, V, dO, lse, delta, dQ, dK, dV, the items, their CSR and the five schedule tensors;
         # the semaphores, work blocks and block ranks of the deterministic dQ.

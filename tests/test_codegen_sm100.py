@@ -157,10 +157,11 @@ def test_compiles_for_sm100a_with_tcgen05_mma_tensor_memory_and_tma(compiled, na
     assert "shfl.sync.bfly" not in ptx  # one TMEM row per thread: no row reduction across threads
     # The kernel takes the arguments of its variant's features only (the others are None).
     params = entry_params(ptx, "attn_fwd_kernel")
-    # Global tensors: O, the LSE and the five schedule tensors (Q, K, V come as TMA atoms); the
-    # row max, the sinks. Scalars: the exponent's scale; the max logits' scale, the softcap's two.
-    assert params[".align 8 .b8"] == 7 + v.has_max_logits + v.has_sink
-    assert params[".f32"] == 1 + v.has_max_logits + 2 * v.has_softcap
+    # Global tensors: O, the LSE, the backward's lse_log2 and the five schedule tensors (Q, K, V
+    # come as TMA atoms); the row max, the sinks. Scalars: the exponent's scale and lse_log2's
+    # offset; the max logits' scale, the softcap's two.
+    assert params[".align 8 .b8"] == 8 + v.has_max_logits + v.has_sink
+    assert params[".f32"] == 2 + v.has_max_logits + 2 * v.has_softcap
 
 
 @pytest.mark.parametrize("name", [name for name in sorted(COMPILED) if name.startswith("bwd")])

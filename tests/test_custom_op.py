@@ -10,6 +10,7 @@ are swapped for the CUDA ones, whose kernel launches are replaced by the referen
 
 from __future__ import annotations
 
+import math
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,8 +44,22 @@ def test_ops_take_the_mask_as_tensors_and_options_as_constants() -> None:
     for schema in (fwd, bwd):
         assert {str(a.type) for a in schema.arguments} <= allowed, schema
         assert str(next(a for a in schema.arguments if a.name == "mask").type) == "Tensor"
-    assert [r.type.kind() for r in fwd.returns] == ["TensorType"] * 3
+    assert [r.type.kind() for r in fwd.returns] == ["TensorType"] * 4
     assert [r.type.kind() for r in bwd.returns] == ["TensorType"] * 4
+
+
+def test_a_forward_for_the_backward_gives_lse_log2_in_its_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With for_backward the forward's fourth output holds the backward's lse_log2: every query
+    head's rows, padded to whole q blocks of the backward's tile (3 x 300 rows here)."""
+    monkeypatch.setattr(plan, "device_info", lambda device: ((9, 0), 132))
+    options = ops.Options(None, False, None).encode()
+    with FakeTensorMode():
+        q = torch.empty(3, 300, HQ, D, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(3, 200, HKV, D, dtype=torch.bfloat16, device="cuda")
+        table = torch.empty(4, 5, dtype=torch.int32)
+        *_, lse_log2 = torch.ops.maskc.attn_fwd(q, k, k, None, table, None, None, 0.1, 0.0, False, True, options)
+    tile = select_tiles("sm_90a", HeadDim(D, D), "bwd").tile_m
+    assert (lse_log2.shape, lse_log2.dtype) == ((HQ * -(-900 // tile) * tile,), torch.float32)
 
 
 @pytest.mark.parametrize("batch", [(), (3,)], ids=["packed", "batched"])
@@ -58,12 +73,15 @@ def test_fake_implementations_give_exact_shapes(return_max_logits: bool, with_si
         k = torch.empty(*batch, tk, HKV, D, dtype=torch.bfloat16, device="cuda")
         sink = torch.empty(3, HQ, dtype=torch.float32, device="cuda") if with_sink else None
         table = torch.empty(4, 5, dtype=torch.int32)
-        out, lse, row_max = torch.ops.maskc.attn_fwd(q, k, k, sink, table, None, None, 0.1, 0.0, return_max_logits, options)
-        dq, dk, dv, dsink = torch.ops.maskc.attn_bwd(q, k, k, out, lse, sink, out, lse, table, None, None, 0.1, 0.0, options)
+        out, lse, row_max, lse_log2 = torch.ops.maskc.attn_fwd(q, k, k, sink, table, None, None, 0.1, 0.0, return_max_logits,
+                                                               False, options)  # fmt: skip
+        dq, dk, dv, dsink = torch.ops.maskc.attn_bwd(q, k, k, out, lse, None, sink, out, lse, table, None, None, 0.1, 0.0,
+                                                     options)  # fmt: skip
     rows = (*batch, tq, HQ)
     assert (out.shape, out.dtype, out.device.type) == (q.shape, torch.bfloat16, "cuda")
     assert (lse.shape, lse.dtype) == (rows, torch.float32)
     assert (row_max.shape, row_max.dtype) == (rows if return_max_logits else (0,), torch.float32)
+    assert (lse_log2.shape, lse_log2.dtype) == ((0,), torch.float32)
     assert (dq.shape, dq.dtype) == (q.shape, q.dtype)
     assert (dk.shape, dk.dtype) == (dv.shape, dv.dtype) == (k.shape, k.dtype)
     assert (dsink.shape, dsink.dtype) == ((3, HQ) if with_sink else (0,), torch.float32)
@@ -304,16 +322,24 @@ class _Kernels:
     """The CUDA implementations' launches on a CPU 'GPU': reference math, and what they were given."""
 
     launches: list[tuple[str, plan.Launch]] = field(default_factory=list)
+    backward_took: list[str] = field(default_factory=list)
 
-    def forward(self, q, k, v, sink, launch, scale, softcap, return_max_logits):
+    def forward(self, q, k, v, sink, launch, scale, softcap, return_max_logits, lse_log2_rows=0):
         self.launches.append(("fwd", launch))
         cfg = reference._Config(_LAST_MASK[0], scale, softcap, reference.BLOCK_Q, reference.BLOCK_K, return_max_logits)
         out, lse, max_logits = reference._forward(q, k, v, sink, cfg)
-        return out, lse, max_logits.expand(q.shape[0], -1).contiguous() if return_max_logits else lse.new_empty(0)
+        row_max = max_logits.expand(q.shape[0], -1).contiguous() if return_max_logits else lse.new_empty(0)
+        lse_log2 = torch.full((q.shape[1], lse_log2_rows), math.inf)  # lse in log2 units, head-major, padded
+        if lse_log2_rows:
+            lse_log2[:, : q.shape[0]] = lse.t() * math.log2(math.e)
+        return out, lse, row_max, lse_log2.view(-1)
 
-    def backward(self, q, k, v, out, lse, sink, dout, dlse, launch, scale, softcap):
+    def backward(self, q, k, v, out, lse, sink, dout, dlse, launch, scale, softcap, dq_accum=None, lse_log2=None):
         self.launches.append(("bwd", launch))
+        self.backward_took.append("lse" if lse is not None else "lse_log2")
         cfg = reference._Config(_LAST_MASK[0], scale, softcap, reference.BLOCK_Q, reference.BLOCK_K, False)
+        if lse is None:  # the forward's lse_log2 stands for it
+            lse = lse_log2.view(q.shape[1], -1)[:, : q.shape[0]].t() / math.log2(math.e)
         dlse = torch.zeros_like(lse) if dlse is None else dlse
         return reference._backward(q, k, v, out, lse, sink, dout, dlse, cfg)
 
@@ -360,6 +386,19 @@ def cuda_on_cpu(monkeypatch: pytest.MonkeyPatch):
     return entries, kernels, builds
 
 
+def test_the_backward_keeps_the_forwards_lse_log2_not_lse(cuda_on_cpu: Any) -> None:
+    """On the GPU path the autograd node holds the forward's lse_log2 instead of lse, so a
+    caller that drops lse frees it before the backward; with sinks (whose gradient needs it)
+    it holds lse too."""
+    mask = Mask.from_cu_seqlens([0, 37, 100, 129], causal=True)  # MASK's plans stay unmade for the tests that count them
+    q, k, v = _inputs(mask)
+    sink = torch.zeros(2, HQ, requires_grad=True)
+    for with_sink in (False, True):
+        out, meta = maskc.attention(q, k, v, mask, sink=sink if with_sink else None)
+        saved = [t.untyped_storage().data_ptr() for t in out.grad_fn.saved_tensors if t is not None]
+        assert (meta.lse.untyped_storage().data_ptr() in saved) == with_sink
+
+
 def _counted(build: Any, calls: list[str]) -> Any:
     """`build`, appending its name to `calls` at each call (under its own name: memo keys use it)."""
 
@@ -386,6 +425,7 @@ def test_the_gpu_path_plans_inside_the_op_once_per_mask(cuda_on_cpu: Any) -> Non
     assert builds == ["select_forward", "build_schedule", "build_backward_schedule"]
     assert kernels.launches[0][1].kernel in (entries["fwd", False], entries["fwd", True])
     assert kernels.launches[-1][1].kernel is entries["bwd", False] and q.grad is not None
+    assert kernels.backward_took == ["lse_log2"] * 4  # the forward's: lse itself is not kept for the backward
 
 
 def test_the_gpu_path_under_compile_plans_each_new_mask_in_the_op(cuda_on_cpu: Any) -> None:

@@ -126,11 +126,15 @@ FORWARD_ABI: tuple[Arg, ...] = (
     TensorArg("v", "input", ("Tk", "Hkv", "Dv"), param="mV"),
     TensorArg("out", "input", ("Tq", "Hq", "Dv"), param="mO", doc="written"),
     TensorArg("lse", "float32", ("Tq", "Hq"), param="mLSE", doc="written (natural log; -inf for rows with no key)"),
+    TensorArg("lse_log2", "float32", ("QP",), align=16, param="mLSE2",
+              doc="written unless empty: the backward's lse_log2 rows below Tq"),
     TensorArg("row_max", "float32", ("Tq", "Hq"), param="mRowMax", doc="written", used_when="has_max_logits"),
     TensorArg("sink", "float32", ("S", "Hq"), param="mSink", used_when="has_sink"),
     *_schedule_and_launch("q tile", "(n_begin, n_end, partial)", "(r0, r1, lo_a, lo_s, hi_a, hi_s)"),
 )
-"""`attn_fwd`'s arguments, in order (see maskc/ir/schedule.py for the schedule tensors)."""
+"""`attn_fwd`'s arguments, in order (see maskc/ir/schedule.py for the schedule tensors). Where
+`lse_log2` has rows the forward also writes lse in the units the backward's kernels load it in
+(BACKWARD_ABI), head-major, QP / Hq rows a head, for a backward that then needs no lse."""
 
 BACKWARD_ABI: tuple[Arg, ...] = (
     TensorArg("q", "input", ("Tq", "Hq", "D"), param="mQ"),
@@ -138,10 +142,10 @@ BACKWARD_ABI: tuple[Arg, ...] = (
     TensorArg("v", "input", ("Tk", "Hkv", "Dv"), param="mV"),
     TensorArg("out", "input", ("Tq", "Hq", "Dv"), param="mO", doc="the forward's output"),
     TensorArg("dout", "input", ("Tq", "Hq", "Dv"), param="mdO"),
-    TensorArg("lse", "float32", ("Tq", "Hq"), param="mLSEf", doc="the forward's lse"),
+    TensorArg("lse", "float32", ("Tq", "Hq"), param="mLSEf", doc="the forward's lse, or empty"),
     TensorArg("dlse", "float32", ("DL", "Hq"), param="mdLSE", doc="the gradient of lse, if any"),
     TensorArg("lse_log2", "float32", ("QP",), align=16, param="mLSE",
-              doc="written by the preprocess: lse * log2(e) per head (SM90: - log2(scale)), padded (+inf: P = 0)"),
+              doc="lse * log2(e) per head (SM90: - log2(scale)), padded (+inf: P = 0); the preprocess writes it"),
     TensorArg("delta", "float32", ("QP",), align=16, param="mDelta",
               doc="written by the preprocess: rowsum(dO * O) - dlse per head, padded to q blocks"),
     TensorArg("dq_accum", "float32", ("Tq8", "Hq", "D"), align=16, param="mdQ",
@@ -171,7 +175,9 @@ per-query statistics head-major and padded to whole q blocks (QP = Hq * ceil(Tq 
 tile_m; the main kernel loads a block's with one TMA copy) into the caller's scratch buffers:
 `lse_log2` = lse * log2(e), +inf for padding and rows with no key (P = 0), on SM90 minus
 log2(softmax scale), so that P, dS and the products of dS come out scaled; `delta` =
-rowsum(dO * O) - dlse in float32, 0 for padding. dK/dV are owned per (k tile, kv head) and
+rowsum(dO * O) - dlse in float32, 0 for padding. With `lse` empty (no rows), `lse_log2`
+holds the forward's rows below Tq already (its FORWARD_ABI output) and the preprocess writes
+only the padding. dK/dV are owned per (k tile, kv head) and
 summed over the kv head's query heads; dQ (times the softmax scale) is added to `dq_accum` in
 fp32 by TMA reductions (zeroed by the caller; Tq8 = Tq rounded up to a multiple of 8: the
 kernel adds whole 8-row groups, rows >= Tq unused). Deterministic variants order those additions:
