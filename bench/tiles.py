@@ -16,7 +16,6 @@ bench/results), and prints TFLOP/s per directory and round.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 from types import MappingProxyType
@@ -30,6 +29,7 @@ from maskc.artifact.families import HeadDim, Tiles  # noqa: E402
 from maskc.artifact.variant import KernelVariant  # noqa: E402
 from maskc.errors import VariantError  # noqa: E402
 
+from ab import Arm, add_run_options, alternate  # noqa: E402
 from record import read_results  # noqa: E402
 
 
@@ -70,15 +70,11 @@ def build(out: Path, head_dim: HeadDim, direction: str, shapes: list[Tiles]) -> 
     return dirs
 
 
-def run(dirs: list[Path], out: Path, rounds: int, options: list[str]) -> None:
-    """bench/kernel.py (with `options`) on each directory, `rounds` times in turn; then a line
-    per (directory, round)."""
-    for round_ in range(rounds):
-        for d in dirs:
-            subprocess.run([sys.executable, str(ROOT / "bench" / "kernel.py"), "--artifacts", str(d), "--no-baselines", "--no-host",
-                            "--out", str(out / f"{d.name}.{round_}"), *options], check=True)  # fmt: skip
+def run(dirs: list[Path], args: argparse.Namespace) -> None:
+    """The directories timed in turn (`ab.alternate`); then a line per (directory, round)."""
+    out = alternate([Arm(d.name, d) for d in dirs], args, ROOT / "bench")
     for d in dirs:
-        for round_ in range(rounds):
+        for round_ in range(args.rounds):
             rows = [r for r in read_results(out / f"{d.name}.{round_}") if r["kind"] == "kernel"]
             cells = [f"{r['mask']} {r['seqlen'] // 1024}k {r['direction']} "
                      f"{r['tflops']:.0f}" if "tflops" in r else f"{r['mask']} {r['direction']} failed" for r in rows]  # fmt: skip
@@ -96,12 +92,7 @@ def main() -> None:
     b.add_argument("--stages", type=int, default=2, help="pipeline stages of every shape (default: 2)")
     r = sub.add_parser("run", help="time the directories in turn on this GPU")
     r.add_argument("dirs", type=Path, nargs="+", help="directories `build` wrote")
-    r.add_argument("--out", type=Path, default=Path("tile_ab"), help="scratch folder of the rows (default: tile_ab)")
-    r.add_argument("--rounds", type=int, default=2)
-    r.add_argument("--head-dims", default="128", help="as bench/kernel.py's (default: 128)")
-    r.add_argument("--seqlens", default="16384", help="as bench/kernel.py's (default: 16384)")
-    r.add_argument("--masks", default="full,causal,varlen_causal", help="as bench/kernel.py's")
-    r.add_argument("--backward", action="store_true", help="also time the backward")
+    add_run_options(r, "tile_ab")
     args = parser.parse_args()
     if args.command == "build":
         try:
@@ -111,8 +102,7 @@ def main() -> None:
         for d in build(args.out, args.head_dim, args.direction, shapes):
             print(d)
     else:
-        options = ["--head-dims", args.head_dims, "--seqlens", args.seqlens, "--masks", args.masks]
-        run(args.dirs, args.out, args.rounds, options + (["--backward"] if args.backward else []))
+        run(args.dirs, args)
 
 
 if __name__ == "__main__":

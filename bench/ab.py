@@ -1,0 +1,43 @@
+"""What the A/B scripts (`tiles.py`, `trees.py`) share: their `run` options, and the loop that
+times every arm in turn with `bench/kernel.py --no-baselines`, round after round (only ratios
+within one call compare: measuring.md)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+
+class Arm(NamedTuple):
+    """One side of an A/B: its name (its rows' folder), its artifact directory, and the
+    environment its processes run in (None: this one's)."""
+
+    name: str
+    artifacts: Path
+    env: dict[str, str] | None = None
+
+
+def add_run_options(parser: argparse.ArgumentParser, out: str) -> None:
+    """A `run` command's options: its scratch folder (default `out`), rounds and cases."""
+    parser.add_argument("--out", type=Path, default=Path(out), help=f"scratch folder of the rows (default: {out})")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--head-dims", default="128", help="as bench/kernel.py's (default: 128)")
+    parser.add_argument("--seqlens", default="16384", help="as bench/kernel.py's (default: 16384)")
+    parser.add_argument("--masks", default="full,causal,varlen_causal", help="as bench/kernel.py's")
+    parser.add_argument("--backward", action="store_true", help="also time the backward")
+
+
+def alternate(arms: list[Arm], args: argparse.Namespace, bench: Path) -> Path:
+    """bench/kernel.py of the folder `bench` on each arm, `args.rounds` times in turn, the cases
+    `add_run_options` took; the rows of arm a's round r go to OUT/a.r. Returns OUT."""
+    out = args.out.resolve()
+    options = ["--head-dims", args.head_dims, "--seqlens", args.seqlens, "--masks", args.masks]
+    for round_ in range(args.rounds):
+        for arm in arms:
+            subprocess.run([sys.executable, str(bench / "kernel.py"), "--artifacts", str(arm.artifacts), "--no-baselines",
+                            "--no-host", "--out", str(out / f"{arm.name}.{round_}"), *options,
+                            *(["--backward"] if args.backward else [])], env=arm.env, check=True)  # fmt: skip
+    return out
