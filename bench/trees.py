@@ -47,7 +47,10 @@ def resolve(rev: str) -> str:
     HEAD's when nothing is changed."""
     if rev == WORKTREE:
         rev = git("stash", "create") or "HEAD"
-    return git("rev-parse", "--short=7", rev)
+    try:
+        return git("rev-parse", "--short=7", "--verify", f"{rev}^{{commit}}")
+    except subprocess.CalledProcessError:
+        raise ValueError(f"{rev!r} names no commit of {ROOT}") from None
 
 
 def export(sha: str, dest: Path) -> Path:
@@ -133,7 +136,11 @@ def main() -> None:
     add_run_options(r, "tree_ab")
     args = parser.parse_args()
     if args.command == "build":
-        for tree in build(args.out, args.rev, args.head_dims):
+        try:
+            shas = [resolve(rev) for rev in args.rev]
+        except ValueError as e:
+            parser.error(str(e))
+        for tree in build(args.out, shas, args.head_dims):
             print(tree)
     else:
         run(args.trees, args)

@@ -60,6 +60,8 @@ def test_revisions_resolve_to_commits_and_export_their_whole_tree(tmp_path: Path
     worktree = trees.resolve(trees.WORKTREE)  # HEAD itself, or a commit of the checkout's changes on top of it
     parent = subprocess.run(["git", "rev-parse", "--short=7", f"{worktree}^"], cwd=trees.ROOT, capture_output=True, text=True)
     assert worktree == head or parent.stdout.strip() == head
+    with pytest.raises(ValueError, match="'no-such-rev' names no commit"):
+        trees.resolve("no-such-rev")
     source = trees.export(head, tmp_path / "source")
     assert (source / "maskc" / "__init__.py").is_file() and (source / "templates").is_dir()
     assert (source / "examples" / "full.mask").is_file()
