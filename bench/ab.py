@@ -20,8 +20,11 @@ class Arm(NamedTuple):
     env: dict[str, str] | None = None
 
 
-def add_run_options(parser: argparse.ArgumentParser, out: str) -> None:
-    """A `run` command's options: its scratch folder (default `out`), rounds and cases."""
+def add_run_command(commands: argparse._SubParsersAction, folders: str, what: str, out: str) -> None:
+    """An A/B script's `run` command: the folders `build` wrote (argument `folders`: `what`), its
+    scratch folder (default `out`), rounds and cases."""
+    parser = commands.add_parser("run", help="time them in turn on this GPU")
+    parser.add_argument(folders, type=Path, nargs="+", help=what)
     parser.add_argument("--out", type=Path, default=Path(out), help=f"scratch folder of the rows (default: {out})")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--head-dims", default="128", help="as bench/kernel.py's (default: 128)")
@@ -32,7 +35,7 @@ def add_run_options(parser: argparse.ArgumentParser, out: str) -> None:
 
 def alternate(arms: list[Arm], args: argparse.Namespace, bench: Path) -> Path:
     """bench/kernel.py of the folder `bench` on each arm, `args.rounds` times in turn, the cases
-    `add_run_options` took; the rows of arm a's round r go to OUT/a.r. Returns OUT."""
+    `add_run_command` took; the rows of arm a's round r go to OUT/a.r. Returns OUT."""
     out = args.out.resolve()
     options = ["--head-dims", args.head_dims, "--seqlens", args.seqlens, "--masks", args.masks]
     for round_ in range(args.rounds):

@@ -29,7 +29,7 @@ from maskc.artifact.families import HeadDim, Tiles  # noqa: E402
 from maskc.artifact.variant import KernelVariant  # noqa: E402
 from maskc.errors import VariantError  # noqa: E402
 
-from ab import Arm, add_run_options, alternate  # noqa: E402
+from ab import Arm, add_run_command, alternate  # noqa: E402
 from record import read_results  # noqa: E402
 
 
@@ -90,9 +90,7 @@ def main() -> None:
     b.add_argument("--direction", choices=("fwd", "bwd"), default="fwd")
     b.add_argument("--tiles", required=True, help="comma-separated MxN shapes, e.g. 128x64,128x112")
     b.add_argument("--stages", type=int, default=2, help="pipeline stages of every shape (default: 2)")
-    r = sub.add_parser("run", help="time the directories in turn on this GPU")
-    r.add_argument("dirs", type=Path, nargs="+", help="directories `build` wrote")
-    add_run_options(r, "tile_ab")
+    add_run_command(sub, "dirs", "directories `build` wrote", "tile_ab")
     args = parser.parse_args()
     if args.command == "build":
         try:

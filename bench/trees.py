@@ -30,7 +30,7 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from ab import Arm, add_run_options, alternate  # noqa: E402
+from ab import Arm, add_run_command, alternate  # noqa: E402
 from record import read_results  # noqa: E402
 
 #: The revision name `build` takes for the checkout with its uncommitted changes.
@@ -131,9 +131,7 @@ def main() -> None:
     b.add_argument("--out", type=Path, required=True, help="folder of the trees")
     b.add_argument("--rev", action="append", required=True, help=f"a git revision, or {WORKTREE}; the first is the base")
     b.add_argument("--head-dims", default="128", help="as maskc compile's --head-dim (default: 128)")
-    r = sub.add_parser("run", help="time the trees in turn on this GPU")
-    r.add_argument("trees", type=Path, nargs="+", help="folders `build` wrote, the base first")
-    add_run_options(r, "tree_ab")
+    add_run_command(sub, "trees", "folders `build` wrote, the base first", "tree_ab")
     args = parser.parse_args()
     if args.command == "build":
         try:
