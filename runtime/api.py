@@ -127,8 +127,6 @@ def attention(
     if torch.compiler.is_compiling():
         out, lse, row_max, _ = torch.ops.maskc.attn_fwd(*inputs)
     elif for_backward:
-        if q.is_cuda:  # a head dim with a forward but no backward fails now, not after the forward
-            ops.call_target(q, k, v, softcap > 0, sink is not None, return_max_logits, chosen).tiles("bwd")
         out, lse, row_max, _ = ops.EagerAttention.apply(*inputs)
     else:
         out, lse, row_max, _ = ops.attn_fwd_impl(*inputs)

@@ -271,6 +271,7 @@ def attn_fwd_cuda(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap
     call_mask = _call_mask(mask, prepared, padding, q, k, decoded)
     target = call_target(q, k, v, softcap > 0, sink is not None, return_max_logits, decoded)
     launch = plan.plan_forward(call_mask, target, q.device)
+    # lse_log2_rows takes the backward's tile: a head dim without a backward fails here, before the forward runs.
     out, lse, row_max, lse_log2 = forward_cuda(packed_rows(q), packed_rows(k), packed_rows(v), sink, launch,
                                                softmax_scale, softcap, return_max_logits,
                                                lse_log2_rows(q, target) if for_backward else 0)  # fmt: skip
