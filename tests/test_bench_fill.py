@@ -24,10 +24,11 @@ def test_the_kept_share_counts_every_element_of_the_touched_tiles() -> None:
 
 
 def test_the_table_has_every_mask_and_head_dim(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sys, "argv", ["fill.py", "--seqlens", "4096"])
+    # 4608 tokens: whole backward tiles of 64, 96 and 128 keys.
+    monkeypatch.setattr(sys, "argv", ["fill.py", "--seqlens", "4608"])
     fill.main()
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("| seqlen | mask | d=64 fwd / bwd |") and "d=192/128 fwd / bwd" in lines[0]
     assert len(lines) == 2 + len(fill.MASKS)
     full = lines[2].split(" | ")
-    assert full[:2] == ["| 4096", "full"] and all(cell.endswith("/ 1.000") for cell in full[2:-1])
+    assert full[:2] == ["| 4608", "full"] and all(cell.endswith("/ 1.000") for cell in full[2:-1])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import re
+from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 
@@ -37,6 +39,11 @@ def split_parts(v: KernelVariant) -> int:
     return 1 if v.bwd_splits_keys else 2
 
 
+def score_shape(v: KernelVariant) -> tuple[int, int]:
+    """(M, N) of one warpgroup's S^T = K Q^T, or with queries on M (96-key tiles) of its S = Q K^T."""
+    return (v.tile_m, v.bwd_key_block) if v.bwd_query_rows else (64, v.tile_m // split_parts(v))
+
+
 COMPILED = {
     "d128_bf16_8x2": variant(),
     "d64_fp16_8x8_softcap": variant(head_dim=64, dtype="fp16", num_heads_kv=8, has_softcap=True, num_stages=4),
@@ -45,8 +52,9 @@ COMPILED = {
     "d128_bf16_8x2_unmasked": variant(unmasked=True),
     "d96_bf16_8x2_one_dq_warpgroup": variant(head_dim=96),
     "d256_bf16_8x2": variant(head_dim=256, tile_n=64),
+    "d192_bf16_8x2_query_rows": variant(head_dim=192, tile_n=96),
     "d192v128_fp16_8x8_softcap_deterministic": variant(
-        head_dim=192, head_dim_v=128, tile_n=64, dtype="fp16", num_heads_kv=8, has_softcap=True, deterministic=True
+        head_dim=192, head_dim_v=128, tile_n=96, dtype="fp16", num_heads_kv=8, has_softcap=True, deterministic=True
     ),
 }
 
@@ -60,7 +68,9 @@ COMPILED = {
         ({"tile_m": 192}, "SM90 backward tile_m 192 is not supported; supported: 64, 128"),
         ({"tile_m": 128}, "tile_m 128 needs tile_n 128 and head_dim <= 64 (S^T and dP^T of 128 queries in registers)"),
         ({"tile_m": 128, "head_dim": 64, "tile_n": 64}, "head_dim 64 with tile_n 64 takes tile_m 64"),
-        ({"tile_n": 192}, "SM90 backward tile_n 192 is not supported; supported: 64, 128"),
+        ({"tile_n": 192}, "SM90 backward tile_n 192 is not supported; supported: 64, 96, 128"),
+        ({"tile_n": 96}, "tile_n 96 needs tile_m 64 and a head dim above 128 up to 192"),
+        ({"tile_n": 96, "head_dim": 256}, "head_dim 256 with tile_m 64 takes tile_n 64"),
         ({"has_sink": True}, "the SM90 backward has no sink variant"),
         ({"has_max_logits": True}, "the SM90 backward has no max_logits variant"),
         ({"pack_gqa": True}, "the SM90 backward has no pack_gqa variant"),
@@ -102,6 +112,13 @@ def test_backward_variant_shape():
     assert rows.smem_bytes() == (128 * 128 + 2 * 2 * 128 * 64 + 2 * 128 * 128) * 2 + (128 * 64 + 2 * 2 * 128 + 2 + 2 * 2) * 4
     mla = variant(head_dim=192, head_dim_v=128, tile_n=64)
     assert mla.smem_bytes() == (64 * 320 + 2 * 64 * 320 + 2 * 2 * 64 * 64) * 2 + (64 * 192 + 2 * 2 * 64 + 2 + 2 * 2) * 4
+    # d=192's 96-key tiles: 48 keys a warpgroup with S's queries on M, one P^T and one dS^T
+    # buffer; a second dO stage does not fit at 192 but does at 192/128.
+    wide_keys = variant(head_dim=192, tile_n=96)
+    assert wide_keys.bwd_query_rows and wide_keys.bwd_key_block == 48 and wide_keys.bwd_staging == (1, 1)
+    assert not mla.bwd_query_rows and not v.bwd_query_rows and v.bwd_key_block == 64
+    assert wide_keys.smem_bytes() == (96 * 384 + 64 * 3 * 192 + 2 * 96 * 64) * 2 + (64 * 192 + 2 * 2 * 64 + 2 + 2 * 2) * 4
+    assert variant(head_dim=192, head_dim_v=128, tile_n=96).bwd_staging == (2, 1)
     assert variant(deterministic=True).key().startswith("attn_bwd_sm90_d128_bf16_h8x2_t64x128s2_d_")
 
 
@@ -147,10 +164,15 @@ def test_module_constants_describe_the_variant(name):
     features = {"HAS_SOFTCAP": v.has_softcap, "HAS_SINK": False, "HAS_MAX_LOGITS": False, "PACK_GQA": False,
                 "DETERMINISTIC": v.deterministic, "UNMASKED": v.unmasked}  # fmt: skip
     assert {k: c[k] for k in features} == features
-    parts = split_parts(v)
+    parts, rows_first = split_parts(v), v.bwd_query_rows
+    # A thread's scores in the transposed frame (keys x queries): with S's queries on M its two
+    # rows of S are its query columns.
     shape = {"HEAD_DIM": v.head_dim, "HEAD_DIM_V": v.head_dim_v, "TILE_Q": v.tile_m, "TILE_K": v.tile_n,
              "TILE_N": v.tile_m // parts, "NUM_STAGES": v.num_stages, "NUM_MMA_WG": v.num_mma_warpgroups,
-             "DK_COLS": v.head_dim // parts, "DV_COLS": v.head_dim_v // parts, "COLS_PER_THREAD": v.tile_m // parts // 4,
+             "DK_COLS": v.head_dim // parts, "DV_COLS": v.head_dim_v // parts,
+             "WG_ROWS": v.bwd_key_block, "QUERY_ROWS": rows_first, "DS_STAGES": 1 if rows_first else 2,
+             "ROWS_PER_THREAD": v.bwd_key_block // 4 if rows_first else 2,
+             "COLS_PER_THREAD": 2 if rows_first else v.tile_m // parts // 4,
              "MASK_SLOTS": 2 if v.head_dim == 64 and v.tile_m == 64 else 0,
              "DO_STAGES": v.bwd_staging[0], "DQ_CHUNKS": v.bwd_staging[1]}  # fmt: skip
     assert {k: c[k] for k in shape} == shape
@@ -160,6 +182,30 @@ def test_module_constants_describe_the_variant(name):
     dq = {"DQ_SPLITS_ROWS": rows, "DV_AFTER_DS": rows, "DQ_WARPGROUPS": 1 if one else 2,
           "DQ_ROWS": v.tile_m // (2 if rows else 1), "DQ_COLS": v.head_dim // (1 if rows or one else 2)}  # fmt: skip
     assert {k: c[k] for k in dq} == dq
+
+
+def rendered_function(source: str, name: str, **names) -> Callable:
+    """A top-level function of a rendered module run as plain Python on ints: its decorators
+    dropped, cutlass.min / max the builtins, `names` its other globals."""
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    node.decorator_list = []
+    scope = {"cutlass": SimpleNamespace(min=min, max=max), "Int32": int, **names}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), name, "exec"), scope)
+    return scope[name]
+
+
+@pytest.mark.parametrize("v, offsets, period", [
+    (variant(), (0, 1), 8),  # a wgmma row: pairs of columns every 8
+    (variant(head_dim=192, tile_n=96), (0, 8), 64),  # S with queries on M, transposed: rows r, r + 8 of 64
+])  # fmt: skip
+def test_line_masks_count_a_threads_columns_in_its_pattern(v, offsets, period):
+    """elements_left_of(x) counts the thread's columns in [0, x) of its pattern continued over
+    every block (negated below 0): the keep masks' element bounds."""
+    left_of = rendered_function(render(v), "elements_left_of")
+    pattern = [period * q + o for q in range(-256 // period, 256 // period) for o in offsets]
+    for x in range(-200, 200):
+        expected = sum(0 <= p < x for p in pattern) - sum(x <= p < 0 for p in pattern)
+        assert left_of(x) == expected, x
 
 
 def test_unmasked_is_a_backward_option():
@@ -196,21 +242,25 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     assert ".target sm_90a" in ptx
     assert "wgmma.mma_async" in ptx
     parts = split_parts(v)
-    dk_cols, dv_cols, key_blocks = v.head_dim // parts, v.head_dim_v // parts, v.tile_n // 64
+    dk_cols, dv_cols = v.head_dim // parts, v.head_dim_v // parts
     dq_chunks = v.bwd_staging[1]
     # With one dQ warpgroup each warpgroup's loop is traced apart, the second without dQ.
     copies = 1 if v.bwd_dq_warpgroups == v.num_mma_warpgroups else 2
-    assert f"m64n{v.tile_m // parts}k16" in ptx  # S^T / dP^T
-    assert f"m64n{dv_cols}k16" in ptx and f"m64n{dk_cols}k16" in ptx  # dV, dK
+    assert f"m64n{score_shape(v)[1]}k16" in ptx  # S^T / dP^T (S / dP)
+    if v.bwd_query_rows:  # dV^T, dK^T: 64-row tiles of head dims by the warpgroup's keys
+        assert f"m64n{v.bwd_key_block}k16" in ptx and f"m64n{dk_cols}k16" not in ptx
+    else:  # dV, dK
+        assert f"m64n{dv_cols}k16" in ptx and f"m64n{dk_cols}k16" in ptx
     dq_cols = v.head_dim // (1 if v.bwd_dq_splits_rows or v.bwd_dq_warpgroups == 1 else 2)
     assert f"m64n{dq_cols // dq_chunks}k16" in ptx  # each warpgroup's part of dQ (in chunks): its rows, or half the columns
     assert "cp.async.bulk.tensor" in ptx  # TMA loads and the dK / dV stores
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)  # dQ += by TMA (rows in staging order)
-    # No per-element atomics on dQ: only a split item's pieces add their dK / dV (their columns over two
-    # threads' rows: (dk_cols + dv_cols) / 2 values a thread) and count, and the last piece takes the sums
-    # back, leaving zeros (one exchange a value).
-    assert ptx.count("red.global") == ptx.count("red.global.add.f32") == copies * (dk_cols + dv_cols) // 2
-    assert ptx.count("atom.global") == ptx.count("atom.global.exch.b32") == copies * (dk_cols + dv_cols) // 2
+    # No per-element atomics on dQ: only a split item's pieces add their dK / dV (a warpgroup's
+    # (dk_cols + dv_cols) x key block values over its 128 threads) and count, and the last piece takes
+    # the sums back, leaving zeros (one exchange a value).
+    values = (dk_cols + dv_cols) * v.bwd_key_block // 128
+    assert ptx.count("red.global") == ptx.count("red.global.add.f32") == copies * values
+    assert ptx.count("atom.global") == ptx.count("atom.global.exch.b32") == copies * values
     assert ptx.count("atom.acq_rel.gpu.global.add.s32") == copies
     assert "stmatrix" in ptx  # dS^T and the dK / dV staging
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
@@ -224,9 +274,11 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     assert ("tanh.approx" in ptx) == v.has_softcap
     assert ("ld.global.acquire.gpu" in ptx and "red.release.gpu.global.add" in ptx) == v.deterministic
     # One block path, which runs the line mask on partial blocks only (none: unmasked): head_dim /
-    # 16 wgmma for S^T and for dP^T, one per 16 queries for dV and for dK, 4 for dQ per 64-key
-    # block and chunk.
-    products, dq_products = v.head_dim // 16 + v.head_dim_v // 16 + 2 * (v.tile_m // 16), 4 * key_blocks * dq_chunks
+    # 16 wgmma for S^T and for dP^T, one per 16 queries for dV and for dK (for each 64 head dims
+    # with queries on M), one per 16 keys for dQ per chunk.
+    dkv_tiles = (v.head_dim + v.head_dim_v) // 64 if v.bwd_query_rows else 2
+    products = v.head_dim // 16 + v.head_dim_v // 16 + dkv_tiles * (v.tile_m // 16)
+    dq_products = v.tile_n // 16 * dq_chunks
     assert ptx.count("wgmma.mma_async") == copies * products + dq_products
     # Softcap's scale pair is the only optional argument: off, it reaches the kernel as None.
     assert sum(entry_params(ptx, "attn_bwd_kernel").values()) == 38 + 2 * v.has_softcap

@@ -72,7 +72,8 @@ def test_head_dims_a_kernel_lacks_are_named_with_the_ones_it_has() -> None:
         select_tiles("sm_90a", HeadDim(256, 256), "bwd", portable=True)
     with pytest.raises(VariantError, match="the portable forward has no kernel for head_dim 96; it supports 64, 128"):
         select_tiles("sm_90a", HeadDim(96, 96), portable=True)
-    assert variant_for(_request(SM90, "bwd", HeadDim(192, 128))).tile_n == 64  # two warpgroups split its head dims
+    assert variant_for(_request(SM90, "bwd", HeadDim(192, 128))).bwd_query_rows  # 96 keys, 48 a warpgroup
+    assert variant_for(_request(SM90, "bwd", HeadDim(256, 256))).tile_n == 64  # two warpgroups split its head dims
     assert [str(d) for d in (HeadDim.parse("192/128"), HeadDim.parse(" 96"))] == ["192/128", "96"]
     for text in ("", "x", "192/", "1.5"):
         with pytest.raises(ValueError, match="a head dim is an int or qk/v"):

@@ -232,10 +232,17 @@ def _sm90_forward_fits(head_dim: HeadDim, tiles: Tiles) -> str | None:
 def _sm90_backward_fits(head_dim: HeadDim, tiles: Tiles) -> str | None:
     """A 128-key tile keeps dK and dV of a warpgroup's 64 keys over every head dim in its
     registers, qk / 2 + v / 2 of a thread's: 128 at d=128. A 64-key tile gives each of the two
-    warpgroups half of the head dims (backward_warpgroups). A 128-query block doubles S^T and
-    dP^T (64 registers each), which leaves room for dK and dV only at d=64."""
+    warpgroups half of the head dims (backward_warpgroups). A 96-key tile gives each 48 keys with
+    S's queries on the wgmma M axis: dK^T and dV^T of 48 keys over every head dim, 72 + 72
+    registers at d=192. A 128-query block doubles S^T and dP^T (64 registers each), which leaves
+    room for dK and dV only at d=64."""
     if tiles.tile_n == 128 and max(head_dim.qk, head_dim.v) > 128:
         return f"tile_n 128 needs head_dim <= 128 (dK and dV in registers); head_dim {head_dim} takes tile_n 64"
+    if tiles.tile_n == 96 and (tiles.tile_m != 64 or not 128 < max(head_dim.qk, head_dim.v) <= 192):
+        return (
+            f"tile_n 96 needs tile_m 64 and a head dim above 128 up to 192 (dK^T and dV^T of 48 keys in "
+            f"registers); head_dim {head_dim} with tile_m {tiles.tile_m} takes tile_n 64"
+        )
     if tiles.tile_m == 128 and (tiles.tile_n != 128 or max(head_dim.qk, head_dim.v) > 64):
         return (
             f"tile_m 128 needs tile_n 128 and head_dim <= 64 (S^T and dP^T of 128 queries in registers); "
@@ -273,14 +280,16 @@ SM90 = KernelFamily(
     ),
     backward=Kernel(
         # q blocks of 64 queries against k tiles of 128 keys (up to d=128: two consumer
-        # warpgroups of 64 keys, dK and dV in registers) or of 64 keys (above: the two warpgroups
-        # split the head dims); blocks alternate two dS buffers, so the Q stages come in pairs.
-        # At d=64 the q blocks have 128 queries, dQ split by rows (KernelVariant.bwd_dq_splits_rows).
-        # At d=256, dO gets one stage and dQ is staged in halves (KernelVariant.bwd_staging).
+        # warpgroups of 64 keys, dK and dV in registers), of 96 keys (d=192: 48 a warpgroup,
+        # S with the queries on M, KernelVariant.bwd_query_rows) or of 64 keys (d=256: the two
+        # warpgroups split the head dims); blocks alternate two dS buffers, so the Q stages come
+        # in pairs. At d=64 the q blocks have 128 queries, dQ split by rows
+        # (KernelVariant.bwd_dq_splits_rows). At d=192 dO gets one stage, at d=256 one and dQ is
+        # staged in halves (KernelVariant.bwd_staging).
         tiles={HeadDim(64, 64): Tiles(128, 128, 2), **dict.fromkeys(_square(96, 128), Tiles(64, 128, 2)),
-               HeadDim(192, 192): Tiles(64, 64, 2), MLA: Tiles(64, 64, 2), HeadDim(256, 256): Tiles(64, 64, 2)},  # fmt: skip
+               HeadDim(192, 192): Tiles(64, 96, 2), MLA: Tiles(64, 96, 2), HeadDim(256, 256): Tiles(64, 64, 2)},  # fmt: skip
         flags=frozenset({"has_softcap", "deterministic", "unmasked"}),
-        choices=TileChoices(tile_m=(64, 128), tile_n=(64, 128), num_stages=(1, 2, 4, 6, 8), fits=_sm90_backward_fits),
+        choices=TileChoices(tile_m=(64, 128), tile_n=(64, 96, 128), num_stages=(1, 2, 4, 6, 8), fits=_sm90_backward_fits),
         summary="TMA, wgmma, warp-specialised; long items split by query head",
     ),
     split_backward=True,

@@ -197,8 +197,8 @@ class KernelVariant:
     def smem_bytes(self, q_stages: int = 1, staging: tuple[int, int] | None = None) -> int:
         """Shared memory for the Q buffers (each also stages O) and the K and V stages.
 
-        Backward: the K and V tile and `num_stages` Q (and dO) blocks; then SM90's dS^T blocks of
-        the k tile (two buffers, one with one stage; a 64-key tile keeps P^T beside each), fp32
+        Backward: the K and V tile and `num_stages` Q (and dO) blocks; then SM90's P^T and dS^T blocks of
+        the k tile (`bwd_score_buffers`), fp32
         lse / delta rows, the fp32 dQ staging tile (SM90's dO stages and dQ chunks are
         `staging`, default `bwd_staging`), a split piece's rank per warpgroup and each stage's
         q block and flag (the producer's walk), or one dS^T
@@ -211,7 +211,7 @@ class KernelVariant:
                 return (kv + self.num_stages * self.tile_m * dims + self.tile_n * self.tile_m) * self.element_bytes
             do_stages, dq_chunks = staging or self.bwd_staging
             qdo = self.tile_m * (self.num_stages * self.head_dim + do_stages * self.head_dim_v)
-            scores = min(2, self.num_stages) * (1 if self.bwd_splits_keys else 2) * self.tile_n * self.tile_m
+            scores = self.bwd_score_buffers * self.tile_n * self.tile_m
             stats = 2 * self.num_stages * self.tile_m
             words = self.tile_m * self.head_dim // dq_chunks + stats + self.num_mma_warpgroups + 2 * self.num_stages
             return (kv + qdo + scores) * self.element_bytes + 4 * words
@@ -231,10 +231,33 @@ class KernelVariant:
 
     @property
     def bwd_splits_keys(self) -> bool:
-        """The SM90 backward's warpgroups each own a 64-key block of a 128-key tile (P^T and dS^T
-        stay in registers); else they share a 64-key tile and split its queries and head dims,
-        P^T and dS^T going through shared memory (the templates' SPLIT_KEYS)."""
+        """The SM90 backward's warpgroups each own a block of the k tile's keys (64 of 128, or 48
+        of 96 with `bwd_query_rows`); else they share a 64-key tile and split its queries and
+        head dims (the templates' SPLIT_KEYS)."""
         return self.tile_n > WARPGROUP_ROWS
+
+    @property
+    def bwd_query_rows(self) -> bool:
+        """The SM90 backward's S and dP have the queries on the wgmma M axis (FA4's d=192
+        formulation): the two warpgroups split a 96-key tile, 48 keys each, and hold dK^T and
+        dV^T with the head dims on M, P^T and dS^T going through shared memory (the templates'
+        QUERY_ROWS). A key block that is not 64 keys cannot be an M extent, hence the swap."""
+        return self.bwd_splits_keys and self.tile_n % WARPGROUP_ROWS != 0
+
+    @property
+    def bwd_key_block(self) -> int:
+        """Keys of the k tile one consumer warpgroup owns (all of a shared 64-key tile)."""
+        return self.tile_n // self.num_mma_warpgroups if self.bwd_splits_keys else self.tile_n
+
+    @property
+    def bwd_score_buffers(self) -> int:
+        """(key block x q block) 16-bit tiles of P^T and dS^T in the SM90 backward's shared memory,
+        per key block: two dS^T buffers (one with one Q stage) where P^T and dS^T are register
+        operands; P^T beside each without SPLIT_KEYS; one of each with QUERY_ROWS (two buffers
+        of each do not fit beside a whole dQ staging tile at d=192)."""
+        if self.bwd_query_rows:
+            return 2
+        return min(2, self.num_stages) * (1 if self.bwd_splits_keys else 2)
 
     @property
     def bwd_dq_splits_rows(self) -> bool:
@@ -258,10 +281,12 @@ class KernelVariant:
     def bwd_staging(self) -> tuple[int, int]:
         """The SM90 backward's dO stages and the chunks a warpgroup stages its dQ columns of a q
         block in: `num_stages` and whole where that fits in shared memory, else one dO stage
-        and halves (d=256 with two Q stages: the next Q still loads during a block, and dO once
-        the block's dV is done)."""
-        whole = (self.num_stages, 1)
-        return whole if self.smem_bytes(staging=whole) <= self._smem_available() else (1, 2)
+        (d=192 with 96-key tiles), else one dO stage and halves (d=256 with two Q stages: the
+        next Q still loads during a block, and dO once the block's dV is done)."""
+        for staging in ((self.num_stages, 1), (1, 1)):
+            if self.smem_bytes(staging=staging) <= self._smem_available():
+                return staging
+        return (1, 2)
 
     @property
     def q_stages(self) -> int:
