@@ -146,29 +146,26 @@ What holds these back, as measured so far:
 - The forward on varlen masks: maskc's tiles sit on a fixed grid where FA4's start at each
   document, 2-6% more blocks (`docs/design/forward-kernel.md`); at 16k FA4's own figures on
   these masks move between runs about as much as the gap.
-- The backward at d=192, 192/128 and 256: 64-key tiles with the head dims split between the
-  warpgroups, where FA4's d=192 tile has 96 keys (its S has the queries on the wgmma M axis), so
-  it does 1.5 times the work per Q / dO load, barrier and dQ reduction; at d=192 the two loops
-  issue about as many instructions per score element on the full mask, so the per-block
-  latencies are what the wider tile amortises (on causal 16k both move the same DRAM bytes,
-  and maskc's tensor pipes are active 52% of the time against FA4's 62%). That formulation is
-  not built (`docs/design/head-dims.md`).
+- The backward at d=256: 64-key tiles with the head dims split between the warpgroups, P^T and
+  dS^T through shared memory, dO in one stage and dQ staged in halves to fit. At d=192 and
+  192/128 the backward has FA4's formulation (96-key tiles, S with the queries on the wgmma M
+  axis); there causal and the varlen masks still trail FA4 by 4-18%: its masked kernel keeps
+  each thread's 12 keys' line state across the block loop (15 local loads a block), and each
+  block waits at two barriers of both warpgroups around its one dS^T buffer
+  (`docs/design/head-dims.md`).
 - Masks with many partial blocks against the full mask: each partial block computes and
   applies its keep masks (an item's lines past the registers' slots come from global memory
   inside the block loop), and a window leaves every q tile few blocks to spread its prologue
   and epilogue over (`docs/design/backward-order.md`). Whole tiles also bound these masks: of
   the elements in the tiles a mask touches (the forward's chosen tile, 16 tokens a tile under
   PackGQA; the backward's) it keeps 91-93% for global + window (96% in the 64-key backward of
-  d=192 and 256), 92-97% for varlen block causal and shared question at 16k (90% in d=64's
-  128 x 128 backward) and 95-99% at 64k; the full mask 99-100% (`bench/fill.py`). Where that
+  d=256), 92-97% for varlen block causal and shared question at 16k (90% in d=64's 128 x 128
+  backward) and 95-99% at 64k; the full mask 99-100% (`bench/fill.py`). Where that
   share is near 92%, the target asks partial blocks to cost no more than full ones.
-- Memory: the peak holds the backward's float32 dQ accumulator. Where q and v have one head
-  dim, the runs above held lse twice (the forward's and the log2 copy the backward loads); the
-  forward now writes that copy for its backward, which keeps it instead of lse, and maskc alone
-  then measured FlexAttention's peaks at d=128, 192 and 256 (d=64 and 96 hold the same
-  buffers; the next runs beside the other libraries will show it). At 192/128 the
-  accumulator's 192 float32 columns add 128 bytes per query row and head over FlexAttention's
-  peak (`docs/design/backward-dq.md`).
+- Memory: the peak holds the backward's float32 dQ accumulator. The forward writes the lse
+  its backward loads, which keeps it instead of lse, so where q and v have one head dim maskc's
+  peak is FlexAttention's. At 192/128 the accumulator's 192 float32 columns add 128 bytes per
+  query row and head over FlexAttention's peak (`docs/design/backward-dq.md`).
 - Host time: maskc's autograd node and launches run in Python, cuDNN's in C++
   (`docs/design/host-time.md`).
 """
@@ -424,8 +421,8 @@ def run_heading(rows: Sequence[dict]) -> list[str]:
 
 def plot_runs(rows: Sequence[dict]) -> dict[str, str]:
     """The run each figure shows: for the kernels, the shown run with both directions at 16k and
-    64k (at PLOT_HEAD_DIM) beside the most other libraries (the newest of equals); for the
-    scaling, the newest shown run over several GPU counts."""
+    64k (at PLOT_HEAD_DIM) beside the most other libraries, then over the most masks (the newest
+    of equals); for the scaling, the newest shown run over several GPU counts."""
     chosen = {}
     candidates = []
     for run in current_runs(rows, "kernel", KERNEL_IMPLS):
@@ -433,7 +430,8 @@ def plot_runs(rows: Sequence[dict]) -> dict[str, str]:
         both = all(any(r["seqlen"] == s and r["direction"] == d and r["impl"] == "maskc" and "error" not in r for r in mine)
                    for s in PLOT_SEQLENS for d in ("fwd", "bwd"))
         if both:
-            candidates.append((len({r["impl"] for r in mine if not r["impl"].startswith("maskc")}), run))
+            libraries = len({r["impl"] for r in mine if not r["impl"].startswith("maskc")})
+            candidates.append(((libraries, len({r["mask"] for r in mine})), run))
     if candidates:
         chosen[KERNEL_PLOT] = max(candidates, key=lambda c: c[0])[1]
     for run in current_runs(rows, "dist", DIST_IMPLS):
@@ -470,12 +468,12 @@ def shortfall_source(row: dict) -> str:
     return f"{row['device']}, {row['date']}, `{row['commit']}`"
 
 
-def ratios(tflops: dict[tuple, float]) -> dict[tuple, tuple[float, str | None]]:
+def ratios(tflops: dict[tuple, float], peer_masks: set[str]) -> dict[tuple, tuple[float, str | None]]:
     """maskc's TFLOP/s ({(impl, seqlen, mask, direction): TFLOP/s} of one head dim in one run)
     per (seqlen, mask, direction): over the faster of the PEERS that ran it (with that peer), or
-    over its own full mask's (None) where no peer has a kernel for the mask; nothing where the
-    peers failed the direction or the run has no full mask to compare with."""
-    peer_masks = {(seqlen, mask) for impl, seqlen, mask, _ in tflops if impl in PEERS}
+    over its own full mask's (None) where no peer has a kernel for the mask (not in
+    `peer_masks`, the masks a peer ran in any run); nothing where the peers did not run the
+    mask's direction in this run or the run has no full mask to compare with."""
     out: dict[tuple, tuple[float, str | None]] = {}
     for (impl, seqlen, mask, direction), value in tflops.items():
         if impl != "maskc":
@@ -485,7 +483,7 @@ def ratios(tflops: dict[tuple, float]) -> dict[tuple, tuple[float, str | None]]:
         if ran:
             best, peer = max(ran)
             out[(seqlen, mask, direction)] = (value / best, peer)
-        elif full and (seqlen, mask) not in peer_masks:
+        elif full and mask not in peer_masks:
             out[(seqlen, mask, direction)] = (value / full, None)
     return out
 
@@ -516,23 +514,26 @@ def memory_shortfalls(memory: Sequence[dict]) -> list[str]:
 def kernel_shortfalls(rows: Sequence[dict]) -> list[str]:
     """A line per head dim: what of its TFLOP/s and peak memory falls short (tflops_shortfalls,
     memory_shortfalls) at TARGET_SEQLENS, each (sequence length, mask) from the newest run
-    measuring it with maskc and a peer, each length's memory from the newest of those runs
-    measuring it; the line names those runs."""
+    measuring it with maskc and a peer (maskc alone, for a mask no peer has a kernel for), each
+    length's memory from the newest run measuring it with maskc and a peer; the line names
+    those runs."""
     found: dict[int | str, dict[tuple, tuple[float, str | None]]] = defaultdict(dict)
     memory: dict[int | str, dict[int, list[dict]]] = defaultdict(dict)
     used: dict[int | str, dict[str, dict]] = defaultdict(dict)
     mask_order = list(dict.fromkeys(row["mask"] for row in rows if row["kind"] == "kernel"))
+    peer_masks = {row["mask"] for row in rows if row["kind"] == "kernel" and row["impl"] in PEERS and "error" not in row}
     for run in current_runs(rows, "kernel", {"maskc", *PEERS}):
         mine = [row for row in of_run(rows, run, "kernel") if "error" not in row]
         for head_dim in dict.fromkeys(row["head_dim"] for row in mine):
             tflops = {(row["impl"], row["seqlen"], row["mask"], row["direction"]): row["tflops"]
                       for row in mine if row["head_dim"] == head_dim}  # fmt: skip
             impls = {impl for impl, *_ in tflops}
-            if "maskc" not in impls or not impls.intersection(PEERS):
+            if "maskc" not in impls:
                 continue
-            new = {k: v for k, v in ratios(tflops).items() if k[0] in TARGET_SEQLENS and k not in found[head_dim]}
+            measured = ratios(tflops, peer_masks)
+            new = {k: v for k, v in measured.items() if k[0] in TARGET_SEQLENS and k not in found[head_dim]}
             peaks_of = defaultdict(list)
-            for row in of_run(rows, run, "memory"):
+            for row in of_run(rows, run, "memory") if impls.intersection(PEERS) else ():
                 if row["head_dim"] == head_dim and row["seqlen"] in TARGET_SEQLENS and row["seqlen"] not in memory[head_dim]:
                     peaks_of[row["seqlen"]].append(row)
             if new or peaks_of:

@@ -69,6 +69,27 @@ def test_figures_show_the_runs_the_doc_names() -> None:
         )
 
 
+def test_the_kernel_figure_shows_the_run_over_the_most_libraries_then_masks(tmp_path: Path) -> None:
+    """A newer run over fewer masks (a memory run on the full mask, say) leaves the figure to the
+    run beside as many libraries over more masks; among equals the newest shows."""
+
+    def measured(run: str, day: int, masks: tuple[str, ...]) -> None:
+        r = Run.start("kernel", "NVIDIA H200", tmp_path, run=run, argv=["bench/kernel.py"], now=NOW.replace(day=day))
+        for mask in masks:
+            for seqlen in report.PLOT_SEQLENS:
+                for direction in ("fwd", "bwd"):
+                    case = {"mask": mask, "seqlen": seqlen, "heads": "64:8", "head_dim": report.PLOT_HEAD_DIM,
+                            "dtype": "bf16", "direction": direction}  # fmt: skip
+                    r.write("kernel", impl="maskc", tflops=600.0, **case)
+                    r.write("kernel", impl="fa4", tflops=650.0, **case)
+
+    measured("masks", 1, ("full", "causal"))
+    measured("full_only", 2, ("full",))
+    assert report.plot_runs(read_results(tmp_path))[report.KERNEL_PLOT] == "masks"
+    measured("newest", 3, ("full", "causal"))
+    assert report.plot_runs(read_results(tmp_path))[report.KERNEL_PLOT] == "newest"
+
+
 def test_the_doc_shows_the_newest_figure_of_each_implementation(tmp_path: Path) -> None:
     """A newer run supersedes an older one's figures for what both measured; the older run keeps
     its table while it holds the only figure of something (here FA4)."""
@@ -152,6 +173,24 @@ def test_a_run_of_some_masks_supersedes_only_those(tmp_path: Path) -> None:
     assert line == (f"- **Head dim 192** (NVIDIA H200, {day}, `{new.commit}`; NVIDIA H100, {day}, `{old.commit}`): "
                     "below FA4, backward: full 16k 0.84, sliding window causal 16k 0.95; "
                     "below cuDNN, backward: causal 16k 0.75; below 92% of full, backward: shared question 16k 0.50.")  # fmt: skip
+
+
+def test_a_run_of_maskc_alone_counts_for_masks_no_peer_has(tmp_path: Path) -> None:
+    """The 92%-of-full target compares maskc with itself: a newer run of maskc alone supersedes
+    the figures of masks no peer has a kernel for, not those of a mask a peer ran elsewhere."""
+    case = {"seqlen": 16384, "heads": "64:8", "head_dim": 192, "dtype": "bf16", "direction": "bwd"}
+    old = Run.start("kernel", "NVIDIA H200", tmp_path / "a", argv=["bench/kernel.py"], now=NOW.replace(hour=9))
+    for mask, maskc, fa4 in (("full", 400.0, 500.0), ("causal", 360.0, 400.0)):
+        old.write("kernel", impl="maskc", tflops=maskc, mask=mask, **case)
+        old.write("kernel", impl="fa4", tflops=fa4, mask=mask, **case)
+    old.write("kernel", impl="maskc", tflops=200.0, mask="shared_question", **case)
+    alone = Run.start("kernel", "NVIDIA H200", tmp_path / "a", argv=["bench/kernel.py"], now=NOW.replace(day=2))
+    for mask, maskc in (("full", 500.0), ("causal", 100.0), ("shared_question", 440.0)):
+        alone.write("kernel", impl="maskc", tflops=maskc, mask=mask, **case)
+    [line] = report.kernel_shortfalls(read_results(tmp_path / "a"))
+    later, day = f"{NOW.replace(day=2):%Y-%m-%d}", f"{NOW:%Y-%m-%d}"
+    assert line == (f"- **Head dim 192** (NVIDIA H200, {later}, `{alone.commit}`; NVIDIA H200, {day}, `{old.commit}`): "
+                    "below FA4, backward: full 16k 0.80, causal 16k 0.90; below 92% of full, backward: shared question 16k 0.88.")  # fmt: skip
 
 
 def test_runs_of_one_day_are_ordered_by_their_start(tmp_path: Path) -> None:
