@@ -250,14 +250,18 @@ class KernelVariant:
         return self.tile_n // self.num_mma_warpgroups if self.bwd_splits_keys else self.tile_n
 
     @property
+    def bwd_ds_stages(self) -> int:
+        """dS^T buffers of the SM90 backward (the templates' DS_STAGES): two, which blocks
+        alternate (one with one Q stage); one with `bwd_query_rows` (two buffers of P^T and of
+        dS^T do not fit beside a whole dQ staging tile at d=192)."""
+        return 1 if self.bwd_query_rows else min(2, self.num_stages)
+
+    @property
     def bwd_score_buffers(self) -> int:
         """(key block x q block) 16-bit tiles of P^T and dS^T in the SM90 backward's shared memory,
-        per key block: two dS^T buffers (one with one Q stage) where P^T and dS^T are register
-        operands; P^T beside each without SPLIT_KEYS; one of each with QUERY_ROWS (two buffers
-        of each do not fit beside a whole dQ staging tile at d=192)."""
-        if self.bwd_query_rows:
-            return 2
-        return min(2, self.num_stages) * (1 if self.bwd_splits_keys else 2)
+        per key block: the dS^T buffers, and as many of P^T unless P^T is a register operand
+        (SPLIT_KEYS without QUERY_ROWS)."""
+        return self.bwd_ds_stages * (1 if self.bwd_splits_keys and not self.bwd_query_rows else 2)
 
     @property
     def bwd_dq_splits_rows(self) -> bool:
