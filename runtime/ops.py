@@ -161,11 +161,8 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
         tensors["dq_semaphore"] = torch.zeros(semaphores, dtype=torch.int32, device=q.device)
     else:
         tensors.update(dq_semaphore=unused, work_blocks=unused, block_rank=unused)
-    if launch.slots:
-        tensors["dkv_accum"], tensors["dkv_count"] = _split_sums(launch.slots, entry.tile_n * (d + v.shape[-1]),
-                                                                 warpgroups, q.device, stream)  # fmt: skip
-    else:
-        tensors["dkv_accum"] = tensors["dkv_count"] = unused
+    tensors["dkv_accum"], tensors["dkv_count"] = _split_sums(launch.slots, entry.tile_n * (d + v.shape[-1]),
+                                                             warpgroups, q.device, stream)  # fmt: skip
     _run(launch, tensors, scale, softcap, stream)
     dsink = None
     if sink is not None:  # delta as [Tq, 1, Hq]
@@ -193,12 +190,17 @@ _SPLIT_WORKSPACES: OrderedDict[tuple[torch.device, int], torch.Tensor] = Ordered
 SPLIT_WORKSPACE_STREAMS = 4
 
 
+#: The counters ahead of the split items' in the workspace: the backward CTAs' pace (the SM90
+#: kernel's count of steps, and of CTAs done).
+PACE_COUNTERS = 2
+
+
 def _split_sums(slots: int, sums_per_slot: int, counters_per_slot: int, device: torch.device, stream: int):
-    """Split items' fp32 dK / dV sums and piece counters, zero: views of the stream's
-    workspace (a fresh buffer while a CUDA graph is captured, whose replays must not share
-    memory with eager launches)."""
+    """Split items' fp32 dK / dV sums and the counters (the CTAs' pace, then the pieces'),
+    zero: views of the stream's workspace (a fresh buffer while a CUDA graph is captured, whose
+    replays must not share memory with eager launches)."""
     sums = slots * sums_per_slot
-    size = sums + slots * counters_per_slot
+    size = sums + PACE_COUNTERS + slots * counters_per_slot
     if torch.cuda.is_current_stream_capturing():
         split = torch.zeros(size, dtype=torch.float32, device=device)
     else:

@@ -261,7 +261,10 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     values = (dk_cols + dv_cols) * v.bwd_key_block // 128
     assert ptx.count("red.global") == ptx.count("red.global.add.f32") == copies * values
     assert ptx.count("atom.global") == ptx.count("atom.global.exch.b32") == copies * values
-    assert ptx.count("atom.acq_rel.gpu.global.add.s32") == copies
+    # The pieces' counts, and with the CTAs' pace one count of the CTAs done (the producer's).
+    assert ptx.count("atom.acq_rel.gpu.global.add.s32") == copies + v.bwd_paced
+    # The pace: the producer counts its steps, waits on loads of the counter (bwd_paced).
+    assert ("atom.relaxed.gpu.global.add.s32" in ptx) == ("nanosleep" in ptx) == v.bwd_paced
     assert "stmatrix" in ptx  # dS^T and the dK / dV staging
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     # One dQ warpgroup (d=96) takes 16 registers of the other's, each running its own loop.

@@ -568,17 +568,21 @@ def test_the_dq_cast_in_place_is_the_cast_written_over_the_accumulator(rows: int
 def test_split_workspaces_are_kept_per_stream_grown_and_bounded(monkeypatch) -> None:
     """The split items' workspace (ops._split_sums): one per (device, stream), reused while big
     enough, grown (a new zeroed buffer) when a schedule needs more, and kept for the last
-    SPLIT_WORKSPACE_STREAMS streams only. (CPU tensors stand in for the GPU's: the logic is the same.)"""
+    SPLIT_WORKSPACE_STREAMS streams only; its counters start with the CTAs' pace, also for a
+    schedule without split items. (CPU tensors stand in for the GPU's: the logic is the same.)"""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(ops, "_SPLIT_WORKSPACES", type(ops._SPLIT_WORKSPACES)())
     cpu = torch.device("cpu")
     sums, counts = ops._split_sums(2, 8, 2, cpu, stream=1)
-    assert (sums.numel(), counts.numel(), counts.dtype) == (16, 4, torch.int32) and not sums.any() and not counts.any()
+    assert (sums.numel(), counts.numel(), counts.dtype) == (16, ops.PACE_COUNTERS + 4, torch.int32)
+    assert not sums.any() and not counts.any()
     assert counts.data_ptr() == sums.data_ptr() + 16 * 4  # one buffer: the counters after the sums
     again, _ = ops._split_sums(1, 8, 2, cpu, stream=1)
     assert again.data_ptr() == sums.data_ptr()  # big enough: the same memory
     grown, _ = ops._split_sums(4, 8, 2, cpu, stream=1)
     assert grown.numel() == 32 and grown.data_ptr() != sums.data_ptr()
+    no_split, pace = ops._split_sums(0, 8, 2, cpu, stream=1)
+    assert (no_split.numel(), pace.numel()) == (0, ops.PACE_COUNTERS)
     for stream in range(2, 2 + ops.SPLIT_WORKSPACE_STREAMS):
         ops._split_sums(1, 8, 2, cpu, stream=stream)
     assert len(ops._SPLIT_WORKSPACES) == ops.SPLIT_WORKSPACE_STREAMS and (cpu, 1) not in ops._SPLIT_WORKSPACES

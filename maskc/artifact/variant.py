@@ -245,6 +245,15 @@ class KernelVariant:
         return self.bwd_splits_keys and self.tile_n % WARPGROUP_ROWS != 0
 
     @property
+    def bwd_paced(self) -> bool:
+        """The SM90 backward's CTAs keep pace with each other (the producer waits while its CTA
+        is ahead of the mean; bwd_pipeline.jinja): at d=256 a step's Q, dO and dQ rows are
+        128 KiB, and at 64k tokens CTAs drifting apart over an item's 8192 steps left L2 60%
+        hits (design note backward-order.md). Not in the deterministic kernel, whose waits it
+        would compound; no gain measured at d=128 and 192."""
+        return self.direction == "bwd" and not self.deterministic and self.head_dim >= 256
+
+    @property
     def bwd_key_block(self) -> int:
         """Keys of the k tile one consumer warpgroup owns (all of a shared 64-key tile)."""
         return self.tile_n // self.num_mma_warpgroups if self.bwd_splits_keys else self.tile_n
