@@ -140,14 +140,19 @@ What holds these back, as measured so far:
 
 - The backward against FA4: its block loop's warps wait longer than FA4's (warp-state sampling
   on full 16k at d=128: 11.6 cycles per issued instruction against 10.7, the excess on
-  shared-memory and fixed-latency dependencies), and at 64k it moves about twice FA4's DRAM
-  traffic, for reasons not found yet (`docs/design/fa4-comparison.md`,
-  `docs/design/backward-dq.md`).
+  shared-memory and fixed-latency dependencies), and at 64k it moves more DRAM traffic than
+  FA4: its items (a k tile and all eight query heads of a K/V head) run thousands of steps,
+  over which the CTAs drift apart until L2 no longer holds the rows they walk. At d=256 the
+  CTAs now keep pace with each other (+10-18% at 64k); at d=128 and 192 that gained nothing
+  measurable, and d=192's causal backward reads twice FA4's DRAM bytes at 16k, its (long,
+  short) item pairs meeting each q block twice a round (`docs/design/backward-order.md`,
+  `docs/design/fa4-comparison.md`, `docs/design/backward-dq.md`).
 - The forward on varlen masks: maskc's tiles sit on a fixed grid where FA4's start at each
   document, 2-6% more blocks (`docs/design/forward-kernel.md`); at 16k FA4's own figures on
   these masks move between runs about as much as the gap.
-- The backward at d=256: 64-key tiles with the head dims split between the warpgroups, P^T and
-  dS^T through shared memory, dO in one stage and dQ staged in halves to fit. At d=192 and
+- The backward at d=256 on varlen full: 64-key tiles with the head dims split between the
+  warpgroups, P^T and dS^T through shared memory, dO in one stage and dQ staged in halves to
+  fit. At d=192 and
   192/128 the backward has FA4's formulation (96-key tiles, S with the queries on the wgmma M
   axis); there causal and the varlen masks still trail FA4 by 4-18%: its masked kernel keeps
   each thread's 12 keys' line state across the block loop (15 local loads a block), and each
