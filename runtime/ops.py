@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import maskc.reference as reference
+from maskc.artifact.abi import PACE_COUNTERS
 from maskc.artifact.families import HeadDim, backward_warpgroups
 from maskc.ir import Mask
 from maskc.runtime import masks, plan
@@ -188,11 +189,6 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
 #: goes back to the allocator, which reuses it only on its own stream, after its kernels.
 _SPLIT_WORKSPACES: OrderedDict[tuple[torch.device, int], torch.Tensor] = OrderedDict()
 SPLIT_WORKSPACE_STREAMS = 4
-
-
-#: The counters ahead of the split items' in the workspace: the backward CTAs' pace (the SM90
-#: kernel's count of steps, and of CTAs done).
-PACE_COUNTERS = 2
 
 
 def _split_sums(slots: int, sums_per_slot: int, counters_per_slot: int, device: torch.device, stream: int):

@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import maskc
 from maskc import reference
+from maskc.artifact.abi import PACE_COUNTERS
 from maskc.artifact.families import HeadDim, select_tiles
 from maskc.artifact.variant import variant_for
 from maskc.ir import AttnSlice, Mask
@@ -574,7 +575,7 @@ def test_split_workspaces_are_kept_per_stream_grown_and_bounded(monkeypatch) -> 
     monkeypatch.setattr(ops, "_SPLIT_WORKSPACES", type(ops._SPLIT_WORKSPACES)())
     cpu = torch.device("cpu")
     sums, counts = ops._split_sums(2, 8, 2, cpu, stream=1)
-    assert (sums.numel(), counts.numel(), counts.dtype) == (16, ops.PACE_COUNTERS + 4, torch.int32)
+    assert (sums.numel(), counts.numel(), counts.dtype) == (16, PACE_COUNTERS + 4, torch.int32)
     assert not sums.any() and not counts.any()
     assert counts.data_ptr() == sums.data_ptr() + 16 * 4  # one buffer: the counters after the sums
     again, _ = ops._split_sums(1, 8, 2, cpu, stream=1)
@@ -582,7 +583,7 @@ def test_split_workspaces_are_kept_per_stream_grown_and_bounded(monkeypatch) -> 
     grown, _ = ops._split_sums(4, 8, 2, cpu, stream=1)
     assert grown.numel() == 32 and grown.data_ptr() != sums.data_ptr()
     no_split, pace = ops._split_sums(0, 8, 2, cpu, stream=1)
-    assert (no_split.numel(), pace.numel()) == (0, ops.PACE_COUNTERS)
+    assert (no_split.numel(), pace.numel()) == (0, PACE_COUNTERS)
     for stream in range(2, 2 + ops.SPLIT_WORKSPACE_STREAMS):
         ops._split_sums(1, 8, 2, cpu, stream=stream)
     assert len(ops._SPLIT_WORKSPACES) == ops.SPLIT_WORKSPACE_STREAMS and (cpu, 1) not in ops._SPLIT_WORKSPACES

@@ -24,6 +24,9 @@ STATIC_DIMS = ("Hq", "Hkv", "D", "Dv")
 _SHOWN_DIMS = {"W1": "W+1", "G1": "G+1", "DL": "0 or Tq"}
 _SHOWN_DTYPES = {"input": "DTYPE", "float32": "fp32", "int32": "int32"}
 _UNUSED = "not used by this variant"
+#: The counters at the front of the backward's `dkv_count`: the CTAs' pace (steps counted, CTAs
+#: done; KernelVariant.bwd_paced), ahead of the split items' piece counters.
+PACE_COUNTERS = 2
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,7 @@ BACKWARD_ABI: tuple[Arg, ...] = (
     TensorArg("dkv_accum", "float32", ("KA",), align=16, param="mdKVAccum",
               doc="per split slot, TILE_K x (HEAD_DIM + HEAD_DIM_V) dK / dV sums by warpgroup (zero)"),
     TensorArg("dkv_count", "int32", ("KC",), param="mdKVCount",
-              doc="the CTAs' pace (2), then per split slot and warpgroup its pieces done (zero)"),
+              doc="the CTAs' pace (PACE_COUNTERS), then pieces done per split slot and warpgroup (zero)"),
     TensorArg("items", "int32", ("I", 5), param="mItems",
               doc="(work, K/V head, flags, query head, split slot) items, CTA by CTA (maskc.ir.items)"),
     TensorArg("cta_items", "int32", ("G1",), param="mCtaItems", doc="CSR offsets of each CTA's items"),
@@ -188,10 +191,10 @@ CTA c of the `num_ctas` runs items[cta_items[c]:cta_items[c+1]], rows (work, K/V
 1 to walk each q block's query heads innermost, 2 to walk the q blocks first to last; query
 head within the K/V head, -1 for all; split slot, -1 for none) (`maskc.ir.items`). The pieces
 of a split item (one per query head) add dK / dV into `dkv_accum` (KA = slots * tile_n * (D +
-Dv), per slot and 64-key warpgroup block [64, D] then [64, Dv]) and count themselves in `dkv_count`
-after its first two counters (KC = 2 + slots * tile_n / 64), both zero on entry (`dkv_accum`
-one element when there is no slot); the last piece of each item clears its slot and counter.
-The first two counters pace the CTAs of the SM90 kernels that keep pace
+Dv), per slot and 64-key warpgroup block [64, D] then [64, Dv]; empty when there is no slot) and
+count themselves in `dkv_count` after its PACE_COUNTERS first counters (KC = PACE_COUNTERS +
+slots * tile_n / 64), both zero on entry; the last piece of each item clears its slot and
+counter. The first counters pace the CTAs of the SM90 kernels that keep pace
 (`KernelVariant.bwd_paced`): each counts its steps on the first, its end on the second, and
 the last CTA to end clears both. So both are zero again when the kernel ends and the caller
 can keep them for the next launch on the stream."""

@@ -13,7 +13,7 @@ import re
 
 import jinja2
 
-from maskc.artifact.abi import ENTRY_POINTS
+from maskc.artifact.abi import ENTRY_POINTS, PACE_COUNTERS
 from maskc.artifact.families import DTYPES, SM100, WARPGROUP_ROWS
 from maskc.artifact.variant import KernelVariant
 
@@ -47,6 +47,7 @@ def context(variant: KernelVariant) -> dict:
         "key": variant.key(),
         "dtype_cutlass": f"cutlass.{_DTYPES[variant.dtype].cutlass}",
         "entry_points": ENTRY_POINTS,
+        "pace_counters": PACE_COUNTERS,
     }
     if variant.portable:
         return {**base, "num_threads": 128}
