@@ -143,16 +143,19 @@ What holds these back, as measured so far:
   shared-memory and fixed-latency dependencies), and at 64k it moves more DRAM traffic than
   FA4: its items (a k tile and all eight query heads of a K/V head) run thousands of steps,
   over which the CTAs drift apart until L2 no longer holds the rows they walk. At d=256 the
-  CTAs now keep pace with each other (+10-18% at 64k); at d=128 and 192 that gained nothing
-  measurable, and d=192's causal backward reads twice FA4's DRAM bytes at 16k, its (long,
-  short) item pairs meeting each q block twice a round (`docs/design/backward-order.md`,
+  CTAs keep pace with each other (at 64k +10-18%, and 2-10% more since within 32 steps
+  rather than 128 of the mean); at d=128 and 192 that gained nothing measurable, and d=192's
+  causal backward reads twice FA4's DRAM bytes at 16k, its (long, short) item pairs meeting
+  each q block twice a round (`docs/design/backward-order.md`,
   `docs/design/fa4-comparison.md`, `docs/design/backward-dq.md`).
 - The forward on varlen masks: maskc's tiles sit on a fixed grid where FA4's start at each
   document, 2-6% more blocks (`docs/design/forward-kernel.md`); at 16k FA4's own figures on
   these masks move between runs about as much as the gap.
-- The backward at d=256 on varlen full: 64-key tiles with the head dims split between the
-  warpgroups, P^T and dS^T through shared memory, dO in one stage and dQ staged in halves to
-  fit. At d=192 and 192/128 the backward has FA4's formulation (96-key tiles, S with the
+- The backward at d=256 on varlen full at 16k: 64-key tiles with the head dims split between
+  the warpgroups, P^T and dS^T through shared memory, dO in one stage and dQ staged in halves
+  to fit; Nsight Compute puts its 7% more cycles than FA4's on the fixed grid's partial tiles
+  (2% more tensor work), L2 (84% hits against 98%) and 1.5% between the busiest SM and the
+  mean. At d=192 and 192/128 the backward has FA4's formulation (96-key tiles, S with the
   queries on the wgmma M axis); there causal and the varlen masks still trail FA4 by 4-18%:
   the (long, short) item pairs read twice FA4's DRAM bytes on causal (above), each block waits
   at two barriers of both warpgroups around its one dS^T buffer, and the masked kernel costs
