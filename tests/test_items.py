@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 
 from maskc.ir import AttnSlice, Mask
-from maskc.ir.items import ASCENDING, HEADS_INNER, SECTION, deal, heads_inner, section_order, split_heavy, split_tail, sync_group_order, whole
+from maskc.ir.items import (
+    ASCENDING, HEADS_INNER, SECTION, SPLIT_GAIN, TAIL_ROUNDS, _free_times, _pieces, _unit_costs, deal, heads_inner,
+    section_order, split_heavy, split_tail, sync_group_order, whole,
+)  # fmt: skip
 from maskc.ir.schedule import build_backward_schedule
 
 
@@ -156,6 +159,30 @@ def test_split_tail_leaves_balanced_or_single_head_items_whole() -> None:
     for qheads, num_ctas in ((4, 4), (1, 3)):  # 8 equal items on 4 CTAs are balanced; one query head cannot split
         rows, cost = split_tail(items, np.full(8, 40.0), qheads_per_kvhead=qheads, num_ctas=num_ctas)
         assert rows is items and (rows[:, 3:] == -1).all()
+
+
+def test_split_tail_takes_the_shortest_of_its_candidate_deals() -> None:
+    """split_tail stops trying longer tails once their mean load reaches the best deal found;
+    on random costs its pick is still the shortest of every candidate (each tail of
+    TAIL_ROUNDS rounds of pieces, dealt whole), or no split where none gains SPLIT_GAIN."""
+    rng = np.random.default_rng(0)
+    qheads = 4
+    for _ in range(40):
+        n, num_ctas = int(rng.integers(10, 300)), int(rng.integers(2, 48))
+        items = whole(np.stack([np.arange(n), np.zeros(n, np.int64), np.zeros(n, np.int64)], axis=1))
+        cost = rng.integers(3, 120, n).astype(np.float64)
+
+        def makespan(rows: np.ndarray, row_cost: np.ndarray) -> float:
+            return float(_free_times(_unit_costs(rows, row_cost)[1], num_ctas)[2].max())
+
+        unsplit = makespan(items, cost)
+        candidates = []
+        for rounds in TAIL_ROUNDS:
+            k = min(-(-rounds * num_ctas // qheads), n)
+            pieces, piece_cost = _pieces(items[n - k :], cost[n - k :], qheads, 0)
+            candidates.append(makespan(np.r_[items[: n - k], pieces], np.r_[cost[: n - k], piece_cost]))
+        expected = min(candidates) if min(candidates) < unsplit * (1 - SPLIT_GAIN) else unsplit
+        assert makespan(*split_tail(items, cost, qheads, num_ctas)) == expected
 
 
 def _cta_loads(rows: np.ndarray, cost: np.ndarray, num_ctas: int) -> list[float]:
