@@ -312,6 +312,7 @@ def split_tail(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_
         return items, cost
     common = num_units - int(splits[-1])
     free = _free_times(unit_costs[:common], num_ctas)[2]
+    busiest, placed = free.max(), free.sum()  # of the common deal, for the candidates' bound
     first_slot = slots_used(items)
     for k in splits:
         first = int(np.searchsorted(unit, num_units - k))
@@ -319,7 +320,7 @@ def split_tail(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_
         tail_units = np.r_[unit_costs[common : num_units - k], piece_cost]
         # No deal ends before its mean load; each piece adds to the work, so from here on no
         # candidate can beat the best one (planning time: this spares half the deals).
-        if max(free.max(), (free.sum() + tail_units.sum()) / num_ctas) >= best[0]:
+        if max(busiest, (placed + tail_units.sum()) / num_ctas) >= best[0]:
             break
         makespan = _free_times(tail_units, num_ctas, free)[2].max()
         if makespan < best[0]:
