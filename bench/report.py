@@ -158,8 +158,8 @@ What holds these back, as measured so far:
   mean. At d=192 and 192/128 the backward has FA4's formulation (96-key tiles, S with the
   queries on the wgmma M axis); there causal and the varlen masks still trail FA4 by 4-18%:
   the (long, short) item pairs read twice FA4's DRAM bytes on causal (above), each block waits
-  at two barriers of both warpgroups around its one dS^T buffer, and the masked kernel costs
-  about 1% on full blocks (`docs/design/head-dims.md`, `docs/design/backward-order.md`).
+  at two barriers of both warpgroups around its one dS^T buffer (a second buffer, or a second
+  dO stage, cost more than it saved), and the masked kernel costs about 1% on full blocks (`docs/design/head-dims.md`, `docs/design/backward-order.md`).
 - Masks with many partial blocks against the full mask: each partial block computes and
   applies its keep masks (an item's lines past the registers' slots come from global memory
   inside the block loop), and a window leaves every q tile few blocks to spread its prologue
