@@ -144,7 +144,8 @@ What holds these back, as measured so far:
   FA4: its items (a k tile and all eight query heads of a K/V head) run thousands of steps,
   over which the CTAs drift apart until L2 no longer holds the rows they walk. At d=256 the
   CTAs keep pace with each other (at 64k +10-18%, and 2-10% more since within 32 steps
-  rather than 128 of the mean); at d=128 and 192 that gained nothing measurable, and d=192's
+  rather than 128 of the mean); at d=96 and 128 that gains 0-2% (d=96 full 64k 8%), at d=64
+  and 192 nothing, and d=192's
   causal backward reads twice FA4's DRAM bytes at 16k, its (long, short) item pairs meeting
   each q block twice a round (`docs/design/backward-order.md`,
   `docs/design/fa4-comparison.md`, `docs/design/backward-dq.md`).

@@ -122,6 +122,15 @@ def test_backward_variant_shape():
     assert variant(deterministic=True).key().startswith("attn_bwd_sm90_d128_bf16_h8x2_t64x128s2_d_")
 
 
+def test_ctas_keep_pace_in_the_64_query_formulations_only():
+    # Measured: the pace gains at d=96, 128 and 256 (64-query blocks, keys on M), not at d=64's
+    # 128-query blocks nor in the query-rows formulation of 192 and 192/128.
+    paced = [variant(head_dim=96), variant(), variant(head_dim=256, tile_n=64)]
+    unpaced = [variant(head_dim=64, tile_m=128), variant(head_dim=192, tile_n=96),
+               variant(head_dim=192, head_dim_v=128, tile_n=96), variant(deterministic=True)]  # fmt: skip
+    assert all(v.bwd_paced for v in paced) and not any(v.bwd_paced for v in unpaced)
+
+
 def test_deterministic_is_a_backward_option():
     with pytest.raises(VariantError, match="deterministic is a backward option"):
         variant(direction="fwd", tile_m=128, deterministic=True)

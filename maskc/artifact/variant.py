@@ -249,9 +249,12 @@ class KernelVariant:
         """The SM90 backward's CTAs keep pace with each other (the producer waits while its CTA
         is ahead of the mean; bwd_pipeline.jinja): at d=256 a step's Q, dO and dQ rows are
         128 KiB, and at 64k tokens CTAs drifting apart over an item's 8192 steps left L2 60%
-        hits (design note backward-order.md). Not in the deterministic kernel, whose waits it
-        would compound; no gain measured at d=128 and 192."""
-        return self.direction == "bwd" and not self.deterministic and self.head_dim >= 256
+        hits (design note backward-order.md); at d=96 and 128 it gains 0-2% (d=96 full 64k 8%).
+        Only the 64-query blocks with keys on the wgmma M axis: d=64's 128-query blocks and
+        the query-rows formulation (d=192, 192/128) gained nothing or lost. Not in the
+        deterministic kernel, whose waits it would compound."""
+        return (self.family is SM90 and self.direction == "bwd" and not self.deterministic
+                and self.tile_m == WARPGROUP_ROWS and not self.bwd_query_rows)  # fmt: skip
 
     @property
     def bwd_key_block(self) -> int:
