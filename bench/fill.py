@@ -5,8 +5,11 @@ A kernel computes whole tiles, so its TFLOP/s on a mask, counted on the kept ele
 most that share of its speed on full tiles: where the share is near 92%, reaching 92% of the
 full mask's TFLOP/s asks partial blocks to cost no more than full ones.
 
-Runs anywhere, in seconds: `python bench/fill.py [--seqlens 16384,65536]`. It prints a table
-and writes no rows: the shares follow from the schedules, nothing is timed.
+With `--per-document` the tiles start at each document instead of on the fixed grid
+(`maskc.ir.schedule.document_tiles`; the kernels do not take such schedules yet).
+
+Runs anywhere, in seconds: `python bench/fill.py [--seqlens 16384,65536] [--per-document]`. It
+prints a table and writes no rows: the shares follow from the schedules, nothing is timed.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch  # noqa: E402
 
 from maskc.artifact.families import HEAD_DIMS, HeadDim  # noqa: E402
 from maskc.ir import Mask  # noqa: E402
-from maskc.ir.schedule import Schedule, build_schedule, transposed_schedule  # noqa: E402
+from maskc.ir.schedule import Schedule, build_schedule, document_tiles, transposed_schedule  # noqa: E402
 from maskc.runtime import plan  # noqa: E402
 
 #: The GPU the kernels are planned for: an H100 / H200 (sm_90a, 132 SMs).
@@ -40,17 +43,26 @@ def target(head_dim: HeadDim) -> plan.Target:
     return plan.make_target(CAPABILITY, NUM_SMS, torch.bfloat16, HQ, HKV, head_dim, False, False, False, None, False)
 
 
-def schedule(mask: Mask, target: plan.Target, request: dict) -> Schedule:
+def schedule(mask: Mask, target: plan.Target, request: dict, per_document: bool = False) -> Schedule:
     """The schedule of the kernel the runtime picks for `request` (`plan.forward_requests` or
-    `plan.backward_requests`), with its launch shape (tokens a tile under PackGQA)."""
+    `plan.backward_requests`), with its launch shape (tokens a tile under PackGQA); with
+    `per_document`, on tiles that start at each document."""
     shape = plan.launch_shape_of(target, request)
-    build = build_schedule if request["direction"] == "fwd" else transposed_schedule
-    return build(mask, shape.tile_m, shape.tile_n)
+    forward = request["direction"] == "fwd"
+    if not per_document:
+        return (build_schedule if forward else transposed_schedule)(mask, shape.tile_m, shape.tile_n)
+    rows, cols = document_tiles(mask, shape.tile_m, shape.tile_n)
+    if forward:
+        return build_schedule(mask, shape.tile_m, shape.tile_n, row_starts=rows, col_starts=cols)
+    # The backward's work items are k tiles: the transposed mask's rows.
+    return build_schedule(mask.transpose(), shape.tile_n, shape.tile_m, row_starts=cols, col_starts=rows,
+                          free_past_end=True, whole_rows=True)  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqlens", default="16384,65536", help="comma-separated sequence lengths")
+    parser.add_argument("--per-document", action="store_true", help="tiles that start at each document, not the grid")
     args = parser.parse_args()
     targets = {d: target(d) for d in HEAD_DIMS}
     print("| seqlen | mask | " + " | ".join(f"d={d} fwd / bwd" for d in targets) + " |")
@@ -61,7 +73,7 @@ def main() -> None:
             mask = masks[name]
             cells = []
             for t in targets.values():
-                fwd, bwd = (kept_share(mask, schedule(mask, t, requests(mask, t)[0]))
+                fwd, bwd = (kept_share(mask, schedule(mask, t, requests(mask, t)[0], args.per_document))
                             for requests in (plan.forward_requests, plan.backward_requests))  # fmt: skip
                 cells.append(f"{fwd:.3f} / {bwd:.3f}")
             print(f"| {seqlen} | {name} | " + " | ".join(cells) + " |", flush=True)

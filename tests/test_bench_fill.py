@@ -32,3 +32,19 @@ def test_the_table_has_every_mask_and_head_dim(capsys: pytest.CaptureFixture[str
     assert len(lines) == 2 + len(fill.MASKS)
     full = lines[2].split(" | ")
     assert full[:2] == ["| 4608", "full"] and all(cell.endswith("/ 1.000") for cell in full[2:-1])
+
+
+def test_tiles_per_document_keep_more_of_the_packed_documents(capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    shares = {}
+    for flags in ([], ["--per-document"]):
+        monkeypatch.setattr(sys, "argv", ["fill.py", "--seqlens", "4608", *flags])
+        fill.main()
+        rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+        shares[bool(flags)] = {row[1]: [float(x) for cell in row[2:] for x in cell.strip(" |").split(" / ")] for row in rows}
+    grid, per_document = shares[False], shares[True]
+    # The packed documents' tiles start at each document: nothing of a neighbour in them.
+    for mask in ("varlen_full", "varlen_causal", "varlen_block_causal"):
+        assert all(p > g for p, g in zip(per_document[mask], grid[mask])), mask
+    # One document (full, the window): the same grid.
+    assert per_document["full"] == grid["full"] and per_document["sliding_window_causal"] == grid["sliding_window_causal"]

@@ -18,36 +18,47 @@ from maskc.ir.schedule import (
     build_backward_schedule,
     build_deterministic_backward_schedule,
     build_schedule,
+    document_starts,
+    document_tiles,
+    tile_starts,
 )
 from maskc.ir.strategy import select_pack_gqa
 
 from test_ir import masks
 
 
-def decode(s: Schedule, free_past_end: bool = False) -> torch.Tensor:
-    """Dense mask the kernel would compute from the schedule, checking its invariants. A full
-    block must be in range unless the columns past the end need no mask (`free_past_end`)."""
+def decode(s: Schedule, free_past_end: bool = False, whole_rows: bool = False) -> torch.Tensor:
+    """Dense mask the kernel would compute from the schedule, checking its invariants. A kernel
+    computes a block's whole box (tile_m x tile_n from the tile's and the block's starts): a full
+    block unmasked, so its box must hold no other block's columns and lie in range (past the
+    last column only with `free_past_end`), and with `whole_rows` no other tile's rows; a partial
+    block masked by the lines and cleared past its own columns. Each element at most once."""
     sq, sk = s.seqlen_q, s.seqlen_k
-    dense = torch.zeros(sq, sk, dtype=torch.bool)
-    assert sorted(s.work_tile.tolist()) == list(range(-(-sq // s.tile_m)))
+    rs, cs = s.row_starts.tolist(), s.col_starts.tolist()
+    row_end, col_end = rs[1:] + [sq], cs[1:] + [sk]
+    count = torch.zeros(sq, sk, dtype=torch.int32)
+    assert sorted(s.work_tile.tolist()) == list(range(len(rs)))
     assert s.work_ranges[0] == 0 and s.work_ranges[-1] == len(s.ranges)
     assert s.work_lines[0] == 0 and s.work_lines[-1] == len(s.lines)
     rows_idx = torch.arange(sq)[:, None]
     cols_idx = torch.arange(sk)[None, :]
     for w, m in enumerate(s.work_tile.tolist()):
-        r0, r1 = m * s.tile_m, min((m + 1) * s.tile_m, sq)
+        r0, r1 = rs[m], row_end[m]
         lines = s.lines[s.work_lines[w] : s.work_lines[w + 1]]
+        assert all(r0 <= a and b <= r1 for a, b in lines[:, :2].tolist()), "lines are cut to the tile's own rows"
         seen: set[int] = set()
         for n_begin, n_end, partial in s.ranges[s.work_ranges[w] : s.work_ranges[w + 1]].tolist():
             assert n_begin < n_end
             for n in range(n_begin, n_end):
                 assert n not in seen, f"block {n} of tile {m} scheduled twice"
                 seen.add(n)
-                c0, c1 = n * s.tile_n, min((n + 1) * s.tile_n, sk)
+                c0, c1 = cs[n], col_end[n]
                 assert c0 < sk
                 if not partial:
-                    assert free_past_end or (n + 1) * s.tile_n <= sk, "a full block must be in range"
-                    dense[r0:r1, c0:c1] = True
+                    box_end = cs[n] + s.tile_n
+                    assert box_end == c1 or (box_end > sk == c1 and free_past_end), "a full block's box is its own"
+                    assert not whole_rows or r1 - r0 == s.tile_m or r1 == sq, "a full block's rows are its tile's own"
+                    count[r0:r1, c0:c1] += 1
                     continue
                 block = torch.zeros(r1 - r0, c1 - c0, dtype=torch.bool)
                 for lr0, lr1, lo_a, lo_s, hi_a, hi_s in lines.tolist():
@@ -55,8 +66,19 @@ def decode(s: Schedule, free_past_end: bool = False) -> torch.Tensor:
                     c = cols_idx[:, c0:c1]
                     block |= (r >= lr0) & (r < lr1) & (c >= lo_a + lo_s * r) & (c <= hi_a + hi_s * r)
                 assert block.any(), "a partial block must hold an allowed element"
-                dense[r0:r1, c0:c1] |= block
-    return dense
+                count[r0:r1, c0:c1] += block
+    assert count.numel() == 0 or int(count.max()) <= 1, "an element computed twice"
+    return count.bool()
+
+
+@st.composite
+def partitions(draw, length: int, tile: int) -> np.ndarray:
+    """Tile starts over [0, length): steps of 1 to `tile`."""
+    starts, at = [], 0
+    while at < length:
+        starts.append(at)
+        at += draw(st.integers(1, tile))
+    return np.array(starts, dtype=np.int64)
 
 
 @given(masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 8, 16]), st.sampled_from([1, 4, 8, 64]))
@@ -66,6 +88,54 @@ def test_schedule_covers_exactly_the_mask(mask: Mask, tile_m: int, tile_n: int) 
     assert torch.equal(decode(s), mask.to_dense())
     weights = s.blocks_per_item()
     assert (np.diff(weights) <= 0).all(), "heaviest work first"
+
+
+@given(st.data(), masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 8, 16]), st.sampled_from([1, 4, 8, 64]),
+       st.booleans())  # fmt: skip
+@settings(max_examples=300, deadline=None)
+def test_schedule_on_any_partition_covers_exactly_the_mask(data, mask: Mask, tile_m: int, tile_n: int, backward: bool) -> None:
+    # Tiles of any length up to the tile: short blocks are masked past their own columns, and
+    # with whole_rows (the backward's k tiles) short tiles have no full block.
+    rows = data.draw(partitions(mask.seqlen_q, tile_m))
+    cols = data.draw(partitions(mask.seqlen_k, tile_n))
+    s = build_schedule(mask, tile_m, tile_n, row_starts=rows, col_starts=cols, free_past_end=backward, whole_rows=backward)
+    assert torch.equal(decode(s, free_past_end=backward, whole_rows=backward), mask.to_dense())
+    assert (s.row_starts == rows).all() and (s.col_starts == cols).all()
+
+
+def test_tiles_start_at_each_document() -> None:
+    docs = Mask.from_cu_seqlens([0, 100, 400, 450])
+    rows, cols = document_tiles(docs, 64, 128)
+    assert cols.tolist() == [0, 100, 228, 356, 400] and rows.tolist() == [0, 64, 100, 164, 228, 292, 356, 400]
+    s = build_schedule(docs, 64, 128, row_starts=rows, col_starts=cols)
+    assert torch.equal(decode(s), docs.to_dense())
+    # Only each document's own blocks: no tile holds two documents' tokens.
+    assert s.blocks_per_item().sum() == 2 * 1 + 5 * 3 + 1 * 1
+    assert build_schedule(docs, 64, 128).blocks_per_item().sum() > s.blocks_per_item().sum()
+
+
+def test_documents_split_where_every_slice_lies_before_or_after() -> None:
+    # Documents of different q and k lengths (a causal_short_k per document) split in pairs.
+    short_k = Mask([AttnSlice(q=(0, 50), k=(0, 30), type="causal"), AttnSlice(q=(50, 80), k=(30, 70), type="full")], 80, 70)
+    assert [x.tolist() for x in document_starts(short_k)] == [[0, 50], [0, 30]]
+    # Block causal inside the second document: its blocks reach back to its start, no split.
+    block_causal = [AttnSlice(q=(96 + 64 * i, 96 + 64 * (i + 1)), k=(96, 96 + 64 * (i + 1)), type="full") for i in range(3)]
+    mask = Mask([AttnSlice(q=(0, 96), k=(0, 96), type="causal"), *block_causal], 288, 288)
+    assert [x.tolist() for x in document_starts(mask)] == [[0, 96], [0, 96]]
+    # A sliding window (one band) and global keys that every query sees: one document.
+    for one in (Mask.sliding_window([0, 288], 64), Mask.sliding_window([0, 288], 64).with_global_tokens(16)):
+        assert [x.tolist() for x in document_starts(one)] == [[0], [0]]
+    assert [x.tolist() for x in document_starts(Mask([], 8, 8))] == [[0], [0]]
+
+
+@pytest.mark.parametrize(
+    "starts, message",
+    [([0, 64, 200], "steps of 1 to 128"), ([8, 100], "rise from 0"), ([0, 64, 64], "steps of 1 to 128"),
+     ([0, 100, 300], "end within 300"), ([[0]], "1-D integer"), ([0.0, 64.0], "1-D integer")],
+)  # fmt: skip
+def test_bad_tile_starts(starts: list, message: str) -> None:
+    with pytest.raises(MaskError, match=message):
+        build_schedule(Mask.from_cu_seqlens([0, 300]), 128, 128, col_starts=np.array(starts))
 
 
 def test_full_blocks_need_no_mask() -> None:

@@ -27,7 +27,7 @@ from maskc.ir.items import (ITEM_OVERHEAD_BLOCKS, ItemLists, deal, section_order
                             sync_group_order, whole)
 from maskc.ir.mask import Mask
 from maskc.ir.merge import merge_ranges
-from maskc.ir.slices import RowLines, expand_spans
+from maskc.ir.slices import RowLines, expand_spans, ragged_expand
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,6 +43,11 @@ class Schedule:
     ranges: np.ndarray
     work_lines: np.ndarray
     lines: np.ndarray
+    row_starts: np.ndarray
+    col_starts: np.ndarray
+    """First row of each q tile and first column of each k block (`tile_starts`): multiples of
+    the tile on the grid; with tiles per document, a tile ends where the next begins and may be
+    shorter than the tile, its box reaching into the next one's rows or columns."""
 
     @property
     def num_work(self) -> int:
@@ -123,43 +128,139 @@ def _kept(mask: Mask, *key: object) -> Schedule | None:
     return mask.memo.pop((_KEPT, *key), None)
 
 
+def grid_starts(length: int, tile: int) -> np.ndarray:
+    """The fixed grid's tile starts over [0, length): 0, tile, 2 tile, ..."""
+    return np.arange(0, length, tile, dtype=np.int64)
+
+
+def tile_ends(starts: np.ndarray, length: int) -> np.ndarray:
+    """Where each tile of a partition of [0, length) ends: at the next one's start."""
+    return np.append(starts[1:], length)[: starts.size]
+
+
+def tile_starts(boundaries: np.ndarray, length: int, tile: int) -> np.ndarray:
+    """Starts of a partition of [0, length) into tiles of at most `tile`: from each boundary
+    (and 0) tiles of `tile` until the next boundary, where a shorter tile ends."""
+    bounds = np.unique(np.r_[0, np.asarray(boundaries, dtype=np.int64)])
+    bounds = bounds[bounds < length]
+    ends = tile_ends(bounds, length)
+    owner, local = ragged_expand(-(-(ends - bounds) // tile))
+    return bounds[owner] + local * tile
+
+
+def document_starts(mask: Mask) -> tuple[np.ndarray, np.ndarray]:
+    """Where the mask splits into documents: the pairs (query row, key column) such that every
+    slice lies wholly before both or wholly after both (packed documents' starts, in q and in
+    k), as two arrays; 0 first."""
+    q, k = mask.q_ranges, mask.k_ranges
+    keep = (q[:, 1] > q[:, 0]) & (k[:, 1] > k[:, 0])
+    order = np.argsort(q[keep, 0], kind="stable")
+    q, k = q[keep][order], k[keep][order]
+    if q.shape[0] == 0:
+        return np.zeros(1, np.int64), np.zeros(1, np.int64)
+    # A split before slice i: every earlier slice ends (in q and in k) where the later ones start.
+    q_reach, k_reach = np.maximum.accumulate(q[:, 1]), np.maximum.accumulate(k[:, 1])
+    k_floor = np.minimum.accumulate(k[::-1, 0])[::-1]
+    i = np.flatnonzero((q_reach[:-1] <= q[1:, 0]) & (k_reach[:-1] <= k_floor[1:])) + 1
+    return np.r_[0, q[i, 0]].astype(np.int64), np.r_[0, k_floor[i]].astype(np.int64)
+
+
+def document_tiles(mask: Mask, tile_m: int, tile_n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tile starts (`tile_starts`) of q tiles and k blocks that start at each document
+    (`document_starts`); the grid for a mask of one document."""
+    q_starts, k_starts = document_starts(mask)
+    sq, sk = mask.shape
+    return tile_starts(q_starts, sq, tile_m), tile_starts(k_starts, sk, tile_n)
+
+
+def _owners(starts: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The tiles of `starts` holding positions `first` and `last` (inclusive)."""
+    return np.searchsorted(starts, first, side="right") - 1, np.searchsorted(starts, last, side="right") - 1
+
+
+def _checked_starts(starts: np.ndarray, length: int, tile: int, what: str) -> np.ndarray:
+    """`starts` as int64 if they partition [0, length) into tiles of at most `tile`."""
+    starts = np.asarray(starts)
+    if starts.ndim != 1 or not (starts.size == 0 or np.issubdtype(starts.dtype, np.integer)):
+        raise MaskError(f"{what} tile starts must be a 1-D integer array")
+    starts = starts.astype(np.int64)
+    if starts.size == 0 and length == 0:
+        return starts
+    gaps = tile_ends(starts, length) - starts
+    if starts.size == 0 or starts[0] != 0 or (gaps <= 0).any() or (gaps > tile).any():
+        raise MaskError(f"{what} tile starts must rise from 0 in steps of 1 to {tile} and end within {length}")
+    return starts
+
+
+def _split_at_short(tile: np.ndarray, begin: np.ndarray, end: np.ndarray,
+                    short: np.ndarray) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:  # fmt: skip
+    """Full runs [begin, end) of `tile` with the `short` blocks (sorted) taken out: the full
+    pieces left, and each short block as a one-block run (partial)."""
+    lo, hi = np.searchsorted(short, begin), np.searchsorted(short, end)
+    owner, local = ragged_expand(hi - lo)
+    singles = (tile[owner], short[lo[owner] + local], short[lo[owner] + local] + 1)
+    owner, local = ragged_expand(hi - lo + 1)
+    cut = lo[owner] + local  # the short block a piece ends at (or the run's end), and after which the next starts
+    piece_begin = np.where(local == 0, begin[owner], short[np.maximum(cut - 1, 0)] + 1)
+    piece_end = np.where(cut < hi[owner], short[np.minimum(cut, short.size - 1)], end[owner])
+    keep = piece_end > piece_begin
+    return (tile[owner][keep], piece_begin[keep], piece_end[keep]), singles
+
+
 def build_schedule(
-    mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool = True, free_past_end: bool = False
-) -> Schedule:
+    mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool = True, free_past_end: bool = False,
+    row_starts: np.ndarray | None = None, col_starts: np.ndarray | None = None, whole_rows: bool = False,
+) -> Schedule:  # fmt: skip
     """The forward schedule of `mask` for (tile_m x tile_n) tiles; work items heaviest first, or
     in tile order (`heaviest_first=False`). With `free_past_end` the columns past the last one
     need no mask (the backward's queries past Tq: their P is 0), so a block a line covers up to
     the last column is full. The one the forward strategy pass built and kept, if it did
-    (`maskc.ir.strategy.select_forward`)."""
+    (`maskc.ir.strategy.select_forward`).
+
+    `row_starts` / `col_starts` (`tile_starts`; default the grid) partition the rows into q
+    tiles and the columns into k blocks; a tile's own rows and a block's own columns end where
+    the next begin. A kernel computes whole boxes (tile_m x tile_n from the starts), so a block
+    shorter than tile_n is always partial (its box holds the next block's columns, which its
+    masking must clear). Rows past a tile's own are the kernel's to ignore (the forward stores
+    only a tile's own rows); with `whole_rows` (the backward's k tiles, whose rows are keys that
+    would add to dQ) a short tile's blocks are partial too."""
     if tile_m <= 0 or tile_n <= 0:
         raise MaskError(f"tile shape must be positive, got {tile_m} x {tile_n}")
-    kept = _kept(mask, "forward", tile_m, tile_n, heaviest_first, free_past_end)
+    partitioned = row_starts is not None or col_starts is not None
+    kept = None if partitioned else _kept(mask, "forward", tile_m, tile_n, heaviest_first, free_past_end)
     if kept is not None:
         return kept
     sq, sk = mask.shape
+    rs = grid_starts(sq, tile_m) if row_starts is None else _checked_starts(row_starts, sq, tile_m, "row")
+    cs = grid_starts(sk, tile_n) if col_starts is None else _checked_starts(col_starts, sk, tile_n, "column")
+    row_ends, col_ends = tile_ends(rs, sq), tile_ends(cs, sk)
     merged = merge_ranges(mask)
     lines = RowLines.of(merged.q_ranges, merged.k_ranges, merged.types)
-    num_tiles = -(-sq // tile_m)
+    num_tiles = rs.size
 
-    # (line, q tile) pairs: the line cut to its rows [a, b) inside the tile.
-    pair_line, pair_tile = expand_spans(lines.r0 // tile_m, (lines.r1 - 1) // tile_m)
+    # (line, q tile) pairs: the line cut to its rows [a, b) inside the tile's own rows.
+    pair_line, pair_tile = expand_spans(*_owners(rs, lines.r0, lines.r1 - 1))
     ln = lines.take(pair_line)
-    a = np.maximum(ln.r0, pair_tile * tile_m)
-    b = np.minimum(ln.r1, (pair_tile + 1) * tile_m)
+    a = np.maximum(ln.r0, rs[pair_tile])
+    b = np.minimum(ln.r1, row_ends[pair_tile])
     pair_tile, ln = _fuse_side_by_side(pair_tile, RowLines(a, b, ln.lo_a, ln.lo_s, ln.hi_a, ln.hi_s))
     a, b = ln.r0, ln.r1
     lo_first, lo_last = ln.lo_a + ln.lo_s * a, ln.lo_a + ln.lo_s * (b - 1)
     hi_first, hi_last = ln.hi_a + ln.hi_s * a, ln.hi_a + ln.hi_s * (b - 1)
 
-    # Blocks the line touches, and among them the ones it covers entirely: it spans all
-    # valid rows of the tile and every key of the block (so the block is in range too).
-    touch_begin, touch_end = lo_first // tile_n, hi_last // tile_n + 1
-    all_rows = (a == pair_tile * tile_m) & (b == np.minimum((pair_tile + 1) * tile_m, sq))
-    full_begin = -(-lo_last // tile_n)
+    # Blocks the line touches, and among them the ones it covers entirely: it spans all own
+    # rows of the tile and every column of the block's box (so the box is in range and holds
+    # no other block's columns: past the last column only with free_past_end).
+    touch_begin, touch_last = _owners(cs, lo_first, hi_last)
+    touch_end = touch_last + 1
+    all_rows = (a == rs[pair_tile]) & (b == row_ends[pair_tile])
+    if whole_rows:
+        all_rows &= (row_ends[pair_tile] - rs[pair_tile] == tile_m) | (row_ends[pair_tile] == sq)
+    whole = (col_ends - cs == tile_n) | (free_past_end & (col_ends == sk))
+    full_begin = np.searchsorted(cs, lo_last, side="left")
+    full_end = np.searchsorted(col_ends, hi_first + 1, side="right")
     if free_past_end:
-        full_end = np.where(hi_first + 1 >= sk, -(-sk // tile_n), (hi_first + 1) // tile_n)
-    else:
-        full_end = np.minimum((hi_first + 1) // tile_n, sk // tile_n)
+        full_end = np.where(hi_first + 1 >= sk, cs.size, full_end)
     has_full = all_rows & (full_end > full_begin)
     full_begin = np.where(has_full, full_begin, touch_begin)
     full_end = np.where(has_full, full_end, touch_begin)
@@ -169,9 +270,12 @@ def build_schedule(
     p_tile = np.r_[pair_tile, pair_tile]
     p_begin = np.r_[touch_begin, full_end]
     p_end = np.r_[full_begin, touch_end]
+    full = (pair_tile[has_full], full_begin[has_full], full_end[has_full])
+    if not whole.all():
+        full, short = _split_at_short(*full, np.flatnonzero(~whole))
+        p_tile, p_begin, p_end = np.r_[p_tile, short[0]], np.r_[p_begin, short[1]], np.r_[p_end, short[2]]
     keep = p_end > p_begin
     part = _merge_runs(p_tile[keep], p_begin[keep], p_end[keep])
-    full = (pair_tile[has_full], full_begin[has_full], full_end[has_full])
 
     run_tile = np.r_[part[0], full[0]]
     run_begin = np.r_[part[1], full[1]]
@@ -205,6 +309,8 @@ def build_schedule(
         ranges=_as32(ranges.reshape(-1, 3)),
         work_lines=_as32(work_lines),
         lines=_as32(line_table.reshape(-1, 6)),
+        row_starts=_as32(rs),
+        col_starts=_as32(cs),
     )
 
 
