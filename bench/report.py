@@ -145,9 +145,8 @@ What holds these back, as measured so far:
   over which the CTAs drift apart until L2 no longer holds the rows they walk. At d=256 the
   CTAs keep pace with each other (at 64k +10-18%, and 2-10% more since within 32 steps
   rather than 128 of the mean); at d=96 and 128 that gains 0-2% (d=96 full 64k 8%), at d=64
-  and 192 nothing, and d=192's
-  causal backward reads twice FA4's DRAM bytes at 16k, its (long, short) item pairs meeting
-  each q block twice a round (`docs/design/backward-order.md`,
+  and 192 nothing, and d=192's causal backward reads twice FA4's DRAM bytes at 16k, its (long,
+  short) item pairs meeting each q block twice a round (`docs/design/backward-order.md`,
   `docs/design/fa4-comparison.md`, `docs/design/backward-dq.md`).
 - The varlen masks: maskc's tiles sit on a fixed grid where FA4's start at each document.
   With the benchmark's document lengths rounded to whole tiles (no partial tile), maskc's
@@ -162,7 +161,8 @@ What holds these back, as measured so far:
   queries on the wgmma M axis); there causal and the varlen masks still trail FA4 by 4-18%:
   the (long, short) item pairs read twice FA4's DRAM bytes on causal (above), each block waits
   at two barriers of both warpgroups around its one dS^T buffer (a second buffer, or a second
-  dO stage, cost more than it saved), and the masked kernel costs about 1% on full blocks (`docs/design/head-dims.md`, `docs/design/backward-order.md`).
+  dO stage, cost more than it saved), and the masked kernel costs about 1% on full blocks
+  (`docs/design/head-dims.md`, `docs/design/backward-order.md`).
 - Masks with many partial blocks against the full mask: each partial block computes and
   applies its keep masks (an item's lines past the registers' slots come from global memory
   inside the block loop), and a window leaves every q tile few blocks to spread its prologue
