@@ -48,15 +48,10 @@ def schedule(mask: Mask, target: plan.Target, request: dict, per_document: bool 
     `plan.backward_requests`), with its launch shape (tokens a tile under PackGQA); with
     `per_document`, on tiles that start at each document."""
     shape = plan.launch_shape_of(target, request)
-    forward = request["direction"] == "fwd"
-    if not per_document:
-        return (build_schedule if forward else transposed_schedule)(mask, shape.tile_m, shape.tile_n)
-    rows, cols = document_tiles(mask, shape.tile_m, shape.tile_n)
-    if forward:
-        return build_schedule(mask, shape.tile_m, shape.tile_n, row_starts=rows, col_starts=cols)
-    # The backward's work items are k tiles: the transposed mask's rows.
-    return build_schedule(mask.transpose(), shape.tile_n, shape.tile_m, row_starts=cols, col_starts=rows,
-                          free_past_end=True, whole_rows=True)  # fmt: skip
+    if request["direction"] == "bwd":
+        return transposed_schedule(mask, shape.tile_m, shape.tile_n, documents=per_document)
+    rows, cols = document_tiles(mask, shape.tile_m, shape.tile_n) if per_document else (None, None)
+    return build_schedule(mask, shape.tile_m, shape.tile_n, row_starts=rows, col_starts=cols)
 
 
 def main() -> None:

@@ -349,16 +349,20 @@ def _item_cost(s: Schedule) -> np.ndarray:
 
 
 def transposed_schedule(
-    mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool = True, keep: bool = False
+    mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool = True, keep: bool = False, documents: bool = False
 ) -> Schedule:
     """The schedule the backward schedules start from: the forward schedule of
     `mask.transpose()`, its work items the k tiles of `tile_n` keys (heaviest first, or in tile
-    order), its runs q blocks of `tile_m` queries (queries past the last need no mask). The one
-    kept by an earlier call with `keep`, if there is one."""
-    key = ("transposed", tile_m, tile_n, heaviest_first)
+    order), its runs q blocks of `tile_m` queries (queries past the last need no mask; keys
+    past a tile's own, which would add to dQ, masked: `whole_rows`); with `documents` both on
+    tiles per document (`document_tiles`). The one kept by an earlier call with `keep`, if
+    there is one."""
+    key = ("transposed", tile_m, tile_n, heaviest_first, documents)
     s = _kept(mask, *key)
     if s is None:
-        s = build_schedule(mask.transpose(), tile_n, tile_m, heaviest_first=heaviest_first, free_past_end=True)
+        q_blocks, k_tiles = document_tiles(mask, tile_m, tile_n) if documents else (None, None)
+        s = build_schedule(mask.transpose(), tile_n, tile_m, heaviest_first=heaviest_first, free_past_end=True,
+                           whole_rows=True, row_starts=k_tiles, col_starts=q_blocks)  # fmt: skip
     if keep:
         keep_schedule(mask, s, *key)
     return s
