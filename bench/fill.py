@@ -49,7 +49,8 @@ def schedule(mask: Mask, target: plan.Target, request: dict, per_document: bool 
     `per_document`, on tiles that start at each document."""
     shape = plan.launch_shape_of(target, request)
     if request["direction"] == "bwd":
-        return transposed_schedule(mask, shape.tile_m, shape.tile_n, documents=per_document)
+        return transposed_schedule(mask, shape.tile_m, shape.tile_n, key_documents=per_document,
+                                   query_documents=per_document)  # fmt: skip
     rows, cols = document_tiles(mask, shape.tile_m, shape.tile_n) if per_document else (None, None)
     return build_schedule(mask, shape.tile_m, shape.tile_n, row_starts=rows, col_starts=cols)
 

@@ -44,9 +44,9 @@ TORCH_DTYPES = {getattr(torch, d.torch): d.name for d in DTYPES}
 
 _ARGS = {a.name: a for a in BACKWARD_ABI if isinstance(a, TensorArg)}
 SCHEDULE_ARGS = tuple(_ARGS[name] for name in ("work_tile", "work_ranges", "ranges", "work_lines", "lines", "items",
-                                               "cta_items", "work_blocks", "block_rank"))  # fmt: skip
+                                               "cta_items", "tile_bounds", "work_blocks", "block_rank"))  # fmt: skip
 """A schedule's tensors in `Schedule.arrays()` order (the forward's has the first five, the
-backward's seven, the deterministic backward's all nine); every dim but the first has a fixed
+backward's eight, the deterministic backward's all ten); every dim but the first has a fixed
 extent."""
 
 @lru_cache(maxsize=None)
@@ -189,9 +189,10 @@ def backward_requests(mask: Mask, target: Target) -> tuple[dict[str, Any], dict[
         return request, None
     tiles = target.tiles("bwd")
     # The transposed schedule it looks at is kept for the backward schedule (built from it).
-    partial = memoized(mask, ("partial", tiles.tile_m, tiles.tile_n),
-                    lambda: backward_has_partial_blocks(mask, tiles.tile_m, tiles.tile_n,
-                                                        heaviest_first=not target.deterministic, keep=True))  # fmt: skip
+    documents = target.family.document_tiles
+    partial = memoized(mask, ("partial", tiles.tile_m, tiles.tile_n, documents),
+                    lambda: backward_has_partial_blocks(mask, tiles.tile_m, tiles.tile_n, keep=True, documents=documents,
+                                                        heaviest_first=not target.deterministic))  # fmt: skip
     return (request, None) if partial else ({**request, "unmasked": True}, request)
 
 
@@ -230,13 +231,14 @@ def forward_schedule(mask: Mask, shape: registry.LaunchShape, num_sms: int) -> H
 
 
 def backward_schedule(mask: Mask, shape: registry.LaunchShape, num_sms: int) -> HostSchedule:
-    """The backward schedule deals its (k tile, K/V head) items, or their pieces, to the CTAs itself."""
+    """The backward schedule deals its (k tile, K/V head) items, or their pieces, to the CTAs
+    itself; k tiles per document where the kernel takes them."""
     tiles = -(-mask.shape[1] // shape.tile_n)
     num_ctas = min(num_sms * shape.ctas_per_sm, max(1, tiles * shape.items_per_tile * shape.pieces))
     params = (shape.tile_m, shape.tile_n, shape.items_per_tile, num_ctas)
     if shape.deterministic:
-        return _host_schedule(mask, build_deterministic_backward_schedule, num_ctas, *params)
-    return _host_schedule(mask, build_backward_schedule, num_ctas, *params, shape.pieces)
+        return _host_schedule(mask, build_deterministic_backward_schedule, num_ctas, *params, shape.document_tiles)
+    return _host_schedule(mask, build_backward_schedule, num_ctas, *params, shape.pieces, shape.document_tiles)
 
 
 def schedule_views(flat: torch.Tensor, rows: Sequence[int]) -> dict[str, torch.Tensor]:

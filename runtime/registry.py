@@ -46,6 +46,8 @@ class LaunchShape(NamedTuple):
     deterministic: bool = False
     pieces: int = 1
     ctas_per_sm: int = 1
+    document_tiles: bool = False
+    """A backward whose k tiles start at each document (`KernelFamily.document_tiles`)."""
 
 
 def launch_shape(fields: Mapping[str, Any]) -> LaunchShape:
@@ -58,7 +60,8 @@ def launch_shape(fields: Mapping[str, Any]) -> LaunchShape:
         pieces = hq // hkv if family.split_backward and not deterministic else 1
         # A deterministic CTA waits for lower items' CTAs: one per SM keeps them all resident.
         ctas_per_sm = 1 if deterministic else family.ctas_per_sm
-        return LaunchShape(fields["tile_m"], fields["tile_n"], hkv, deterministic, pieces, ctas_per_sm)
+        return LaunchShape(fields["tile_m"], fields["tile_n"], hkv, deterministic, pieces, ctas_per_sm,
+                           family.document_tiles)  # fmt: skip
     if fields.get("pack_gqa", False):
         return LaunchShape(fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv)
     return LaunchShape(fields["tile_m"], fields["tile_n"], hq, ctas_per_sm=family.ctas_per_sm)
@@ -71,7 +74,7 @@ class Entry:
     def __init__(self, load: Callable[[], Kernel] | None, shape: LaunchShape):
         self._load, self._kernel = load, None
         self.shape = shape
-        self.tile_m, self.tile_n, self.items_per_tile, self.deterministic, self.pieces, self.ctas_per_sm = shape
+        self.tile_m, self.tile_n, self.deterministic = shape.tile_m, shape.tile_n, shape.deterministic
         self.index = len(LOADED)
         LOADED.append(self)
 

@@ -452,11 +452,12 @@ def _out_lse_of(attention: Any, q, k, v, mask):
 
 
 def test_deterministic_selects_the_ordered_backward_kernel_and_schedule(cuda_on_cpu: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """deterministic=True plans the deterministic backward variant with the ranked schedule (nine
-    arrays); the default plans the plain one (seven: the forward's five and the item lists)."""
+    """deterministic=True plans the deterministic backward variant with the ranked schedule (ten
+    arrays); the default plans the plain one (eight: the forward's five, the item lists and the
+    k tiles' bounds)."""
     entries, kernels, _ = cuda_on_cpu
     ordered = _register(monkeypatch, "bwd", False, deterministic=True)
-    for deterministic, entry, arrays in ((False, entries["bwd", False], 7), (True, ordered, 9)):
+    for deterministic, entry, arrays in ((False, entries["bwd", False], 8), (True, ordered, 10)):
         q, k, v = _inputs(MASK)
         out, meta = maskc.attention(q, k, v, MASK, deterministic=deterministic)
         _loss(out, meta.lse).backward()

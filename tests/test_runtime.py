@@ -321,7 +321,8 @@ def test_blackwell_runs_the_portable_kernels_unless_its_own_are_asked_for(monkey
         assert asked[-1]["direction"] == "bwd" and not asked[-1]["portable"] and not asked[-1].get("unmasked", False)
         assert asked[-1]["arch"] == "sm_100a" and asked[-1]["deterministic"] == deterministic
     backward = {**asked[-1], "tile_m": 128, "tile_n": 128, "num_stages": 2}
-    assert registry.entry_for(None, backward).pieces == 1 and registry.entry_for(None, {**backward, "arch": "sm_90a"}).pieces == 4
+    assert registry.entry_for(None, backward).shape.pieces == 1
+    assert registry.entry_for(None, {**backward, "arch": "sm_90a"}).shape.pieces == 4
     with pytest.raises(maskc.MaskcError, match="has no PackGQA yet"):
         plan_call(True, False, False)
 

@@ -196,16 +196,19 @@ def check_items(s: BackwardSchedule, num_heads_kv: int, num_ctas: int, qheads_pe
 
 @given(
     masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 16]), st.sampled_from([1, 4, 8]), st.sampled_from([1, 3]),
-    st.sampled_from([1, 5]), st.sampled_from([1, 4]),
+    st.sampled_from([1, 5]), st.sampled_from([1, 4]), st.booleans(),
 )
 @settings(max_examples=200, deadline=None)
 def test_backward_schedule_covers_exactly_the_transposed_mask(
-    mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int, num_ctas: int, qheads_per_kvhead: int
+    mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int, num_ctas: int, qheads_per_kvhead: int, documents: bool
 ) -> None:
-    s = build_backward_schedule(mask, tile_m, tile_n, num_heads_kv, num_ctas, qheads_per_kvhead)
+    s = build_backward_schedule(mask, tile_m, tile_n, num_heads_kv, num_ctas, qheads_per_kvhead, documents)
     assert (s.tile_m, s.tile_n) == (tile_n, tile_m)  # work items are k tiles, runs are q blocks
-    assert torch.equal(decode(s, free_past_end=True), mask.to_dense().T)
+    assert torch.equal(decode(s, free_past_end=True, whole_rows=True), mask.to_dense().T)
     check_items(s, num_heads_kv, num_ctas, qheads_per_kvhead)
+    # k tile n is keys [tile_bounds[n], tile_bounds[n + 1]): per document, or on the grid.
+    keys = document_tiles(mask, tile_m, tile_n)[1] if documents else np.arange(0, mask.seqlen_k, tile_n)
+    assert s.arrays()[-1].tolist() == [*keys.tolist(), mask.seqlen_k]
 
 
 @pytest.mark.parametrize("seqlen", [1, 80, 1000, 16384])
@@ -249,11 +252,14 @@ def test_backward_schedule_of_causal_skips_blocks_above_the_diagonal() -> None:
     assert one.work_tile[one.items[:, 0]].tolist() == list(range(8)) and not (one.items[:, 2] & ASCENDING).any()
 
 
-@given(masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 16]), st.sampled_from([1, 4, 8]), st.sampled_from([1, 3]))
+@given(masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 16]), st.sampled_from([1, 4, 8]), st.sampled_from([1, 3]),
+       st.booleans())  # fmt: skip
 @settings(max_examples=200, deadline=None)
-def test_deterministic_backward_schedule_orders_dq_additions(mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int) -> None:
-    s = build_deterministic_backward_schedule(mask, tile_m, tile_n, num_heads_kv, 4)
-    assert torch.equal(decode(s, free_past_end=True), mask.to_dense().T)  # the same blocks as the plain schedule
+def test_deterministic_backward_schedule_orders_dq_additions(mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int,
+                                                             documents: bool) -> None:  # fmt: skip
+    s = build_deterministic_backward_schedule(mask, tile_m, tile_n, num_heads_kv, 4, documents)
+    # The same blocks as the plain schedule.
+    assert torch.equal(decode(s, free_past_end=True, whole_rows=True), mask.to_dense().T)
     check_items(s, num_heads_kv, 4)
     assert s.work_tile.tolist() == sorted(s.work_tile.tolist())  # k tile order: waits go to earlier items
     # A CTA only waits for lower items: for each K/V head the k tiles come in ascending order,
@@ -278,7 +284,7 @@ def test_deterministic_backward_schedule_orders_dq_additions(mask: Mask, tile_m:
     assert s.work_blocks[-1] == len(pairs) == len(s.block_rank)
     for (tile, m), rank in zip(pairs, s.block_rank.tolist()):
         assert rank == sum(t < tile for t in seen[m])
-    assert len(s.arrays()) == 9  # the kernel also gets the item lists, work_blocks and block_rank
+    assert len(s.arrays()) == 10  # the kernel also gets the item lists, the k tiles' bounds, work_blocks and block_rank
 
 
 

@@ -153,8 +153,8 @@ BACKWARD_ABI: tuple[Arg, ...] = (
               doc="written by the preprocess: rowsum(dO * O) - dlse per head, padded to q blocks"),
     TensorArg("dq_accum", "float32", ("Tq8", "Hq", "D"), align=16, param="mdQ",
               doc="scale * dS K added (zeroed by the caller)"),
-    TensorArg("dk", "input", ("Tk", "Hkv", "D"), param="mdK", doc="written"),
-    TensorArg("dv", "input", ("Tk", "Hkv", "Dv"), param="mdV", doc="written"),
+    TensorArg("dk", "input", ("Tk", "Hkv", "D"), param="mdK", doc="written (document_tiles: added; zeroed by the caller)"),
+    TensorArg("dv", "input", ("Tk", "Hkv", "Dv"), param="mdV", doc="written (document_tiles: added; zeroed by the caller)"),
     TensorArg("dq_semaphore", "int32", ("QS",), param="mSemaphore",
               doc="dQ additions landed per (head, q block, warpgroup)", used_when="deterministic"),
     TensorArg("work_blocks", "int32", ("WB",), param="mWorkBlocks", doc="CSR offsets into mBlockRank",
@@ -168,6 +168,8 @@ BACKWARD_ABI: tuple[Arg, ...] = (
     TensorArg("items", "int32", ("I", 5), param="mItems",
               doc="(work, K/V head, flags, query head, split slot) items, CTA by CTA (maskc.ir.items)"),
     TensorArg("cta_items", "int32", ("G1",), param="mCtaItems", doc="CSR offsets of each CTA's items"),
+    TensorArg("tile_bounds", "int32", ("NT1",), param="mTileBounds",
+              doc="k tile n is keys [tile_bounds[n], tile_bounds[n + 1])", used_when="document_tiles"),
     *_schedule_and_launch("k tile", "(m_begin, m_end, partial) q blocks",
                           "(r0, r1, lo_a, lo_s, hi_a, hi_s), rows keys, columns queries"),
 )  # fmt: skip
@@ -181,7 +183,10 @@ log2(softmax scale), so that P, dS and the products of dS come out scaled; `delt
 rowsum(dO * O) - dlse in float32, 0 for padding. With `lse` empty (no rows), `lse_log2`
 holds the forward's rows below Tq already (its FORWARD_ABI output) and the preprocess writes
 only the padding. dK/dV are owned per (k tile, kv head) and
-summed over the kv head's query heads; dQ (times the softmax scale) is added to `dq_accum` in
+summed over the kv head's query heads (with `document_tiles`, SM90: k tile n is keys
+[tile_bounds[n], tile_bounds[n + 1]), a document's last tile shorter than tile_n, and dK/dV are
+added into `dk` / `dv`, which the caller zeroes: a short tile's box reaches into the next
+tile's rows, to which it adds zeros); dQ (times the softmax scale) is added to `dq_accum` in
 fp32 by TMA reductions (zeroed by the caller; Tq8 = Tq rounded up to a multiple of 8: the
 kernel adds whole 8-row groups, rows >= Tq unused). Deterministic variants order those additions:
 `dq_semaphore` [Hq * ceil(Tq / tile_m) * 2] counts the additions landed per (head, q block,

@@ -182,6 +182,11 @@ class KernelFamily:
     split_backward: bool = False
     #: Persistent CTAs per SM.
     ctas_per_sm: int = 1
+    #: The backward takes k tiles at any key (`maskc.ir.schedule.document_tiles`: each
+    #: document's keys in tiles of their own; its schedule's `tile_bounds`) and adds dK and dV
+    #: into buffers the caller zeroes (a document's last tile reaches into the next one's rows,
+    #: to which it adds zeros); else k tiles on the grid, dK and dV written.
+    document_tiles: bool = False
     dtypes: tuple[str, ...] = DTYPE_NAMES
 
     def __post_init__(self) -> None:
@@ -293,6 +298,7 @@ SM90 = KernelFamily(
         summary="TMA, wgmma, warp-specialised; long items split by query head",
     ),
     split_backward=True,
+    document_tiles=True,
 )
 
 # Never run: no Blackwell GPU here. Forward: 128 query rows (one TMEM lane each) against 128-key

@@ -182,6 +182,11 @@ class KernelVariant:
         return self.family.experimental
 
     @property
+    def document_tiles(self) -> bool:
+        """A backward whose k tiles may start at any key (KernelFamily.document_tiles)."""
+        return self.direction == "bwd" and self.family.document_tiles
+
+    @property
     def qheads_per_kvhead(self) -> int:
         return self.num_heads_q // self.num_heads_kv
 

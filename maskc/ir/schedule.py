@@ -319,7 +319,8 @@ class BackwardSchedule(Schedule):
     """A transposed schedule (work items are k tiles, runs are q blocks) plus the persistent
     CTAs' item lists (`maskc.ir.items`): `items [I, 5]` (work, K/V head, walk flags, query
     head, split slot) CTA by CTA and `cta_items [G+1]`, their CSR offsets; the launch uses G
-    CTAs and `num_slots` fp32 dK / dV slots for the split items."""
+    CTAs and `num_slots` fp32 dK / dV slots for the split items. The kernels read its k tiles'
+    keys as bounds: k tile n is keys [tile_bounds[n], tile_bounds[n + 1])."""
 
     items: np.ndarray
     cta_items: np.ndarray
@@ -329,7 +330,8 @@ class BackwardSchedule(Schedule):
         return slots_used(self.items)
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        return (*super().arrays(), self.items, self.cta_items)
+        tile_bounds = np.append(self.row_starts, self.seqlen_q).astype(np.int32)
+        return (*super().arrays(), self.items, self.cta_items, tile_bounds)
 
 
 def _last_blocks(s: Schedule) -> np.ndarray:
@@ -349,48 +351,53 @@ def _item_cost(s: Schedule) -> np.ndarray:
 
 
 def transposed_schedule(
-    mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool = True, keep: bool = False, documents: bool = False
-) -> Schedule:
+    mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool = True, keep: bool = False,
+    key_documents: bool = False, query_documents: bool = False,
+) -> Schedule:  # fmt: skip
     """The schedule the backward schedules start from: the forward schedule of
     `mask.transpose()`, its work items the k tiles of `tile_n` keys (heaviest first, or in tile
     order), its runs q blocks of `tile_m` queries (queries past the last need no mask; keys
-    past a tile's own, which would add to dQ, masked: `whole_rows`); with `documents` both on
-    tiles per document (`document_tiles`). The one kept by an earlier call with `keep`, if
-    there is one."""
-    key = ("transposed", tile_m, tile_n, heaviest_first, documents)
+    past a tile's own, which would add to dQ, masked: `whole_rows`); with `key_documents` the
+    k tiles, with `query_documents` the q blocks per document (`document_tiles`). The one kept
+    by an earlier call with `keep`, if there is one."""
+    key = ("transposed", tile_m, tile_n, heaviest_first, key_documents, query_documents)
     s = _kept(mask, *key)
     if s is None:
-        q_blocks, k_tiles = document_tiles(mask, tile_m, tile_n) if documents else (None, None)
+        q_blocks, k_tiles = document_tiles(mask, tile_m, tile_n) if key_documents or query_documents else (None, None)
         s = build_schedule(mask.transpose(), tile_n, tile_m, heaviest_first=heaviest_first, free_past_end=True,
-                           whole_rows=True, row_starts=k_tiles, col_starts=q_blocks)  # fmt: skip
+                           whole_rows=True, row_starts=k_tiles if key_documents else None,
+                           col_starts=q_blocks if query_documents else None)  # fmt: skip
     if keep:
         keep_schedule(mask, s, *key)
     return s
 
 
 def backward_has_partial_blocks(
-    mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool = False, keep: bool = False
+    mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool = False, keep: bool = False, documents: bool = False
 ) -> bool:
-    """Whether the backward schedule of `mask` (q blocks of tile_m, k tiles of tile_n) has a
-    partial block; the backward kernel without line masks serves only masks with none. Found
-    from the `transposed_schedule` in either order (the order of the work items changes no
-    run); with `keep`, kept for the backward schedule built next: `heaviest_first` for
-    `build_backward_schedule`, in tile order for `build_deterministic_backward_schedule`."""
-    s = transposed_schedule(mask, tile_m, tile_n, heaviest_first=heaviest_first, keep=keep)
+    """Whether the backward schedule of `mask` (q blocks of tile_m, k tiles of tile_n, per
+    document with `documents`) has a partial block; the backward kernel without line masks
+    serves only masks with none. Found from the `transposed_schedule` in either order (the order
+    of the work items changes no run); with `keep`, kept for the backward schedule built next:
+    `heaviest_first` for `build_backward_schedule`, in tile order for
+    `build_deterministic_backward_schedule`."""
+    s = transposed_schedule(mask, tile_m, tile_n, heaviest_first=heaviest_first, keep=keep, key_documents=documents)
     return bool(s.ranges[:, 2].any())
 
 
 def build_backward_schedule(
-    mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int, num_ctas: int, qheads_per_kvhead: int = 1
-) -> BackwardSchedule:
+    mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int, num_ctas: int, qheads_per_kvhead: int = 1,
+    documents: bool = False,
+) -> BackwardSchedule:  # fmt: skip
     """The transposed schedule the backward kernels read: for every k tile of `tile_n` keys,
     runs of q blocks of `tile_m` queries, full or partial, with the lines of `mask.transpose()`
     (rows are keys, columns queries). It is the forward schedule of the transposed mask, so one
     scheduler and one line mask serve both directions. Its items (k tile, K/V head) go to
     `num_ctas` CTAs in sync groups (`maskc.ir.items.sync_group_order`), split by query head
     where one item alone would outlast the others' deal (`maskc.ir.items.split_heavy`) and at
-    the end where that balances the CTAs (`maskc.ir.items.split_tail`)."""
-    s = transposed_schedule(mask, tile_m, tile_n)
+    the end where that balances the CTAs (`maskc.ir.items.split_tail`). With `documents` its k
+    tiles start at each document (`document_tiles`)."""
+    s = transposed_schedule(mask, tile_m, tile_n, key_documents=documents)
     cost = _item_cost(s)
     items = whole(sync_group_order(_last_blocks(s), cost, num_heads_kv, num_ctas))
     items, row_cost = split_heavy(items, cost[items[:, 0]], qheads_per_kvhead, num_ctas)
@@ -416,12 +423,12 @@ class DeterministicBackwardSchedule(BackwardSchedule):
 
 
 def build_deterministic_backward_schedule(
-    mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int, num_ctas: int
+    mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int, num_ctas: int, documents: bool = False
 ) -> DeterministicBackwardSchedule:
     """`build_backward_schedule` with items in k tile order (`maskc.ir.items.section_order`:
     a CTA then only ever waits for lower items, which are done or running: no deadlock) and
     the dQ ranks."""
-    s = transposed_schedule(mask, tile_m, tile_n, heaviest_first=False)
+    s = transposed_schedule(mask, tile_m, tile_n, heaviest_first=False, key_documents=documents)
     lengths = (s.ranges[:, 1] - s.ranges[:, 0]).astype(np.int64)
     run_work = np.repeat(np.arange(s.num_work), np.diff(s.work_ranges))
     _, q_block = expand_spans(s.ranges[:, 0].astype(np.int64), s.ranges[:, 1].astype(np.int64) - 1)
