@@ -34,7 +34,7 @@ from maskc.ir.schedule import (
     backward_has_partial_blocks,
     build_backward_schedule,
     build_deterministic_backward_schedule,
-    build_schedule,
+    build_forward_schedule,
 )
 from maskc.ir.strategy import select_forward
 from maskc.runtime import registry
@@ -43,9 +43,9 @@ from maskc.runtime import registry
 TORCH_DTYPES = {getattr(torch, d.torch): d.name for d in DTYPES}
 
 _ARGS = {a.name: a for a in BACKWARD_ABI if isinstance(a, TensorArg)}
-SCHEDULE_ARGS = tuple(_ARGS[name] for name in ("work_tile", "work_ranges", "ranges", "work_lines", "lines", "items",
-                                               "cta_items", "tile_bounds", "work_blocks", "block_rank"))  # fmt: skip
-"""A schedule's tensors in `Schedule.arrays()` order (the forward's has the first five, the
+SCHEDULE_ARGS = tuple(_ARGS[name] for name in ("work_tile", "work_ranges", "ranges", "work_lines", "lines",
+                                               "key_bounds", "items", "cta_items", "work_blocks", "block_rank"))  # fmt: skip
+"""A schedule's tensors in `Schedule.arrays()` order (the forward's has the first six, the
 backward's eight, the deterministic backward's all ten); every dim but the first has a fixed
 extent."""
 
@@ -224,10 +224,11 @@ def _host_schedule(mask: Mask, build: Callable, num_ctas: int, *params: int) -> 
 
 
 def forward_schedule(mask: Mask, shape: registry.LaunchShape, num_sms: int) -> HostSchedule:
-    """One CTA per work item, up to the CTAs the SMs hold at once."""
+    """One CTA per work item, up to the CTAs the SMs hold at once; k blocks per document where
+    the kernel takes them."""
     tiles = -(-mask.shape[0] // shape.tile_m)
     num_ctas = min(num_sms * shape.ctas_per_sm, max(1, tiles * shape.items_per_tile))
-    return _host_schedule(mask, build_schedule, num_ctas, shape.tile_m, shape.tile_n)
+    return _host_schedule(mask, build_forward_schedule, num_ctas, shape.tile_m, shape.tile_n, shape.document_tiles)
 
 
 def backward_schedule(mask: Mask, shape: registry.LaunchShape, num_sms: int) -> HostSchedule:

@@ -21,10 +21,10 @@ import torch
 from maskc.artifact.families import HeadDim
 from maskc.errors import MaskcError
 from maskc.ir import Mask
-from maskc.ir.schedule import build_backward_schedule, build_deterministic_backward_schedule, build_schedule
+from maskc.ir.schedule import build_backward_schedule, build_deterministic_backward_schedule, build_forward_schedule
 from maskc.runtime import plan
 
-_NAMES = ("forward", "partial", build_schedule.__name__, build_backward_schedule.__name__,
+_NAMES = ("forward", "partial", build_forward_schedule.__name__, build_backward_schedule.__name__,
           build_deterministic_backward_schedule.__name__)  # fmt: skip
 """The first element of every memo key a plan carries (the others are ints and bools)."""
 _BOOL, _SCHEDULE, _INT = 0, 1, 2

@@ -47,7 +47,7 @@ class LaunchShape(NamedTuple):
     pieces: int = 1
     ctas_per_sm: int = 1
     document_tiles: bool = False
-    """A backward whose k tiles start at each document (`KernelFamily.document_tiles`)."""
+    """Its k blocks (forward) or k tiles (backward) start at each document (`KernelFamily.document_tiles`)."""
 
 
 def launch_shape(fields: Mapping[str, Any]) -> LaunchShape:
@@ -63,8 +63,9 @@ def launch_shape(fields: Mapping[str, Any]) -> LaunchShape:
         return LaunchShape(fields["tile_m"], fields["tile_n"], hkv, deterministic, pieces, ctas_per_sm,
                            family.document_tiles)  # fmt: skip
     if fields.get("pack_gqa", False):
-        return LaunchShape(fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv)
-    return LaunchShape(fields["tile_m"], fields["tile_n"], hq, ctas_per_sm=family.ctas_per_sm)
+        return LaunchShape(fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv, document_tiles=family.document_tiles)
+    return LaunchShape(fields["tile_m"], fields["tile_n"], hq, ctas_per_sm=family.ctas_per_sm,
+                       document_tiles=family.document_tiles)  # fmt: skip
 
 
 class Entry:

@@ -158,8 +158,8 @@ def test_entry_signature_is_the_backward_abi():
     assert len(params) == len(BACKWARD_ABI)
     expected = [
         "mQ", "mK", "mV", "mO", "mdO", "mLSEf", "mdLSE", "mLSE", "mDelta", "mdQ", "mdK", "mdV", "mSemaphore",
-        "mWorkBlocks", "mBlockRank", "mdKVAccum", "mdKVCount", "mItems", "mCtaItems", "mTileBounds", "mWorkTile",
-        "mWorkRanges", "mRanges", "mWorkLines", "mLines",
+        "mWorkBlocks", "mBlockRank", "mdKVAccum", "mdKVCount", "mItems", "mCtaItems", "mWorkTile", "mWorkRanges",
+        "mRanges", "mWorkLines", "mLines", "mKeyBounds",
         "softmax_scale", "softcap", "num_ctas", "stream",
     ]  # fmt: skip
     assert params == expected

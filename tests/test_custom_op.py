@@ -381,7 +381,7 @@ def cuda_on_cpu(monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setattr(masks, "call_mask", remember)
     builds: list[str] = []
-    for name in ("build_schedule", "build_backward_schedule", "build_deterministic_backward_schedule"):
+    for name in ("build_forward_schedule", "build_backward_schedule", "build_deterministic_backward_schedule"):
         monkeypatch.setattr(plan, name, _counted(getattr(schedules, name), builds))
     monkeypatch.setattr(plan, "select_forward", _counted(plan.select_forward, builds))  # the forward's decision
     return entries, kernels, builds
@@ -420,10 +420,10 @@ def test_the_gpu_path_plans_inside_the_op_once_per_mask(cuda_on_cpu: Any) -> Non
     x = q
     for _ in range(4):
         x, _ = maskc.attention(x, k, v, MASK)
-    assert [name for name, _ in kernels.launches] == ["fwd"] * 4 and builds == ["select_forward", "build_schedule"]
+    assert [name for name, _ in kernels.launches] == ["fwd"] * 4 and builds == ["select_forward", "build_forward_schedule"]
     x.float().sum().backward()
     assert [name for name, _ in kernels.launches[4:]] == ["bwd"] * 4
-    assert builds == ["select_forward", "build_schedule", "build_backward_schedule"]
+    assert builds == ["select_forward", "build_forward_schedule", "build_backward_schedule"]
     assert kernels.launches[0][1].kernel in (entries["fwd", False], entries["fwd", True])
     assert kernels.launches[-1][1].kernel is entries["bwd", False] and q.grad is not None
     assert kernels.backward_took == ["lse_log2"] * 4  # the forward's: lse itself is not kept for the backward
@@ -443,7 +443,7 @@ def test_the_gpu_path_under_compile_plans_each_new_mask_in_the_op(cuda_on_cpu: A
         _loss(*_out_lse_of(maskc.reference_attention, *eager, mask)).backward()
         for ours, theirs in zip(leaves, eager):
             torch.testing.assert_close(ours.grad, theirs.grad)
-    assert builds.count("build_schedule") == 4 and builds.count("build_backward_schedule") == 4
+    assert builds.count("build_forward_schedule") == 4 and builds.count("build_backward_schedule") == 4
 
 
 def _out_lse_of(attention: Any, q, k, v, mask):
@@ -453,8 +453,7 @@ def _out_lse_of(attention: Any, q, k, v, mask):
 
 def test_deterministic_selects_the_ordered_backward_kernel_and_schedule(cuda_on_cpu: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """deterministic=True plans the deterministic backward variant with the ranked schedule (ten
-    arrays); the default plans the plain one (eight: the forward's five, the item lists and the
-    k tiles' bounds)."""
+    arrays); the default plans the plain one (eight: the forward's six and the item lists)."""
     entries, kernels, _ = cuda_on_cpu
     ordered = _register(monkeypatch, "bwd", False, deterministic=True)
     for deterministic, entry, arrays in ((False, entries["bwd", False], 8), (True, ordered, 10)):
@@ -485,7 +484,7 @@ def test_a_prepared_mask_crosses_a_process_boundary_and_needs_no_planning(cuda_o
     data = pickle.dumps(ready)
     assert len(data) < 4 * (ready.table.numel() + ready.plan.numel()) + 4096  # the tensors, not the Mask they carry
     shipped = pickle.loads(data)
-    assert builds == ["select_forward", "build_schedule", "build_backward_schedule"]
+    assert builds == ["select_forward", "build_forward_schedule", "build_backward_schedule"]
     builds.clear()
     assert getattr(shipped.table, "_maskc_mask", None) is None
     q, k, v = _inputs(mask)
@@ -524,7 +523,7 @@ def test_a_plan_for_another_target_is_ignored_and_planned_in_the_call(cuda_on_cp
     q, k, v = _inputs(mask)
     with torch.no_grad():
         maskc.attention(q, k, v, shipped)
-    assert builds == ["select_forward", "build_schedule"]
+    assert builds == ["select_forward", "build_forward_schedule"]
 
 
 def test_a_prepared_plan_is_only_used_with_its_own_mask() -> None:

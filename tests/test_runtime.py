@@ -149,7 +149,7 @@ def test_a_launch_reads_the_schedule_it_was_given_also_after_another() -> None:
     kernel = launch.Kernel(runtime, b"", "attn_fwd", FORWARD_ABI)
     runtime.slots = kernel._tensors
     names = [a.name for a in FORWARD_ABI if isinstance(a, TensorArg)]
-    forward_schedule = plan.SCHEDULE_ARGS[:5]  # the forward's arrays (work_tile .. lines)
+    forward_schedule = plan.SCHEDULE_ARGS[:6]  # the forward's arrays (work_tile .. key_bounds)
     schedules = [{a.name: torch.zeros(rows, *a.shape[1:], dtype=torch.int32) for a in forward_schedule} for rows in (3, 7)]
     scalars = {"softmax_scale": 1.0, "softcap": 0.0, "num_ctas": 1}
     for i, which in enumerate((0, 1, 1, 0)):

@@ -47,8 +47,10 @@ def decode(s: Schedule, free_past_end: bool = False, whole_rows: bool = False) -
         lines = s.lines[s.work_lines[w] : s.work_lines[w + 1]]
         assert all(r0 <= a and b <= r1 for a, b in lines[:, :2].tolist()), "lines are cut to the tile's own rows"
         seen: set[int] = set()
-        for n_begin, n_end, partial in s.ranges[s.work_ranges[w] : s.work_ranges[w + 1]].tolist():
-            assert n_begin < n_end
+        for n_begin, n_end, partial, key in s.ranges[s.work_ranges[w] : s.work_ranges[w + 1]].tolist():
+            assert n_begin < n_end and key == cs[n_begin]
+            # Blocks follow each other at tile_n columns, except in runs marked 2.
+            assert partial == 2 or cs[n_begin:n_end] == list(range(key, key + (n_end - n_begin) * s.tile_n, s.tile_n))
             for n in range(n_begin, n_end):
                 assert n not in seen, f"block {n} of tile {m} scheduled twice"
                 seen.add(n)
@@ -101,6 +103,11 @@ def test_schedule_on_any_partition_covers_exactly_the_mask(data, mask: Mask, til
     s = build_schedule(mask, tile_m, tile_n, row_starts=rows, col_starts=cols, free_past_end=backward, whole_rows=backward)
     assert torch.equal(decode(s, free_past_end=backward, whole_rows=backward), mask.to_dense())
     assert (s.row_starts == rows).all() and (s.col_starts == cols).all()
+    # Partial runs holding a block off the grid, or short before the last column, are marked 2.
+    ends = [*cols[1:].tolist(), mask.seqlen_k]
+    odd = [c % tile_n != 0 or (e - c < tile_n and e != mask.seqlen_k) for c, e in zip(cols.tolist(), ends)]
+    for n_begin, n_end, partial, _ in s.ranges.tolist():
+        assert partial == (0 if partial == 0 else 1 + any(odd[n_begin:n_end]))
 
 
 def test_tiles_start_at_each_document() -> None:
@@ -151,7 +158,7 @@ def test_unaligned_sequence_ends_are_partial() -> None:
     # Block 1 (keys 128..199) runs past seqlen_k, so it is partial; the short last q tile
     # still has full blocks because all of its valid rows are covered.
     assert s.work_tile.tolist() == [0, 1]
-    assert s.ranges.tolist() == [[0, 1, 0], [1, 2, 1], [0, 1, 0], [1, 2, 1]]
+    assert s.ranges.tolist() == [[0, 1, 0, 0], [1, 2, 1, 128], [0, 1, 0, 0], [1, 2, 1, 128]]
 
 
 def test_rows_without_keys_still_get_a_work_item() -> None:
@@ -206,9 +213,9 @@ def test_backward_schedule_covers_exactly_the_transposed_mask(
     assert (s.tile_m, s.tile_n) == (tile_n, tile_m)  # work items are k tiles, runs are q blocks
     assert torch.equal(decode(s, free_past_end=True, whole_rows=True), mask.to_dense().T)
     check_items(s, num_heads_kv, num_ctas, qheads_per_kvhead)
-    # k tile n is keys [tile_bounds[n], tile_bounds[n + 1]): per document, or on the grid.
+    # k tile n is keys [key_bounds[n], key_bounds[n + 1]): per document, or on the grid.
     keys = document_tiles(mask, tile_m, tile_n)[1] if documents else np.arange(0, mask.seqlen_k, tile_n)
-    assert s.arrays()[-1].tolist() == [*keys.tolist(), mask.seqlen_k]
+    assert s.key_bounds().tolist() == [*keys.tolist(), mask.seqlen_k]
 
 
 @pytest.mark.parametrize("seqlen", [1, 80, 1000, 16384])
@@ -230,7 +237,7 @@ def test_lines_side_by_side_in_a_tile_fuse_into_full_blocks() -> None:
     bands = [AttnSlice((40 + 128 * j, min(40 + 128 * (j + 1), 552)), (40, min(40 + 128 * (j + 1), 552)), "full") for j in range(4)]
     s = build_schedule(Mask(bands, 552, 552).transpose(), 64, 64)
     w = int(np.flatnonzero(s.work_tile == 3)[0])
-    runs = s.ranges[s.work_ranges[w] : s.work_ranges[w + 1]].tolist()
+    runs = s.ranges[s.work_ranges[w] : s.work_ranges[w + 1], :3].tolist()
     assert runs == [[2, 3, 1], [3, 8, 0], [8, 9, 1]]
     assert s.work_lines[w + 1] - s.work_lines[w] == 1
     assert s.lines[s.work_lines[w]].tolist() == [192, 256, 168, 0, 551, 0]

@@ -107,15 +107,17 @@ def _comment(described: str, doc: str, used_when: str | None, variant: KernelVar
 Arg = Union[TensorArg, ScalarArg, StreamArg]
 
 
-def _schedule_and_launch(tile: str, runs: str, lines: str) -> tuple[Arg, ...]:
-    """The tail every kernel shares: its tile schedule (maskc/ir/schedule.py; `tile`, `runs` and
-    `lines` say what a work item, a run and a line are in this direction) and launch scalars."""
+def _schedule_and_launch(tile: str, runs: str, lines: str, keys: str) -> tuple[Arg, ...]:
+    """The tail every kernel shares: its tile schedule (maskc/ir/schedule.py; `tile`, `runs`,
+    `lines` and `keys` say what a work item, a run, a line and a key bound are in this
+    direction) and launch scalars."""
     return (
         TensorArg("work_tile", "int32", ("W",), param="mWorkTile", doc=f"{tile} of each work item"),
         TensorArg("work_ranges", "int32", ("W1",), param="mWorkRanges", doc="CSR offsets into mRanges"),
-        TensorArg("ranges", "int32", ("R", 3), param="mRanges", doc=runs),
+        TensorArg("ranges", "int32", ("R", 4), param="mRanges", doc=runs),
         TensorArg("work_lines", "int32", ("W1",), param="mWorkLines", doc="CSR offsets into mLines"),
         TensorArg("lines", "int32", ("L", 6), param="mLines", doc=lines),
+        TensorArg("key_bounds", "int32", ("NK1",), param="mKeyBounds", doc=keys, used_when="document_tiles"),
         ScalarArg("softmax_scale", "float32"),
         ScalarArg("softcap", "float32", doc="c of s = c * tanh(scale * qk / c)", used_when="has_softcap"),
         ScalarArg("num_ctas", "int32", doc="persistent grid size"),
@@ -133,8 +135,9 @@ FORWARD_ABI: tuple[Arg, ...] = (
               doc="written unless empty: the backward's lse_log2 rows below Tq"),
     TensorArg("row_max", "float32", ("Tq", "Hq"), param="mRowMax", doc="written", used_when="has_max_logits"),
     TensorArg("sink", "float32", ("S", "Hq"), param="mSink", used_when="has_sink"),
-    *_schedule_and_launch("q tile", "(n_begin, n_end, partial)", "(r0, r1, lo_a, lo_s, hi_a, hi_s)"),
-)
+    *_schedule_and_launch("q tile", "(n_begin, n_end, partial, first key)", "(r0, r1, lo_a, lo_s, hi_a, hi_s)",
+                          "k block n is keys [key_bounds[n], key_bounds[n + 1])"),
+)  # fmt: skip
 """`attn_fwd`'s arguments, in order (see maskc/ir/schedule.py for the schedule tensors). Where
 `lse_log2` has rows the forward also writes lse in the units the backward's kernels load it in
 (BACKWARD_ABI), head-major, QP / Hq rows a head, for a backward that then needs no lse."""
@@ -168,10 +171,9 @@ BACKWARD_ABI: tuple[Arg, ...] = (
     TensorArg("items", "int32", ("I", 5), param="mItems",
               doc="(work, K/V head, flags, query head, split slot) items, CTA by CTA (maskc.ir.items)"),
     TensorArg("cta_items", "int32", ("G1",), param="mCtaItems", doc="CSR offsets of each CTA's items"),
-    TensorArg("tile_bounds", "int32", ("NT1",), param="mTileBounds",
-              doc="k tile n is keys [tile_bounds[n], tile_bounds[n + 1])", used_when="document_tiles"),
-    *_schedule_and_launch("k tile", "(m_begin, m_end, partial) q blocks",
-                          "(r0, r1, lo_a, lo_s, hi_a, hi_s), rows keys, columns queries"),
+    *_schedule_and_launch("k tile", "(m_begin, m_end, partial, first query) q blocks",
+                          "(r0, r1, lo_a, lo_s, hi_a, hi_s), rows keys, columns queries",
+                          "k tile n is keys [key_bounds[n], key_bounds[n + 1])"),
 )  # fmt: skip
 """`attn_bwd`'s arguments: the backward schedule (`build_backward_schedule`: work items are k
 tiles, runs are q blocks, lines have keys as rows). `out` and `lse` are the forward's, `dlse`
@@ -184,7 +186,7 @@ rowsum(dO * O) - dlse in float32, 0 for padding. With `lse` empty (no rows), `ls
 holds the forward's rows below Tq already (its FORWARD_ABI output) and the preprocess writes
 only the padding. dK/dV are owned per (k tile, kv head) and
 summed over the kv head's query heads (with `document_tiles`, SM90: k tile n is keys
-[tile_bounds[n], tile_bounds[n + 1]), a document's last tile shorter than tile_n, and dK/dV are
+[key_bounds[n], key_bounds[n + 1]), a document's last tile shorter than tile_n, and dK/dV are
 added into `dk` / `dv`, which the caller zeroes: a short tile's box reaches into the next
 tile's rows, to which it adds zeros); dQ (times the softmax scale) is added to `dq_accum` in
 fp32 by TMA reductions (zeroed by the caller; Tq8 = Tq rounded up to a multiple of 8: the

@@ -182,10 +182,11 @@ class KernelFamily:
     split_backward: bool = False
     #: Persistent CTAs per SM.
     ctas_per_sm: int = 1
-    #: The backward takes k tiles at any key (`maskc.ir.schedule.document_tiles`: each
-    #: document's keys in tiles of their own; its schedule's `tile_bounds`) and adds dK and dV
-    #: into buffers the caller zeroes (a document's last tile reaches into the next one's rows,
-    #: to which it adds zeros); else k tiles on the grid, dK and dV written.
+    #: The forward takes k blocks and the backward k tiles at any key
+    #: (`maskc.ir.schedule.document_tiles`: each document's keys in blocks of their own; the
+    #: schedules' `key_bounds`), and the backward adds dK and dV into buffers the caller zeroes
+    #: (a document's last tile reaches into the next one's rows, to which it adds zeros); else
+    #: both on the grid, dK and dV written.
     document_tiles: bool = False
     dtypes: tuple[str, ...] = DTYPE_NAMES
 

@@ -183,8 +183,8 @@ class KernelVariant:
 
     @property
     def document_tiles(self) -> bool:
-        """A backward whose k tiles may start at any key (KernelFamily.document_tiles)."""
-        return self.direction == "bwd" and self.family.document_tiles
+        """Its k blocks (forward) or k tiles (backward) may start at any key (KernelFamily.document_tiles)."""
+        return self.family.document_tiles
 
     @property
     def qheads_per_kvhead(self) -> int:

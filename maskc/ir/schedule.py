@@ -4,9 +4,13 @@ The kernels read a schedule as flat int32 arrays (the forward ABI):
 
 - `work_tile [W]`: the q tile of each work item, heaviest first (a persistent grid takes
   items in order, so the longest ones start first);
-- `work_ranges [W+1]` / `ranges [R, 3]`: per item, runs `(n_begin, n_end, partial)` of k
-  blocks; a full run (partial=0) has every element allowed and in range, so the kernel skips
-  all masking there; runs of one item never overlap;
+- `work_ranges [W+1]` / `ranges [R, 4]`: per item, runs `(n_begin, n_end, partial, key)` of
+  k blocks, `key` the first column of block n_begin; a full run (partial=0) has every element
+  allowed and in range, so the kernel skips all masking there; a partial run is 1, or 2 where
+  it holds a block off the grid (blocks per document: the kernel masks it from its own first
+  column) or shorter than the tile before the last column (its box past its end cleared).
+  Outside runs marked 2 a run's blocks follow each other at tile_n columns. Runs of one item
+  never overlap;
 - `work_lines [W+1]` / `lines [L, 6]`: per item, the row lines `(r0, r1, lo_a, lo_s, hi_a,
   hi_s)` of the merged, disjoint slices (`merge_ranges`) crossing its rows: element (r, c)
   of a partial block is allowed iff some line has r0 <= r < r1 and lo_a + lo_s*r <= c <= hi_a + hi_s*r.
@@ -65,9 +69,13 @@ class Schedule:
         total = int(lengths.sum())
         return float(lengths[self.ranges[:, 2] != 0].sum()) / total if total else 0.0
 
+    def key_bounds(self) -> np.ndarray:
+        """The kernels' `key_bounds`: k block n is keys [key_bounds[n], key_bounds[n + 1])."""
+        return np.append(self.col_starts, self.seqlen_k).astype(np.int32)
+
     def arrays(self) -> tuple[np.ndarray, ...]:
         """The kernel arguments, in ABI order."""
-        return (self.work_tile, self.work_ranges, self.ranges, self.work_lines, self.lines)
+        return (self.work_tile, self.work_ranges, self.ranges, self.work_lines, self.lines, self.key_bounds())
 
 
 def _as32(x: np.ndarray) -> np.ndarray:
@@ -276,11 +284,14 @@ def build_schedule(
         p_tile, p_begin, p_end = np.r_[p_tile, short[0]], np.r_[p_begin, short[1]], np.r_[p_end, short[2]]
     keep = p_end > p_begin
     part = _merge_runs(p_tile[keep], p_begin[keep], p_end[keep])
+    # A partial run holding a block off the grid, or short before the last column, is marked 2.
+    off_grid = np.r_[0, np.cumsum((cs % tile_n != 0) | ((col_ends - cs < tile_n) & (col_ends != sk)))]
+    part_flag = 1 + (off_grid[part[2]] > off_grid[part[1]]).astype(np.int64)
 
     run_tile = np.r_[part[0], full[0]]
     run_begin = np.r_[part[1], full[1]]
     run_end = np.r_[part[2], full[2]]
-    run_partial = np.r_[np.ones(part[0].size, np.int64), np.zeros(full[0].size, np.int64)]
+    run_partial = np.r_[part_flag, np.zeros(full[0].size, np.int64)]
 
     # Heaviest tiles first; ties keep tile order.
     if heaviest_first:
@@ -292,7 +303,7 @@ def build_schedule(
     rank[work_tile] = np.arange(num_tiles)
 
     order = np.lexsort((run_begin, rank[run_tile]))
-    ranges = np.stack([run_begin[order], run_end[order], run_partial[order]], axis=1)
+    ranges = np.stack([run_begin[order], run_end[order], run_partial[order], cs[run_begin[order]]], axis=1)
     work_ranges = np.r_[0, np.cumsum(np.bincount(rank[run_tile], minlength=num_tiles))]
 
     line_order = np.lexsort((lo_first, rank[pair_tile]))
@@ -306,7 +317,7 @@ def build_schedule(
         seqlen_k=sk,
         work_tile=_as32(work_tile),
         work_ranges=_as32(work_ranges),
-        ranges=_as32(ranges.reshape(-1, 3)),
+        ranges=_as32(ranges.reshape(-1, 4)),
         work_lines=_as32(work_lines),
         lines=_as32(line_table.reshape(-1, 6)),
         row_starts=_as32(rs),
@@ -314,13 +325,20 @@ def build_schedule(
     )
 
 
+def build_forward_schedule(mask: Mask, tile_m: int, tile_n: int, documents: bool = False) -> Schedule:
+    """The schedule of a forward kernel (heaviest first); with `documents` each document's keys
+    in k blocks of their own (`document_tiles`; q tiles on the grid)."""
+    if not documents:
+        return build_schedule(mask, tile_m, tile_n)
+    return build_schedule(mask, tile_m, tile_n, col_starts=document_tiles(mask, tile_m, tile_n)[1])
+
+
 @dataclass(frozen=True, eq=False)
 class BackwardSchedule(Schedule):
     """A transposed schedule (work items are k tiles, runs are q blocks) plus the persistent
     CTAs' item lists (`maskc.ir.items`): `items [I, 5]` (work, K/V head, walk flags, query
     head, split slot) CTA by CTA and `cta_items [G+1]`, their CSR offsets; the launch uses G
-    CTAs and `num_slots` fp32 dK / dV slots for the split items. The kernels read its k tiles'
-    keys as bounds: k tile n is keys [tile_bounds[n], tile_bounds[n + 1])."""
+    CTAs and `num_slots` fp32 dK / dV slots for the split items."""
 
     items: np.ndarray
     cta_items: np.ndarray
@@ -329,9 +347,12 @@ class BackwardSchedule(Schedule):
     def num_slots(self) -> int:
         return slots_used(self.items)
 
+    def key_bounds(self) -> np.ndarray:
+        """k tile n is keys [key_bounds[n], key_bounds[n + 1]) (the transposed schedule's rows)."""
+        return np.append(self.row_starts, self.seqlen_q).astype(np.int32)
+
     def arrays(self) -> tuple[np.ndarray, ...]:
-        tile_bounds = np.append(self.row_starts, self.seqlen_q).astype(np.int32)
-        return (*super().arrays(), self.items, self.cta_items, tile_bounds)
+        return (*super().arrays(), self.items, self.cta_items)
 
 
 def _last_blocks(s: Schedule) -> np.ndarray:
