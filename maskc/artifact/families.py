@@ -282,7 +282,8 @@ SM90 = KernelFamily(
         # q tiles of 64 rows per consumer warpgroup (two or three), O in registers.
         choices=TileChoices(tile_m=(128, 192), tile_n=tuple(range(64, 193, 16)), num_stages=tuple(range(1, 9)),
                             fits=_sm90_forward_fits),  # fmt: skip
-        summary="TMA, wgmma, warp-specialised: a producer warpgroup and two or three consumer warpgroups",
+        summary=("TMA, wgmma, warp-specialised: a producer warpgroup and two or three consumer warpgroups; k blocks "
+                 "start at each document"),
     ),
     backward=Kernel(
         # q blocks of 64 queries against k tiles of 128 keys (up to d=128: two consumer
