@@ -465,6 +465,21 @@ def test_deterministic_selects_the_ordered_backward_kernel_and_schedule(cuda_on_
         assert len(launch.rows) == arrays
 
 
+def test_sm90_kernels_take_blocks_and_tiles_per_document(cuda_on_cpu: Any) -> None:
+    """The SM90 forward's k blocks and backward's k tiles start at each document: their
+    schedules' key bounds are `document_tiles`', not the grid's."""
+    _, kernels, _ = cuda_on_cpu
+    mask = Mask.from_cu_seqlens([0, 300, 1000, 1500], causal=True)
+    q, k, v = _inputs(mask)
+    out, meta = maskc.attention(q, k, v, mask)
+    _loss(out, meta.lse).backward()
+    (_, forward), (_, backward) = kernels.launches[-2:]
+    for launch in (forward, backward):
+        keys = plan.schedule_views(launch.schedule, launch.rows)["key_bounds"].tolist()
+        starts = schedules.document_tiles(mask, launch.kernel.tile_m, launch.kernel.tile_n)[1]
+        assert keys == [*starts.tolist(), 1500] and 300 in keys and 1000 in keys
+
+
 def test_plan_errors_reach_the_caller(cuda_on_cpu: Any) -> None:
     q = torch.zeros(MASK.seqlen_q, 6, D, dtype=torch.bfloat16)
     with pytest.raises(maskc.MaskcError, match="pack_gqa needs Hq / Hkv a power of two"):
