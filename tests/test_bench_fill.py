@@ -42,9 +42,9 @@ def test_tiles_per_document_keep_more_of_the_packed_documents(capsys: pytest.Cap
         fill.main()
         rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
         shares[bool(flags)] = {row[1]: [float(x) for cell in row[2:] for x in cell.strip(" |").split(" / ")] for row in rows}
-    grid, per_document = shares[False], shares[True]
-    # The packed documents' tiles start at each document: nothing of a neighbour in them.
+    kernels, per_document = shares[False], shares[True]
+    # The packed documents' q tiles start at each document too: nothing of a neighbour in them.
     for mask in ("varlen_full", "varlen_causal", "varlen_block_causal"):
-        assert all(p > g for p, g in zip(per_document[mask], grid[mask])), mask
-    # One document (full, the window): the same grid.
-    assert per_document["full"] == grid["full"] and per_document["sliding_window_causal"] == grid["sliding_window_causal"]
+        assert all(p > k for p, k in zip(per_document[mask], kernels[mask])), mask
+    # One document (full, the window): the same tiles.
+    assert per_document["full"] == kernels["full"] and per_document["sliding_window_causal"] == kernels["sliding_window_causal"]
