@@ -155,9 +155,9 @@ What holds these back, as measured so far:
   (`docs/design/document-tiles.md`).
 - The backward at d=256 on varlen full at 16k: 64-key tiles with the head dims split between
   the warpgroups, P^T and dS^T through shared memory, dO in one stage and dQ staged in halves
-  to fit; Nsight Compute puts its 7% more cycles than FA4's on the fixed grid's partial tiles
-  (2% more tensor work), L2 (84% hits against 98%) and 1.5% between the busiest SM and the
-  mean. At d=192 and 192/128 the backward has FA4's formulation (96-key tiles, S with the
+  to fit; Nsight Compute (before its k tiles started at each document) put its 7% more cycles
+  than FA4's on the fixed grid's partial tiles (2% more tensor work), L2 (84% hits against
+  98%) and 1.5% between the busiest SM and the mean. At d=192 and 192/128 the backward has FA4's formulation (96-key tiles, S with the
   queries on the wgmma M axis); there causal and the varlen masks still trail FA4 by 4-18%:
   the (long, short) item pairs read twice FA4's DRAM bytes on causal (above), each block waits
   at two barriers of both warpgroups around its one dS^T buffer (a second buffer, or a second
