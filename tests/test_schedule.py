@@ -17,6 +17,7 @@ from maskc.ir.schedule import (
     backward_has_partial_blocks,
     build_backward_schedule,
     build_deterministic_backward_schedule,
+    build_forward_schedule,
     build_schedule,
     document_starts,
     document_tiles,
@@ -301,6 +302,19 @@ def _same(a: Schedule, b: Schedule) -> bool:
 
 def _kept(mask: Mask) -> list[tuple]:
     return [key for key in mask.memo if key[0] == "kept schedule"]
+
+
+@pytest.mark.parametrize("mask", [Mask.from_cu_seqlens([0, 900, 1000, 5000], causal=True), Mask.from_cu_seqlens([0, 4096])])
+def test_the_forward_per_document_takes_or_drops_the_strategys_schedule(mask: Mask) -> None:
+    """The forward's k blocks per document: a mask of one document keeps the grid (the schedule
+    the GQA strategy kept), one of several builds its own; neither leaves a schedule behind."""
+    m = Mask.from_arrays(mask.q_ranges, mask.k_ranges, mask.types, *mask.shape)
+    tile_m = 16 if select_pack_gqa(m, 64, 8, 128, 128, keep=True) else 128
+    assert len(_kept(m)) == 1
+    s = build_forward_schedule(m, tile_m, 128, documents=True)
+    assert not _kept(m) and torch.equal(decode(s), mask.to_dense())
+    one_document = len(document_starts(mask)[1]) == 1
+    assert _same(s, build_schedule(mask, tile_m, 128)) == one_document
 
 
 @pytest.mark.parametrize("heads", [(64, 8), (8, 8), (16, 8)])

@@ -327,10 +327,15 @@ def build_schedule(
 
 def build_forward_schedule(mask: Mask, tile_m: int, tile_n: int, documents: bool = False) -> Schedule:
     """The schedule of a forward kernel (heaviest first); with `documents` each document's keys
-    in k blocks of their own (`document_tiles`; q tiles on the grid)."""
-    if not documents:
+    in k blocks of their own (`document_starts`; q tiles on the grid). A mask of one document
+    keeps the grid, and so takes the schedule the forward strategy kept; one of several
+    documents drops that grid schedule instead of leaving it in the memo."""
+    sk = mask.shape[1]
+    cols = tile_starts(document_starts(mask)[1], sk, tile_n) if documents else None
+    if cols is None or np.array_equal(cols, grid_starts(sk, tile_n)):
         return build_schedule(mask, tile_m, tile_n)
-    return build_schedule(mask, tile_m, tile_n, col_starts=document_tiles(mask, tile_m, tile_n)[1])
+    _kept(mask, "forward", tile_m, tile_n, True, False)
+    return build_schedule(mask, tile_m, tile_n, col_starts=cols)
 
 
 @dataclass(frozen=True, eq=False)
