@@ -5,9 +5,9 @@ A kernel computes whole tiles, so its TFLOP/s on a mask, counted on the kept ele
 most that share of its speed on full tiles: where the share is near 92%, reaching 92% of the
 full mask's TFLOP/s asks partial blocks to cost no more than full ones.
 
-The kernels' k blocks (forward) and k tiles (backward) start at each document
-(`maskc.ir.schedule.document_tiles`), their q tiles and q blocks on the fixed grid; with
-`--per-document` those start at each document too, which the kernels do not do yet.
+The kernels' k blocks (forward), k tiles and q blocks (backward) start at each document
+(`maskc.ir.schedule.document_tiles`), the forward's q tiles on the fixed grid; with
+`--per-document` those start at each document too, which the forward does not do yet.
 
 Runs anywhere, in seconds: `python bench/fill.py [--seqlens 16384,65536] [--per-document]`. It
 prints a table and writes no rows: the shares follow from the schedules, nothing is timed.
@@ -46,12 +46,13 @@ def target(head_dim: HeadDim) -> plan.Target:
 
 def schedule(mask: Mask, target: plan.Target, request: dict, per_document: bool = False) -> Schedule:
     """The schedule of the kernel the runtime picks for `request` (`plan.forward_requests` or
-    `plan.backward_requests`), with its launch shape (tokens a tile under PackGQA) and its keys'
-    tiles per document; with `per_document`, its queries' tiles per document too."""
+    `plan.backward_requests`), with its launch shape (tokens a tile under PackGQA) and its tiles
+    per document (the backward's keys and queries, the forward's keys); with `per_document`,
+    the forward's queries' tiles per document too."""
     shape = plan.launch_shape_of(target, request)
     if request["direction"] == "bwd":
         return transposed_schedule(mask, shape.tile_m, shape.tile_n, key_documents=shape.document_tiles,
-                                   query_documents=per_document)  # fmt: skip
+                                   query_documents=shape.document_tiles)  # fmt: skip
     rows, cols = document_tiles(mask, shape.tile_m, shape.tile_n)
     return build_schedule(mask, shape.tile_m, shape.tile_n, row_starts=rows if per_document else None,
                           col_starts=cols if shape.document_tiles else None)  # fmt: skip
@@ -60,7 +61,7 @@ def schedule(mask: Mask, target: plan.Target, request: dict, per_document: bool 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqlens", default="16384,65536", help="comma-separated sequence lengths")
-    parser.add_argument("--per-document", action="store_true", help="q tiles and q blocks that start at each document too")
+    parser.add_argument("--per-document", action="store_true", help="the forward's q tiles that start at each document too")
     args = parser.parse_args()
     targets = {d: target(d) for d in HEAD_DIMS}
     print("| seqlen | mask | " + " | ".join(f"d={d} fwd / bwd" for d in targets) + " |")

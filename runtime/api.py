@@ -191,5 +191,5 @@ def attention_backward(
     if dq_accum is not None and (dq_accum.shape != q.shape or dq_accum.dtype != torch.float32 or not dq_accum.is_contiguous()):
         raise MaskcError(f"dq_accum must be a contiguous float32 tensor of shape {tuple(q.shape)}")
     target = ops.call_target(q, k, v, softcap > 0, sink is not None, False, Options(None, False, None), sm_margin)
-    launch = plan_backward(mask, target, q.device)
+    launch = plan_backward(mask, target, q.device, grid_queries=dq_accum is not None)
     return ops.backward_cuda(q, k, v, out, lse, sink, dout.contiguous(), dlse, launch, scale, float(softcap), dq_accum)

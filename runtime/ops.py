@@ -130,17 +130,21 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
                   dq_accum: torch.Tensor | None = None, lse_log2: torch.Tensor | None = None):  # fmt: skip
     """dq, dk, dv, dsink from the backward kernels for q [T, H, D]; dsink from its closed form
     (the sinks join the softmax with no value: d sink = -sum over rows of P_sink * (rowsum(dO * O)
-    - dlse)). With `dq_accum` (float32, like q) the kernel adds dQ into it and dq is that
-    buffer, uncast. `lse_log2`: the forward's (`forward_cuda`), used instead of lse (None where
-    there is none); lse is then needed only with sinks."""
+    - dlse)). With `dq_accum` (float32, like q; the launch planned with `grid_queries`) the
+    kernel adds dQ into it and dq is that buffer, uncast. `lse_log2`: the forward's
+    (`forward_cuda`), used instead of lse (None where there is none); lse is then needed only
+    with sinks."""
     entry = launch.kernel
     tq, hq, d = q.shape
     padded = -(-tq // entry.tile_m) * entry.tile_m
     if lse_log2 is not None and lse_log2.numel() != hq * padded:
         raise ValueError(f"lse_log2 has {lse_log2.numel()} rows where this backward takes {hq * padded}")
     accumulate = dq_accum is not None
-    # The kernel adds whole 8-row groups of dQ (the ABI's Tq8): pad the buffer when Tq is not a multiple.
+    # The kernel adds whole 8-row groups of dQ (the ABI's Tq8): pad the buffer when Tq is not a
+    # multiple; where its q blocks start at each document, 8 rows more (DQ_VIEW_ROWS).
     rows8 = -(-tq // 8) * 8
+    if not accumulate and entry.shape.document_tiles and not entry.deterministic:
+        rows8 += DQ_VIEW_ROWS
     dq_rows = dq_accum if accumulate and rows8 == tq else torch.zeros(rows8, hq, d, dtype=torch.float32, device=q.device)
     if accumulate and dq_rows is not dq_accum:
         dq_rows[:tq] = dq_accum
@@ -220,6 +224,13 @@ IN_PLACE_CAST_BYTES = 64 * 2**20
 #: bytes a query row and head, no more than the 4 of delta, which is freed before the cast, up
 #: to head dim 256 (so the cast never raises the peak above the kernels').
 IN_PLACE_HEAD = 128
+
+
+#: The rows past Tq8 of a dQ buffer whose kernel starts its q blocks at each document (SM90,
+#: not deterministic): it adds a block's dQ through the TMA view of the block's first row
+#: mod 8, and the view from row o holds only the whole 8-row groups from o, which reach Tq8
+#: with 8 rows more.
+DQ_VIEW_ROWS = 8
 
 
 def cast_in_place(accum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -44,9 +44,10 @@ TORCH_DTYPES = {getattr(torch, d.torch): d.name for d in DTYPES}
 
 _ARGS = {a.name: a for a in BACKWARD_ABI if isinstance(a, TensorArg)}
 SCHEDULE_ARGS = tuple(_ARGS[name] for name in ("work_tile", "work_ranges", "ranges", "work_lines", "lines",
-                                               "key_bounds", "items", "cta_items", "work_blocks", "block_rank"))  # fmt: skip
+                                               "key_bounds", "query_bounds", "items", "cta_items", "work_blocks",
+                                               "block_rank"))  # fmt: skip
 """A schedule's tensors in `Schedule.arrays()` order (the forward's has the first six, the
-backward's eight, the deterministic backward's all ten); every dim but the first has a fixed
+backward's nine, the deterministic backward's all eleven); every dim but the first has a fixed
 extent."""
 
 @lru_cache(maxsize=None)
@@ -179,10 +180,11 @@ def launch_shape_of(target: Target, request: dict[str, Any]) -> registry.LaunchS
     return registry.launch_shape({**request, "tile_m": tiles.tile_m, "tile_n": tiles.tile_n})
 
 
-def backward_requests(mask: Mask, target: Target) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def backward_requests(mask: Mask, target: Target, grid_queries: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The backward kernel's request: without line masks where the mask's backward schedule has
     no partial block (a full mask at any length: the masked kernel spills registers in its block
-    loop), then with the masked kernel as the one that serves the call too; else masked."""
+    loop), then with the masked kernel as the one that serves the call too; else masked.
+    `grid_queries`: the schedule's q blocks on the grid (`backward_schedule`)."""
     request = {**target.fields, "direction": "bwd", "has_sink": False, "has_max_logits": False, "pack_gqa": False,
                "deterministic": target.deterministic}  # fmt: skip
     if not target.family.has("bwd", "unmasked"):
@@ -190,15 +192,16 @@ def backward_requests(mask: Mask, target: Target) -> tuple[dict[str, Any], dict[
     tiles = target.tiles("bwd")
     # The transposed schedule it looks at is kept for the backward schedule (built from it).
     documents = target.family.document_tiles
-    partial = memoized(mask, ("partial", tiles.tile_m, tiles.tile_n, documents),
+    partial = memoized(mask, ("partial", tiles.tile_m, tiles.tile_n, documents, grid_queries),
                     lambda: backward_has_partial_blocks(mask, tiles.tile_m, tiles.tile_n, keep=True, documents=documents,
-                                                        heaviest_first=not target.deterministic))  # fmt: skip
+                                                        heaviest_first=not target.deterministic,
+                                                        grid_queries=grid_queries))  # fmt: skip
     return (request, None) if partial else ({**request, "unmasked": True}, request)
 
 
-def backward_kernel(mask: Mask, target: Target) -> registry.Entry:
+def backward_kernel(mask: Mask, target: Target, grid_queries: bool = False) -> registry.Entry:
     """The backward kernel of a call (`backward_requests`): registered, or from the kernel source."""
-    return registry.find_kernel(*backward_requests(mask, target))
+    return registry.find_kernel(*backward_requests(mask, target, grid_queries))
 
 
 class HostSchedule(NamedTuple):
@@ -231,15 +234,17 @@ def forward_schedule(mask: Mask, shape: registry.LaunchShape, num_sms: int) -> H
     return _host_schedule(mask, build_forward_schedule, num_ctas, shape.tile_m, shape.tile_n, shape.document_tiles)
 
 
-def backward_schedule(mask: Mask, shape: registry.LaunchShape, num_sms: int) -> HostSchedule:
+def backward_schedule(mask: Mask, shape: registry.LaunchShape, num_sms: int, grid_queries: bool = False) -> HostSchedule:
     """The backward schedule deals its (k tile, K/V head) items, or their pieces, to the CTAs
-    itself; k tiles per document where the kernel takes them."""
+    itself; k tiles, and q blocks unless `grid_queries`, per document where the kernel takes
+    them (the deterministic kernel's q blocks on the grid)."""
     tiles = -(-mask.shape[1] // shape.tile_n)
     num_ctas = min(num_sms * shape.ctas_per_sm, max(1, tiles * shape.items_per_tile * shape.pieces))
     params = (shape.tile_m, shape.tile_n, shape.items_per_tile, num_ctas)
     if shape.deterministic:
         return _host_schedule(mask, build_deterministic_backward_schedule, num_ctas, *params, shape.document_tiles)
-    return _host_schedule(mask, build_backward_schedule, num_ctas, *params, shape.pieces, shape.document_tiles)
+    return _host_schedule(mask, build_backward_schedule, num_ctas, *params, shape.pieces, shape.document_tiles,
+                          grid_queries)  # fmt: skip
 
 
 def schedule_views(flat: torch.Tensor, rows: Sequence[int]) -> dict[str, torch.Tensor]:
@@ -287,17 +292,19 @@ def plan_forward(mask: Mask, target: Target, device: torch.device) -> Launch:
     return _launch_of(mask, "forward", target, device, compute)
 
 
-def plan_backward(mask: Mask, target: Target, device: torch.device) -> Launch:
-    """The backward launch of a call."""
+def plan_backward(mask: Mask, target: Target, device: torch.device, grid_queries: bool = False) -> Launch:
+    """The backward launch of a call; `grid_queries` for a dQ buffer the caller owns (its rows
+    are Tq: `backward_schedule`, `ops.backward_cuda`)."""
 
     def compute() -> Launch:
-        kernel = backward_kernel(mask, target)
-        return _launch(mask, kernel, backward_schedule(mask, kernel.shape, target.num_sms), device)
+        kernel = backward_kernel(mask, target, grid_queries)
+        return _launch(mask, kernel, backward_schedule(mask, kernel.shape, target.num_sms, grid_queries), device)
 
-    return _launch_of(mask, "backward", target, device, compute)
+    return _launch_of(mask, ("backward", grid_queries), target, device, compute)
 
 
-def _launch_of(mask: Mask, direction: str, target: Target, device: torch.device, compute: Callable[[], Launch]) -> Launch:
+def _launch_of(mask: Mask, direction: str | tuple, target: Target, device: torch.device,
+               compute: Callable[[], Launch]) -> Launch:  # fmt: skip
     """A call's launch, found in one lookup from the second call with the mask on (every layer,
     every step with the same mask). The key counts the loaded kernels, so registering artifacts
     later plans anew; it holds a Target, so a prepared plan never carries it."""

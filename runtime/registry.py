@@ -47,7 +47,8 @@ class LaunchShape(NamedTuple):
     pieces: int = 1
     ctas_per_sm: int = 1
     document_tiles: bool = False
-    """Its k blocks (forward) or k tiles (backward) start at each document (`KernelFamily.document_tiles`)."""
+    """Its k blocks (forward) or k tiles and q blocks (backward) start at each document
+    (`KernelFamily.document_tiles`)."""
 
 
 def launch_shape(fields: Mapping[str, Any]) -> LaunchShape:

@@ -452,11 +452,12 @@ def _out_lse_of(attention: Any, q, k, v, mask):
 
 
 def test_deterministic_selects_the_ordered_backward_kernel_and_schedule(cuda_on_cpu: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """deterministic=True plans the deterministic backward variant with the ranked schedule (ten
-    arrays); the default plans the plain one (eight: the forward's six and the item lists)."""
+    """deterministic=True plans the deterministic backward variant with the ranked schedule
+    (eleven arrays); the default plans the plain one (nine: the forward's six, the q blocks'
+    bounds and the item lists)."""
     entries, kernels, _ = cuda_on_cpu
     ordered = _register(monkeypatch, "bwd", False, deterministic=True)
-    for deterministic, entry, arrays in ((False, entries["bwd", False], 8), (True, ordered, 10)):
+    for deterministic, entry, arrays in ((False, entries["bwd", False], 9), (True, ordered, 11)):
         q, k, v = _inputs(MASK)
         out, meta = maskc.attention(q, k, v, MASK, deterministic=deterministic)
         _loss(out, meta.lse).backward()
@@ -466,8 +467,9 @@ def test_deterministic_selects_the_ordered_backward_kernel_and_schedule(cuda_on_
 
 
 def test_sm90_kernels_take_blocks_and_tiles_per_document(cuda_on_cpu: Any) -> None:
-    """The SM90 forward's k blocks and backward's k tiles start at each document: their
-    schedules' key bounds are `document_tiles`', not the grid's."""
+    """The SM90 forward's k blocks and backward's k tiles start at each document, and so do the
+    backward's q blocks: their schedules' key and query bounds are `document_tiles`', not the
+    grid's."""
     _, kernels, _ = cuda_on_cpu
     mask = Mask.from_cu_seqlens([0, 300, 1000, 1500], causal=True)
     q, k, v = _inputs(mask)
@@ -478,6 +480,24 @@ def test_sm90_kernels_take_blocks_and_tiles_per_document(cuda_on_cpu: Any) -> No
         keys = plan.schedule_views(launch.schedule, launch.rows)["key_bounds"].tolist()
         starts = schedules.document_tiles(mask, launch.kernel.tile_m, launch.kernel.tile_n)[1]
         assert keys == [*starts.tolist(), 1500] and 300 in keys and 1000 in keys
+    queries = plan.schedule_views(backward.schedule, backward.rows)["query_bounds"].tolist()
+    starts = schedules.document_tiles(mask, backward.kernel.tile_m, backward.kernel.tile_n)[0]
+    assert queries == [*starts.tolist(), 1500] and 300 in queries and 1000 in queries
+
+
+def test_a_callers_dq_buffer_keeps_the_backwards_q_blocks_on_the_grid(cuda_on_cpu: Any) -> None:
+    """attention_backward's dq_accum has Tq rows, too few for the views of q blocks that start
+    at each document: its plan keeps them on the grid (k tiles still per document), apart from
+    the plan of the calls that own their dQ."""
+    mask = Mask.from_cu_seqlens([0, 300, 1000, 1500], causal=True)
+    target = _target()
+    own, grid = (plan.plan_backward(mask, target, torch.device("cpu"), grid_queries=g) for g in (False, True))
+    tile_m, tile_n = grid.kernel.tile_m, grid.kernel.tile_n
+    views = [plan.schedule_views(launch.schedule, launch.rows) for launch in (own, grid)]
+    starts = schedules.document_tiles(mask, tile_m, tile_n)
+    assert views[0]["query_bounds"].tolist() == [*starts[0].tolist(), 1500]
+    assert views[1]["query_bounds"].tolist() == [*range(0, 1500, tile_m), 1500]
+    assert views[0]["key_bounds"].tolist() == views[1]["key_bounds"].tolist() == [*starts[1].tolist(), 1500]
 
 
 def test_plan_errors_reach_the_caller(cuda_on_cpu: Any) -> None:

@@ -28,12 +28,13 @@ from maskc.ir.strategy import select_pack_gqa
 from test_ir import masks
 
 
-def decode(s: Schedule, free_past_end: bool = False, whole_rows: bool = False) -> torch.Tensor:
+def decode(s: Schedule, free_past_end: bool = False, whole_rows: bool = False, boxes: bool = False) -> torch.Tensor:
     """Dense mask the kernel would compute from the schedule, checking its invariants. A kernel
     computes a block's whole box (tile_m x tile_n from the tile's and the block's starts): a full
     block unmasked, so its box must hold no other block's columns and lie in range (past the
     last column only with `free_past_end`), and with `whole_rows` no other tile's rows; a partial
-    block masked by the lines and cleared past its own columns. Each element at most once."""
+    block masked by the lines and cleared past its own columns; with `boxes` (the backward
+    kernels) by the lines alone, over its whole box. Each element at most once."""
     sq, sk = s.seqlen_q, s.seqlen_k
     rs, cs = s.row_starts.tolist(), s.col_starts.tolist()
     row_end, col_end = rs[1:] + [sq], cs[1:] + [sk]
@@ -63,6 +64,8 @@ def decode(s: Schedule, free_past_end: bool = False, whole_rows: bool = False) -
                     assert not whole_rows or r1 - r0 == s.tile_m or r1 == sq, "a full block's rows are its tile's own"
                     count[r0:r1, c0:c1] += 1
                     continue
+                if boxes:  # the box, unclipped
+                    c1 = min(c0 + s.tile_n, sk)
                 block = torch.zeros(r1 - r0, c1 - c0, dtype=torch.bool)
                 for lr0, lr1, lo_a, lo_s, hi_a, hi_s in lines.tolist():
                     r = rows_idx[r0:r1]
@@ -120,6 +123,19 @@ def test_tiles_start_at_each_document() -> None:
     # Only each document's own blocks: no tile holds two documents' tokens.
     assert s.blocks_per_item().sum() == 2 * 1 + 5 * 3 + 1 * 1
     assert build_schedule(docs, 64, 128).blocks_per_item().sum() > s.blocks_per_item().sum()
+
+
+def test_the_backward_q_blocks_start_at_each_document() -> None:
+    """The backward's q blocks start at each document, and its kernel masks a partial block over
+    its whole box by the lines alone: a document's last block reaches into the next document's
+    queries, which no line of its k tiles holds."""
+    docs = Mask.from_cu_seqlens([0, 100, 400, 450], causal=True)
+    s = build_backward_schedule(docs, 64, 128, 1, 4, documents=True)
+    assert s.query_bounds().tolist() == [0, 64, 100, 164, 228, 292, 356, 400, 450]
+    assert torch.equal(decode(s, free_past_end=True, whole_rows=True, boxes=True), docs.to_dense().T)
+    # Over the grid's q blocks (straddling 100 and 400) the k tiles visit fewer blocks.
+    grid = build_backward_schedule(docs, 64, 128, 1, 4)
+    assert s.blocks_per_item().sum() < grid.blocks_per_item().sum()
 
 
 def test_documents_split_where_every_slice_lies_before_or_after() -> None:
@@ -212,11 +228,14 @@ def test_backward_schedule_covers_exactly_the_transposed_mask(
 ) -> None:
     s = build_backward_schedule(mask, tile_m, tile_n, num_heads_kv, num_ctas, qheads_per_kvhead, documents)
     assert (s.tile_m, s.tile_n) == (tile_n, tile_m)  # work items are k tiles, runs are q blocks
-    assert torch.equal(decode(s, free_past_end=True, whole_rows=True), mask.to_dense().T)
+    assert torch.equal(decode(s, free_past_end=True, whole_rows=True, boxes=True), mask.to_dense().T)
     check_items(s, num_heads_kv, num_ctas, qheads_per_kvhead)
-    # k tile n is keys [key_bounds[n], key_bounds[n + 1]): per document, or on the grid.
-    keys = document_tiles(mask, tile_m, tile_n)[1] if documents else np.arange(0, mask.seqlen_k, tile_n)
+    # k tile n is keys [key_bounds[n], key_bounds[n + 1]), q block m queries [query_bounds[m],
+    # query_bounds[m + 1]): per document, or on the grid.
+    queries, keys = document_tiles(mask, tile_m, tile_n) if documents else (
+        np.arange(0, mask.seqlen_q, tile_m), np.arange(0, mask.seqlen_k, tile_n))
     assert s.key_bounds().tolist() == [*keys.tolist(), mask.seqlen_k]
+    assert s.query_bounds().tolist() == [*queries.tolist(), mask.seqlen_q]
 
 
 @pytest.mark.parametrize("seqlen", [1, 80, 1000, 16384])
@@ -266,8 +285,9 @@ def test_backward_schedule_of_causal_skips_blocks_above_the_diagonal() -> None:
 def test_deterministic_backward_schedule_orders_dq_additions(mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int,
                                                              documents: bool) -> None:  # fmt: skip
     s = build_deterministic_backward_schedule(mask, tile_m, tile_n, num_heads_kv, 4, documents)
-    # The same blocks as the plain schedule.
-    assert torch.equal(decode(s, free_past_end=True, whole_rows=True), mask.to_dense().T)
+    # The same blocks as the plain schedule, its q blocks on the grid (one semaphore each).
+    assert torch.equal(decode(s, free_past_end=True, whole_rows=True, boxes=True), mask.to_dense().T)
+    assert s.query_bounds().tolist() == [*range(0, mask.seqlen_q, tile_m), mask.seqlen_q]
     check_items(s, num_heads_kv, 4)
     assert s.work_tile.tolist() == sorted(s.work_tile.tolist())  # k tile order: waits go to earlier items
     # A CTA only waits for lower items: for each K/V head the k tiles come in ascending order,
@@ -292,7 +312,7 @@ def test_deterministic_backward_schedule_orders_dq_additions(mask: Mask, tile_m:
     assert s.work_blocks[-1] == len(pairs) == len(s.block_rank)
     for (tile, m), rank in zip(pairs, s.block_rank.tolist()):
         assert rank == sum(t < tile for t in seen[m])
-    assert len(s.arrays()) == 10  # the kernel also gets the item lists, the k tiles' bounds, work_blocks and block_rank
+    assert len(s.arrays()) == 11  # the kernel also gets the item lists, the k tiles' and q blocks' bounds, work_blocks and block_rank
 
 
 

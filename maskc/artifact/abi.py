@@ -168,6 +168,8 @@ BACKWARD_ABI: tuple[Arg, ...] = (
               doc="per split slot, TILE_K x (HEAD_DIM + HEAD_DIM_V) dK / dV sums by warpgroup (zero)"),
     TensorArg("dkv_count", "int32", ("KC",), param="mdKVCount",
               doc="the CTAs' pace (PACE_COUNTERS), then pieces done per split slot and warpgroup (zero)"),
+    TensorArg("query_bounds", "int32", ("NQ1",), param="mQueryBounds", used_when="document_tiles",
+              doc="q block m is queries [query_bounds[m], query_bounds[m + 1])"),
     TensorArg("items", "int32", ("I", 5), param="mItems",
               doc="(work, K/V head, flags, query head, split slot) items, CTA by CTA (maskc.ir.items)"),
     TensorArg("cta_items", "int32", ("G1",), param="mCtaItems", doc="CSR offsets of each CTA's items"),
@@ -188,9 +190,12 @@ only the padding. dK/dV are owned per (k tile, kv head) and
 summed over the kv head's query heads (with `document_tiles`, SM90: k tile n is keys
 [key_bounds[n], key_bounds[n + 1]), a document's last tile shorter than tile_n, and dK/dV are
 added into `dk` / `dv`, which the caller zeroes: a short tile's box reaches into the next
-tile's rows, to which it adds zeros); dQ (times the softmax scale) is added to `dq_accum` in
-fp32 by TMA reductions (zeroed by the caller; Tq8 = Tq rounded up to a multiple of 8: the
-kernel adds whole 8-row groups, rows >= Tq unused). Deterministic variants order those additions:
+tile's rows, to which it adds zeros; q block m is queries [query_bounds[m], query_bounds[m +
+1]), its box the tile_m queries from the first, so a document's last block adds zeros to the
+next one's rows); dQ (times the softmax scale) is added to `dq_accum` in
+fp32 by TMA reductions (zeroed by the caller; Tq8 = Tq rounded up to a multiple of 8, plus 8
+for the SM90 kernels but the deterministic ones when q blocks may start at any row: the
+kernel adds whole 8-row groups counted from each block's first row, rows >= Tq unused). Deterministic variants order those additions:
 `dq_semaphore` [Hq * ceil(Tq / tile_m) * 2] counts the additions landed per (head, q block,
 warpgroup) (zeroed by the caller), and `work_blocks` / `block_rank` come from
 `build_deterministic_backward_schedule`; other variants never read the three (one element each).

@@ -182,11 +182,12 @@ class KernelFamily:
     split_backward: bool = False
     #: Persistent CTAs per SM.
     ctas_per_sm: int = 1
-    #: The forward takes k blocks and the backward k tiles at any key
-    #: (`maskc.ir.schedule.document_tiles`: each document's keys in blocks of their own; the
-    #: schedules' `key_bounds`), and the backward adds dK and dV into buffers the caller zeroes
-    #: (a document's last tile reaches into the next one's rows, to which it adds zeros); else
-    #: both on the grid, dK and dV written.
+    #: The forward takes k blocks and the backward k tiles at any key, and the backward q
+    #: blocks at any query but in the deterministic kernel (`maskc.ir.schedule.document_tiles`:
+    #: each document's tokens in tiles of their own; the schedules' `key_bounds` and
+    #: `query_bounds`); the backward adds dK and dV into buffers the caller zeroes (a document's
+    #: last tile reaches into the next one's rows, to which it adds zeros) and dQ into one 8
+    #: rows longer (`ops.DQ_VIEW_ROWS`); else all on the grid, dK and dV written.
     document_tiles: bool = False
     dtypes: tuple[str, ...] = DTYPE_NAMES
 

@@ -183,7 +183,8 @@ class KernelVariant:
 
     @property
     def document_tiles(self) -> bool:
-        """Its k blocks (forward) or k tiles (backward) may start at any key (KernelFamily.document_tiles)."""
+        """Its k blocks (forward) or k tiles and q blocks (backward) may start at any token
+        (KernelFamily.document_tiles)."""
         return self.family.document_tiles
 
     @property

@@ -356,8 +356,13 @@ class BackwardSchedule(Schedule):
         """k tile n is keys [key_bounds[n], key_bounds[n + 1]) (the transposed schedule's rows)."""
         return np.append(self.row_starts, self.seqlen_q).astype(np.int32)
 
+    def query_bounds(self) -> np.ndarray:
+        """The kernels' `query_bounds`: q block m is queries [query_bounds[m], query_bounds[m +
+        1]) (the transposed schedule's columns)."""
+        return np.append(self.col_starts, self.seqlen_k).astype(np.int32)
+
     def arrays(self) -> tuple[np.ndarray, ...]:
-        return (*super().arrays(), self.items, self.cta_items)
+        return (*super().arrays(), self.query_bounds(), self.items, self.cta_items)
 
 
 def _last_blocks(s: Schedule) -> np.ndarray:
@@ -384,8 +389,10 @@ def transposed_schedule(
     `mask.transpose()`, its work items the k tiles of `tile_n` keys (heaviest first, or in tile
     order), its runs q blocks of `tile_m` queries (queries past the last need no mask; keys
     past a tile's own, which would add to dQ, masked: `whole_rows`); with `key_documents` the
-    k tiles, with `query_documents` the q blocks per document (`document_tiles`). The one kept
-    by an earlier call with `keep`, if there is one."""
+    k tiles, with `query_documents` the q blocks per document (`document_tiles`); the kernels
+    mask a partial block over its whole box by the lines alone, which hold one document's
+    queries where the k tiles are per document. The one kept by an earlier call with `keep`,
+    if there is one."""
     key = ("transposed", tile_m, tile_n, heaviest_first, key_documents, query_documents)
     s = _kept(mask, *key)
     if s is None:
@@ -399,21 +406,23 @@ def transposed_schedule(
 
 
 def backward_has_partial_blocks(
-    mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool = False, keep: bool = False, documents: bool = False
-) -> bool:
+    mask: Mask, tile_m: int, tile_n: int, *, heaviest_first: bool = False, keep: bool = False, documents: bool = False,
+    grid_queries: bool = False,
+) -> bool:  # fmt: skip
     """Whether the backward schedule of `mask` (q blocks of tile_m, k tiles of tile_n, per
-    document with `documents`) has a partial block; the backward kernel without line masks
-    serves only masks with none. Found from the `transposed_schedule` in either order (the order
-    of the work items changes no run); with `keep`, kept for the backward schedule built next:
-    `heaviest_first` for `build_backward_schedule`, in tile order for
-    `build_deterministic_backward_schedule`."""
-    s = transposed_schedule(mask, tile_m, tile_n, heaviest_first=heaviest_first, keep=keep, key_documents=documents)
+    document with `documents` and `grid_queries` as the builder below takes them) has a
+    partial block; the backward kernel without line masks serves only masks with none. Found
+    from the `transposed_schedule` in either order (the order of the work items changes no
+    run); with `keep`, kept for the backward schedule built next: `heaviest_first` for
+    `build_backward_schedule`, in tile order for `build_deterministic_backward_schedule`."""
+    s = transposed_schedule(mask, tile_m, tile_n, heaviest_first=heaviest_first, keep=keep, key_documents=documents,
+                            query_documents=documents and heaviest_first and not grid_queries)  # fmt: skip
     return bool(s.ranges[:, 2].any())
 
 
 def build_backward_schedule(
     mask: Mask, tile_m: int, tile_n: int, num_heads_kv: int, num_ctas: int, qheads_per_kvhead: int = 1,
-    documents: bool = False,
+    documents: bool = False, grid_queries: bool = False,
 ) -> BackwardSchedule:  # fmt: skip
     """The transposed schedule the backward kernels read: for every k tile of `tile_n` keys,
     runs of q blocks of `tile_m` queries, full or partial, with the lines of `mask.transpose()`
@@ -422,8 +431,9 @@ def build_backward_schedule(
     `num_ctas` CTAs in sync groups (`maskc.ir.items.sync_group_order`), split by query head
     where one item alone would outlast the others' deal (`maskc.ir.items.split_heavy`) and at
     the end where that balances the CTAs (`maskc.ir.items.split_tail`). With `documents` its k
-    tiles start at each document (`document_tiles`)."""
-    s = transposed_schedule(mask, tile_m, tile_n, key_documents=documents)
+    tiles start at each document (`document_tiles`), and so do its q blocks unless
+    `grid_queries` (a dQ buffer the caller owns, with no room for the kernel's views past Tq)."""
+    s = transposed_schedule(mask, tile_m, tile_n, key_documents=documents, query_documents=documents and not grid_queries)
     cost = _item_cost(s)
     items = whole(sync_group_order(_last_blocks(s), cost, num_heads_kv, num_ctas))
     items, row_cost = split_heavy(items, cost[items[:, 0]], qheads_per_kvhead, num_ctas)
@@ -453,7 +463,8 @@ def build_deterministic_backward_schedule(
 ) -> DeterministicBackwardSchedule:
     """`build_backward_schedule` with items in k tile order (`maskc.ir.items.section_order`:
     a CTA then only ever waits for lower items, which are done or running: no deadlock) and
-    the dQ ranks."""
+    the dQ ranks. With `documents` its k tiles start at each document; its q blocks stay on the
+    grid, which the kernel's semaphores (one per q block and head) count."""
     s = transposed_schedule(mask, tile_m, tile_n, heaviest_first=False, key_documents=documents)
     lengths = (s.ranges[:, 1] - s.ranges[:, 0]).astype(np.int64)
     run_work = np.repeat(np.arange(s.num_work), np.diff(s.work_ranges))
