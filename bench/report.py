@@ -148,11 +148,11 @@ What holds these back, as measured so far:
   and 192 nothing, and d=192's causal backward reads twice FA4's DRAM bytes at 16k, its (long,
   short) item pairs meeting each q block twice a round (`docs/design/backward-order.md`,
   `docs/design/fa4-comparison.md`, `docs/design/backward-dq.md`).
-- The varlen masks: the backward's k tiles and the forward's k blocks start at each document,
-  as FA4's tiles do (varlen full at d=128 16k: 0.89 of FA4's backward before, 0.97 since; the
-  forward +1.5-3% at d=128); the backward's q blocks and the forward's q tiles still sit on a
-  fixed grid, so those that straddle two documents compute both documents' rows
-  (`docs/design/document-tiles.md`).
+- The varlen masks: the backward's k tiles and q blocks and the forward's k blocks start at
+  each document, as FA4's tiles do (varlen full at d=128 16k: 0.89 of FA4's backward before
+  the k tiles, 0.97 since; the q blocks +1-7% more, most at d=64; the forward +1.5-3% at
+  d=128); the forward's q tiles still sit on a fixed grid, so those that straddle two
+  documents compute both documents' rows (`docs/design/document-tiles.md`).
 - The backward at d=256 on varlen full at 16k: 64-key tiles with the head dims split between
   the warpgroups, P^T and dS^T through shared memory, dO in one stage and dQ staged in halves
   to fit; Nsight Compute (before its k tiles started at each document) put its 7% more cycles
