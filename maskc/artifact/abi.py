@@ -192,10 +192,11 @@ summed over the kv head's query heads (with `document_tiles`, SM90: k tile n is 
 added into `dk` / `dv`, which the caller zeroes: a short tile's box reaches into the next
 tile's rows, to which it adds zeros; q block m is queries [query_bounds[m], query_bounds[m +
 1]), its box the tile_m queries from the first, so a document's last block adds zeros to the
-next one's rows); dQ (times the softmax scale) is added to `dq_accum` in
-fp32 by TMA reductions (zeroed by the caller; Tq8 = Tq rounded up to a multiple of 8, plus 8
-for the SM90 kernels but the deterministic ones when q blocks may start at any row: the
-kernel adds whole 8-row groups counted from each block's first row, rows >= Tq unused). Deterministic variants order those additions:
+next one's rows); dQ (times the softmax scale) is added to `dq_accum` in fp32 by TMA
+reductions (zeroed by the caller; rows >= Tq unused: the kernel adds whole 8-row groups
+counted from each q block's first row, so Tq8 is Tq rounded up to a multiple of 8, and 8 rows
+more where q blocks start off multiples of 8: SM90, not deterministic). Deterministic
+variants order those additions:
 `dq_semaphore` [Hq * ceil(Tq / tile_m) * 2] counts the additions landed per (head, q block,
 warpgroup) (zeroed by the caller), and `work_blocks` / `block_rank` come from
 `build_deterministic_backward_schedule`; other variants never read the three (one element each).

@@ -298,7 +298,7 @@ SM90 = KernelFamily(
                HeadDim(192, 192): Tiles(64, 96, 2), MLA: Tiles(64, 96, 2), HeadDim(256, 256): Tiles(64, 64, 2)},  # fmt: skip
         flags=frozenset({"has_softcap", "deterministic", "unmasked"}),
         choices=TileChoices(tile_m=(64, 128), tile_n=(64, 96, 128), num_stages=(1, 2, 4, 6, 8), fits=_sm90_backward_fits),
-        summary="TMA, wgmma, warp-specialised; k tiles start at each document; long items split by query head",
+        summary="TMA, wgmma, warp-specialised; k tiles and q blocks start at each document; long items split by query head",
     ),
     split_backward=True,
     document_tiles=True,
