@@ -140,11 +140,8 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
     if lse_log2 is not None and lse_log2.numel() != hq * padded:
         raise ValueError(f"lse_log2 has {lse_log2.numel()} rows where this backward takes {hq * padded}")
     accumulate = dq_accum is not None
-    # The kernel adds whole 8-row groups of dQ (the ABI's Tq8): pad the buffer when Tq is not a
-    # multiple; where its q blocks start at each document, 8 rows more (DQ_VIEW_ROWS).
+    # The kernel adds whole 8-row groups of dQ (the ABI's Tq8): pad the buffer when Tq is not a multiple.
     rows8 = -(-tq // 8) * 8
-    if not accumulate and entry.shape.document_tiles and not entry.deterministic:
-        rows8 += DQ_VIEW_ROWS
     dq_rows = dq_accum if accumulate and rows8 == tq else torch.zeros(rows8, hq, d, dtype=torch.float32, device=q.device)
     if accumulate and dq_rows is not dq_accum:
         dq_rows[:tq] = dq_accum
@@ -224,13 +221,6 @@ IN_PLACE_CAST_BYTES = 64 * 2**20
 #: bytes a query row and head, no more than the 4 of delta, which is freed before the cast, up
 #: to head dim 256 (so the cast never raises the peak above the kernels').
 IN_PLACE_HEAD = 128
-
-
-#: The rows past Tq8 of a dQ buffer whose kernel starts its q blocks at each document (SM90,
-#: not deterministic): it adds a block's dQ through the TMA view of the block's first row
-#: mod 8, and the view from row o holds only the whole 8-row groups from o, which reach Tq8
-#: with 8 rows more.
-DQ_VIEW_ROWS = 8
 
 
 def cast_in_place(accum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

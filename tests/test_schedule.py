@@ -24,7 +24,6 @@ from maskc.ir.schedule import (
     tile_starts,
 )
 from maskc.ir.strategy import select_pack_gqa
-from maskc.runtime.ops import DQ_VIEW_ROWS
 
 from test_ir import masks
 
@@ -137,31 +136,6 @@ def test_the_backward_q_blocks_start_at_each_document() -> None:
     # Over the grid's q blocks (straddling 100 and 400) the k tiles visit fewer blocks.
     grid = build_backward_schedule(docs, 64, 128, 1, 4)
     assert s.blocks_per_item().sum() < grid.blocks_per_item().sum()
-
-
-def _view_reach(first: int, rows: int) -> int:
-    """One past the last row that the SM90 backward's TMA view of a dQ buffer of `rows` rows,
-    taken for a q block from `first`, reaches: the view from row first mod 8 holds whole 8-row groups."""
-    offset = first % 8
-    return offset + 8 * ((rows - offset) // 8)
-
-
-@given(masks(max_len=40, max_slices=6), st.sampled_from([8, 16, 64]))
-@settings(max_examples=200, deadline=None)
-def test_the_dq_views_reach_every_row_of_the_q_blocks(mask: Mask, tile_m: int) -> None:
-    """A q block that starts at a document adds its dQ through the view of its first row mod 8;
-    with ops.DQ_VIEW_ROWS rows past Tq8 every block's own rows lie in that view's reach."""
-    s = build_backward_schedule(mask, tile_m, 8, 1, 4, documents=True)
-    rows = -(-mask.seqlen_q // 8) * 8 + DQ_VIEW_ROWS
-    bounds = s.query_bounds().tolist()
-    assert all(end <= _view_reach(first, rows) for first, end in zip(bounds[:-1], bounds[1:]))
-
-
-def test_without_the_extra_rows_a_last_document_off_8_loses_rows() -> None:
-    # Documents at 0 and 100 of 160 queries, 64-query blocks: the block at 100 reaches 156 only.
-    s = build_backward_schedule(Mask.from_cu_seqlens([0, 100, 160]), 64, 128, 1, 4, documents=True)
-    assert s.query_bounds().tolist() == [0, 64, 100, 160]
-    assert _view_reach(100, 160) == 156 and _view_reach(100, 160 + DQ_VIEW_ROWS) >= 160
 
 
 def test_documents_split_where_every_slice_lies_before_or_after() -> None:

@@ -193,9 +193,9 @@ added into `dk` / `dv`, which the caller zeroes: a short tile's box reaches into
 tile's rows, to which it adds zeros; q block m is queries [query_bounds[m], query_bounds[m +
 1]), its box the tile_m queries from the first, so a document's last block adds zeros to the
 next one's rows); dQ (times the softmax scale) is added to `dq_accum` in fp32 by TMA
-reductions (zeroed by the caller; rows >= Tq unused: the kernel adds whole 8-row groups
-counted from each q block's first row, so Tq8 is Tq rounded up to a multiple of 8, and 8 rows
-more where q blocks start off multiples of 8: SM90, not deterministic). Deterministic
+reductions (zeroed by the caller; Tq8 = Tq rounded up to a multiple of 8, rows >= Tq unused:
+the kernel adds whole 8-row groups counted from each q block's first row, and the rows of a
+last, partial group by atomics). Deterministic
 variants order those additions:
 `dq_semaphore` [Hq * ceil(Tq / tile_m) * 2] counts the additions landed per (head, q block,
 warpgroup) (zeroed by the caller), and `work_blocks` / `block_rank` come from

@@ -186,8 +186,8 @@ class KernelFamily:
     #: blocks at any query but in the deterministic kernel (`maskc.ir.schedule.document_tiles`:
     #: each document's tokens in tiles of their own; the schedules' `key_bounds` and
     #: `query_bounds`); the backward adds dK and dV into buffers the caller zeroes (a document's
-    #: last tile reaches into the next one's rows, to which it adds zeros) and dQ into one 8
-    #: rows longer (`ops.DQ_VIEW_ROWS`); else all on the grid, dK and dV written.
+    #: last tile reaches into the next one's rows, to which it adds zeros); else all on the
+    #: grid, dK and dV written.
     document_tiles: bool = False
     dtypes: tuple[str, ...] = DTYPE_NAMES
 
