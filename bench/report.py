@@ -174,12 +174,8 @@ What holds these back, as measured so far:
   share is near 92%, the target asks partial blocks to cost no more than full ones.
 - Memory: the peak holds the backward's float32 dQ accumulator. The forward writes the lse
   its backward loads, which keeps it instead of lse, so where q and v have one head dim maskc's
-  peak was FlexAttention's; since the backward's q blocks start at each document the
-  accumulator has 8 rows more (`ops.DQ_VIEW_ROWS`: the TMA views from a block's first row mod 8
-  hold whole 8-row groups), 0.25 MiB over FlexAttention's peak at d=128 and 64 heads, at any
-  length. Adding the last partial group's rows from the dQ writer's staging tile instead would
-  remove them. At 192/128 the accumulator's 192 float32 columns add 128 bytes per query row
-  and head over FlexAttention's peak (`docs/design/backward-dq.md`).
+  peak is FlexAttention's. At 192/128 the accumulator's 192 float32 columns add 128 bytes per
+  query row and head over FlexAttention's peak (`docs/design/backward-dq.md`).
 - Host time: maskc's autograd node and launches run in Python, cuDNN's in C++
   (`docs/design/host-time.md`).
 """
