@@ -19,7 +19,8 @@ maskc with deterministic=True, --portable maskc's portable kernels.
 First comes the host time: the CPU time of one call on a problem so small (128 causal tokens,
 64:8 heads, d=128, bf16) that the GPU never holds the host back, of maskc.attention beside SDPA
 (cuDNN backend) and FA4 (where flash_attn is installed), forward alone (under no_grad) and
-forward + backward through autograd. --host-only measures just that, for a short GPU call;
+forward + backward through autograd, each timed in batches that take turns with the other
+libraries' (the median batch). --host-only measures just that, for a short GPU call;
 --no-host skips it (kernel A/B runs).
 
 Run on the GPU machine: `python bench/kernel.py --artifacts DIR... [--seqlens 16384,65536]
@@ -32,6 +33,7 @@ its backward for the host time). Appends kernel, memory and host rows to bench/r
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -69,6 +71,8 @@ HALF_WINDOW = WINDOW // 2
 HOST_TOKENS = 128
 HOST_WARMUP = 50
 HOST_CALLS = 2000
+#: The batches the host calls are timed in, each implementation's taking turns with the others'.
+HOST_ROUNDS = 10
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window_causal", "varlen_block_causal",
          "shared_question", "global_sliding_window")  # fmt: skip
 
@@ -263,10 +267,12 @@ def measure(run: Run, case: dict, impl: str, call: Callable[[], object], leaves:
     return rows
 
 
-def host_step(impl: str, pass_: str, calls: int = HOST_CALLS) -> str:
-    """The `step` of `impl`'s host row of `pass_` (a HOST_PASSES key): what was timed, on what. maskc's
-    forward is the step its rows in bench/results/host.jsonl have always had, so its history lines up."""
-    return f"{HOST_IMPLS[impl]} ({HOST_PASSES[pass_]}, {HOST_TOKENS} causal tokens, {HQ}:{HKV} heads, d={D}; mean of {calls})"
+def host_step(impl: str, pass_: str, calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> str:
+    """The `step` of `impl`'s host row of `pass_` (a HOST_PASSES key): what was timed, on what, and
+    how (`measure_host`). Rows of the earlier method (one batch of 2000 calls, "mean of 2000")
+    keep their own steps: the two do not compare."""
+    return (f"{HOST_IMPLS[impl]} ({HOST_PASSES[pass_]}, {HOST_TOKENS} causal tokens, {HQ}:{HKV} heads, d={D}; "
+            f"median of {rounds} interleaved batches of {calls // rounds})")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -284,7 +290,7 @@ def host_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, H
     """maskc, SDPA cuDNN and (where flash_attn is installed) FA4 on seqlen-first q/k/v of the
     host-time problem. Each gets leaves of its own, aliasing q/k/v in the layout it takes (the
     baselines' views are made here, not in the call, and as leaves their backward runs no view
-    ops); SDPA's backend is chosen around the loop, as entering sdpa_kernel costs about 10 us."""
+    ops); SDPA's backend is chosen around each batch, as entering sdpa_kernel costs about 10 us."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -321,41 +327,78 @@ def forward_backward(host: HostCall) -> Callable[[], None]:
     return step
 
 
-def host_time_us(host: HostCall, backward: bool, calls: int = HOST_CALLS) -> float:
-    """Mean CPU time of one call of `host`: its forward alone, as in inference (under no_grad, on
-    inputs that need no gradient: FA4 would allocate its LSE for one that does), or with
-    `backward` its forward_backward. The calls run back to back, synchronized only before and
-    after: the GPU work is tiny, so the host is what is timed."""
+def host_batches(host: HostCall, backward: bool) -> Callable[[int], float]:
+    """`host` warmed up for one pass: its forward alone, as in inference (under no_grad, on inputs
+    that need no gradient: FA4 would allocate its LSE for one that does), or with `backward` its
+    forward_backward. The function returned times a batch: the mean CPU time of one call over
+    that many calls back to back, synchronized only before and after (the GPU work is tiny, so
+    the host is what is timed)."""
     for x in host.leaves:
         x.requires_grad_(backward)
     with host.context(), torch.set_grad_enabled(backward):
         once = forward_backward(host) if backward else host.call
         for _ in range(HOST_WARMUP):
             once()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            once()
-        elapsed = time.perf_counter() - start
-        torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+
+    def batch(calls: int) -> float:
+        with host.context(), torch.set_grad_enabled(backward):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                once()
+            elapsed = time.perf_counter() - start
+            torch.cuda.synchronize()
+        return elapsed / calls * 1e6
+
+    return batch
 
 
-def measure_host(run: Run, device: str = "cuda", calls: int = HOST_CALLS) -> dict[str, dict[str, dict]]:
-    """The host rows of every implementation and pass ({impl: {pass: row}}), all on the same q/k/v.
-    What raises (a baseline without a kernel for the problem) is the row's error, not the run's end."""
+def host_times_us(hosts: dict[str, HostCall], backward: bool, calls: int, rounds: int) -> dict[str, list[float] | Exception]:
+    """Per implementation, its batch times of one pass (`host_batches`, `calls // rounds` calls a
+    batch), the implementations taking turns batch by batch: whatever else the machine does
+    meanwhile (its clocks, other processes) falls on all of them alike, so the times of one run
+    compare. What raises (a baseline without a kernel for the problem) is that implementation's
+    result and leaves the turns."""
+    times: dict[str, list[float] | Exception] = {}
+    batches = {}
+    for impl, host in hosts.items():
+        try:
+            batches[impl] = host_batches(host, backward)
+            times[impl] = []
+        except Exception as exc:  # noqa: BLE001 (a failure of the measured library is a result)
+            times[impl] = exc
+    for _ in range(rounds):
+        for impl, batch in list(batches.items()):
+            try:
+                times[impl].append(batch(calls // rounds))
+            except Exception as exc:  # noqa: BLE001
+                times[impl] = exc
+                del batches[impl]
+    return times
+
+
+def measure_host(run: Run, device: str = "cuda", calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> dict[str, dict[str, dict]]:
+    """The host rows of every implementation and pass ({impl: {pass: row}}), all on the same q/k/v:
+    per pass the median and the fastest of the implementations' interleaved batches
+    (host_times_us). An error (the exception of a baseline that cannot run) is the row's, not
+    the run's end."""
     q, k, v = inputs(HOST_TOKENS, HeadDim(D, D), False, device)
+    hosts = host_calls(q, k, v)
+    measured = {pass_: host_times_us(hosts, pass_ == "fwd+bwd", calls, rounds) for pass_ in HOST_PASSES}
     rows: dict[str, dict[str, dict]] = {}
-    for impl, host in host_calls(q, k, v).items():
+    for impl in hosts:
         for pass_ in HOST_PASSES:
-            step = host_step(impl, pass_, calls)
+            step = host_step(impl, pass_, calls, rounds)
 
-            def measured(host: HostCall = host, backward: bool = pass_ == "fwd+bwd") -> list[dict]:
-                return [{"ms": host_time_us(host, backward, calls) / 1e3}]
+            def median_ms(times: list[float] | Exception = measured[pass_][impl]) -> list[dict]:
+                if isinstance(times, Exception):
+                    raise times
+                return [{"ms": statistics.median(times) / 1e3, "min_ms": min(times) / 1e3}]
 
-            [row] = run.write_measured([("host", {"step": step})], measured)
+            [row] = run.write_measured([("host", {"step": step})], median_ms)
             rows.setdefault(impl, {})[pass_] = row
-            value = row["error"] if "error" in row else f"{row['ms'] * 1e3:.1f} us"
+            times = measured[pass_][impl]
+            value = row["error"] if "error" in row else f"{row['ms'] * 1e3:.1f} us (batches {min(times):.1f} to {max(times):.1f})"
             print(f"{step}: {value}", flush=True)
     return rows
 

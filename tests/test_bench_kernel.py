@@ -160,17 +160,47 @@ def test_a_run_over_several_head_dims_has_tables_per_head_dim(tmp_path: Path) ->
     assert report.plot_runs(read_results(tmp_path))[report.KERNEL_PLOT] == "sweep"
 
 
-#: The step of maskc's forward host rows since the first run: new rows must keep it, so that history lines up.
-MASKC_FORWARD_STEP = "one maskc.attention call (forward, 128 causal tokens, 64:8 heads, d=128; mean of 2000)"
+#: The step of maskc's forward host rows of the first method (one batch of 2000 calls), in the results.
+MASKC_FORWARD_STEP_OF_ONE_BATCH = "one maskc.attention call (forward, 128 causal tokens, 64:8 heads, d=128; mean of 2000)"
 
 
-def test_host_steps_say_what_was_timed(kernel: dict) -> None:
-    assert kernel["host_step"]("maskc", "fwd") == MASKC_FORWARD_STEP
-    assert any(row["step"] == MASKC_FORWARD_STEP for row in read_results() if row["kind"] == "host" and row["bench"] == "kernel")
-    assert kernel["host_step"]("sdpa_cudnn", "fwd+bwd", calls=10) == (
-        "one SDPA cuDNN call (forward + backward through autograd, 128 causal tokens, 64:8 heads, d=128; mean of 10)"
+def test_host_steps_say_what_was_timed_and_how(kernel: dict) -> None:
+    """The problem's part of a step is the earlier method's (the rows' history shows the same
+    problem), the method's part is new: a median of interleaved batches is not a mean of one."""
+    step = kernel["host_step"]("maskc", "fwd")
+    assert step == "one maskc.attention call (forward, 128 causal tokens, 64:8 heads, d=128; median of 10 interleaved batches of 200)"
+    problem = MASKC_FORWARD_STEP_OF_ONE_BATCH.split("; ")[0]
+    assert step.split("; ")[0] == problem and step != MASKC_FORWARD_STEP_OF_ONE_BATCH
+    assert any(row["step"] == MASKC_FORWARD_STEP_OF_ONE_BATCH for row in read_results() if row["kind"] == "host")
+    assert kernel["host_step"]("sdpa_cudnn", "fwd+bwd", calls=10, rounds=5) == (
+        "one SDPA cuDNN call (forward + backward through autograd, 128 causal tokens, 64:8 heads, d=128; "
+        "median of 5 interleaved batches of 2)"
     )
-    assert kernel["host_step"]("fa4", "fwd") == "one FA4 flash_attn_func call (forward, 128 causal tokens, 64:8 heads, d=128; mean of 2000)"
+
+
+def test_host_batches_take_turns_and_a_failure_leaves_them(kernel: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each round times one batch of every implementation in turn; one that fails in its warm-up
+    has its exception for a result, one that fails later leaves the turns with its exception."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    kernel["host_batches"].__globals__["HOST_WARMUP"] = 1
+    order: list[str] = []
+    later = RuntimeError("failed in the third batch")
+
+    def call(name: str, fail_at: int | None = None, exc: Exception | None = None):
+        def run() -> torch.Tensor:
+            order.append(name)
+            if fail_at is not None and len([n for n in order if n == name]) >= fail_at:
+                raise exc
+            return torch.zeros(1)
+        return kernel["HostCall"](run, ())
+
+    # c's sixth call fails: after its warm-up and two batches of two, the first of the third batch.
+    hosts = {"a": call("a"), "b": call("b", fail_at=1, exc=ValueError("no kernel")), "c": call("c", fail_at=6, exc=later)}
+    times = kernel["host_times_us"](hosts, False, calls=8, rounds=4)
+    assert isinstance(times["b"], ValueError) and times["c"] is later
+    assert len(times["a"]) == 4 and all(t > 0 for t in times["a"])
+    # Warm-ups (one call each), then rounds of two calls a batch: a, c, a, c, a, c (c raises), a.
+    assert order == ["a", "b", "c", "a", "a", "c", "c", "a", "a", "c", "c", "a", "a", "c", "a", "a"]
 
 
 @pytest.fixture
@@ -209,11 +239,12 @@ def test_host_rows_of_a_baseline_that_cannot_run_are_errors(kernel: dict, no_fa4
     measured and SDPA's, without a cuDNN kernel here, are error rows; the table shows both."""
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     kernel["measure_host"].__globals__["HOST_WARMUP"] = 1
-    rows = kernel["measure_host"](scratch_run(tmp_path), device="cpu", calls=2)
+    rows = kernel["measure_host"](scratch_run(tmp_path), device="cpu", calls=4, rounds=2)
     assert [(impl, pass_, "ms" in row) for impl, passes in rows.items() for pass_, row in passes.items()] == [
         ("maskc", "fwd", True), ("maskc", "fwd+bwd", True), ("sdpa_cudnn", "fwd", False), ("sdpa_cudnn", "fwd+bwd", False),
     ]
-    assert rows["maskc"]["fwd+bwd"]["step"] == kernel["host_step"]("maskc", "fwd+bwd", calls=2)
+    assert rows["maskc"]["fwd+bwd"]["step"] == kernel["host_step"]("maskc", "fwd+bwd", calls=4, rounds=2)
+    assert all(0 < row["min_ms"] <= row["ms"] for row in rows["maskc"].values())
     assert rows["sdpa_cudnn"]["fwd"]["error"].startswith("RuntimeError: No viable backend")
     assert read_results(tmp_path) == [row for passes in rows.values() for row in passes.values()]
     table = kernel["host_table"](rows)
