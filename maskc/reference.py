@@ -9,6 +9,7 @@ keeps the float64 path exact enough to check kernels and this module itself agai
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -319,6 +320,9 @@ def check_attention_tensors(
             raise ValueError(f"sink must have shape [num_sinks, {hq}], got {tuple(sink.shape)}")
         if sink.device != q.device:
             raise ValueError(f"sink is on {sink.device} but q is on {q.device}")
+    for name, value in (("softcap", softcap), ("softmax_scale", 1.0 if softmax_scale is None else softmax_scale)):
+        if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymInt, torch.SymFloat)):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     # Comparisons rather than math.isfinite, which torch.compile cannot trace (NaN fails both).
     if not 0 <= softcap < math.inf:
         raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")

@@ -18,7 +18,7 @@ from maskc.ir import Mask
 from maskc.reference import AttentionMeta, check_attention_tensors, check_mask_lengths
 from maskc.runtime import ops
 from maskc.runtime.ops import Options
-from maskc.runtime.plan import TORCH_DTYPES, plan_backward, plan_forward
+from maskc.runtime.plan import TORCH_DTYPES, check_options, plan_backward, plan_forward
 from maskc.runtime.masks import PositionMask
 from maskc.runtime.prepared import PreparedMask
 
@@ -56,6 +56,8 @@ def _check_inputs(
     for name, x in named:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if name != "sink" and x.ndim not in (3, 4):
+            raise ValueError(f"{name} must be [seqlen, heads, head_dim] or [batch, seqlen, heads, head_dim], got {tuple(x.shape)}")
         if not (x.is_cuda or x.is_cpu):
             raise ValueError(f"maskc.attention runs on CUDA or CPU tensors; {name} is on {x.device}")
         if not x.is_contiguous():
@@ -118,7 +120,10 @@ def attention(
     """
     table, prepared, positions = _mask_tensors(mask)
     scale = _check_inputs(q, k, v, sink, softmax_scale, softcap)
-    chosen = Options(pack_gqa, bool(deterministic), portable, positions)
+    check_options(pack_gqa, deterministic, portable)
+    chosen = Options(pack_gqa, deterministic, portable, positions)
+    if not isinstance(return_max_logits, bool):
+        raise TypeError(f"return_max_logits must be True or False, got {return_max_logits!r}")
     options = chosen.encode()
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"attention_mask must be a [B, S] tensor, got {type(attention_mask).__name__}")

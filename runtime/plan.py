@@ -95,6 +95,15 @@ def _target_tiles(target: Target, direction: str) -> Tiles:
     return target.family.kernel(direction).tiles[head_dim]
 
 
+def check_options(pack_gqa: object, deterministic: object, portable: object) -> None:
+    """The flags of a user's call or target: True or False (pack_gqa and portable also None,
+    maskc's choice), so that a string or a number is an error rather than truthy."""
+    for name, value, may_be_none in (("pack_gqa", pack_gqa, True), ("deterministic", deterministic, False),
+                                     ("portable", portable, True)):  # fmt: skip
+        if not isinstance(value, bool) and not (may_be_none and value is None):
+            raise TypeError(f"{name} must be {'None, ' if may_be_none else ''}True or False, got {value!r}")
+
+
 @lru_cache(maxsize=256)
 def make_target(capability: tuple[int, int], num_sms: int, dtype: torch.dtype, num_heads_q: int, num_heads_kv: int,
                 head_dim: HeadDim, has_softcap: bool, has_sink: bool, return_max_logits: bool, pack_gqa: bool | None,

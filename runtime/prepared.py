@@ -54,13 +54,14 @@ def target_for(device: torch.device | str, *, num_heads_q: int, num_heads_kv: in
     """What to prepare masks for: the calls on `device` (a GPU) with these heads, head dims (v's
     where it differs from q and k's) and options (`maskc.attention`'s). Ask it in the training
     process; it is plain data that pickles to DataLoader workers, which never touch the GPU."""
+    plan.check_options(pack_gqa, deterministic, portable)
     device = torch.device(device)
     if device.type != "cuda":
         raise MaskcError(f"masks are planned for a GPU; {device} runs the reference path, which needs no plan")
     capability, num_sms = plan.device_info(device)
     head_dims = HeadDim(head_dim, head_dim if head_dim_v is None else head_dim_v)
     return plan.make_target(capability, num_sms, dtype, num_heads_q, num_heads_kv, head_dims, False, False, False,
-                            pack_gqa, bool(deterministic), sm_margin, portable)  # fmt: skip
+                            pack_gqa, deterministic, sm_margin, portable)  # fmt: skip
 
 
 def prepare(mask: Mask, target: plan.Target | None, *, backward: bool = True) -> PreparedMask:

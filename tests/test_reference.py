@@ -302,6 +302,8 @@ def _valid() -> dict:
         ({"softmax_scale": math.inf}, ValueError, "softmax_scale"),
         ({"softmax_scale": 0.0}, ValueError, "softmax_scale must be a finite number > 0"),
         ({"softmax_scale": -0.125}, ValueError, "softmax_scale must be a finite number > 0"),
+        ({"softmax_scale": "0.125"}, TypeError, "softmax_scale must be a number, got str"),
+        ({"softcap": "1"}, TypeError, "softcap must be a number, got str"),
         ({"_block_q": 0}, ValueError, "block sizes"),
     ],
 )

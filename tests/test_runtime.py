@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 import lzma
+import re
 import stat
 import subprocess
 import sys
@@ -183,6 +184,33 @@ def test_attention_refuses_other_devices_and_non_tensors() -> None:
         maskc.attention(q.to("meta"), q, q, mask)
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
         maskc.attention([1, 2], q, q, mask)
+    # A 2-D slice is named by its shape, not by the strides it happens to have.
+    with pytest.raises(ValueError, match=r"q must be \[seqlen, heads, head_dim\] or \[batch, .*got \(4, 64\)"):
+        maskc.attention(q[:, 0], q, q, mask)
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ({"pack_gqa": "yes"}, "pack_gqa must be None, True or False, got 'yes'"),
+        ({"deterministic": "no"}, "deterministic must be True or False, got 'no'"),
+        ({"deterministic": None}, "deterministic must be True or False, got None"),
+        ({"portable": 1}, "portable must be None, True or False, got 1"),
+        ({"return_max_logits": "no"}, "return_max_logits must be True or False, got 'no'"),
+        ({"softmax_scale": "0.125"}, "softmax_scale must be a number, got str"),
+        ({"softcap": True}, "softcap must be a number, got bool"),
+    ],
+)
+def test_attention_options_of_the_wrong_type_are_errors_not_truthy(option: dict, message: str) -> None:
+    """A string for a flag would be truthy and a bool a number: each is refused by name."""
+    q, k = torch.randn(4, 2, 64), torch.randn(4, 1, 64)
+    with pytest.raises(TypeError, match=re.escape(message)):
+        maskc.attention(q, k, k, Mask.from_cu_seqlens([0, 4]), **option)
+
+
+def test_a_target_refuses_flags_of_the_wrong_type() -> None:
+    with pytest.raises(TypeError, match="deterministic must be True or False, got 'yes'"):
+        maskc.target_for("cuda", num_heads_q=8, num_heads_kv=2, head_dim=64, deterministic="yes")
 
 
 def test_kernels_built_with_another_dsl_release_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
