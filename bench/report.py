@@ -334,6 +334,12 @@ def peaks(memory: Sequence[dict]) -> dict[int, dict[str, list[float]]]:
     return {seqlen: {impl: sorted(values) for impl, values in by_impl.items()} for seqlen, by_impl in sorted(by_seqlen.items())}
 
 
+def mib(value: float) -> str:
+    """A peak in MiB to two decimals, whole where it is: a shortfall of 0.25 MiB must not read as
+    a peak equal to the peer's."""
+    return f"{value:.2f}".rstrip("0").rstrip(".")
+
+
 def memory_table(rows: Sequence[dict]) -> list[str]:
     """Peak MiB of one forward + backward: a line per sequence length, the range over masks."""
     columns = [impl for impl in KERNEL_IMPLS if any(row["impl"] == impl for row in rows)]
@@ -517,7 +523,7 @@ def memory_shortfalls(memory: Sequence[dict]) -> list[str]:
         # maskc's deterministic and portable variants are not other libraries
         others = [values[-1] for impl, values in by_impl.items() if not impl.startswith("maskc")]
         if "maskc" in by_impl and others and (ours := by_impl["maskc"][-1]) > (lowest := min(others)):
-            short.append(f"{tokens(seqlen)} {ours:.0f} MiB against {lowest:.0f}")
+            short.append(f"{tokens(seqlen)} {mib(ours)} MiB against {mib(lowest)}")
     return short
 
 
