@@ -58,6 +58,9 @@ def target_for(device: torch.device | str, *, num_heads_q: int, num_heads_kv: in
     device = torch.device(device)
     if device.type != "cuda":
         raise MaskcError(f"masks are planned for a GPU; {device} runs the reference path, which needs no plan")
+    if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+        raise MaskcError(f"target_for({str(device)!r}) asks for a GPU this process does not see "
+                         f"({torch.cuda.device_count()} visible): ask for the target where training runs")  # fmt: skip
     capability, num_sms = plan.device_info(device)
     head_dims = HeadDim(head_dim, head_dim if head_dim_v is None else head_dim_v)
     return plan.make_target(capability, num_sms, dtype, num_heads_q, num_heads_kv, head_dims, False, False, False,

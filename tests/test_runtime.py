@@ -213,6 +213,18 @@ def test_a_target_refuses_flags_of_the_wrong_type() -> None:
         maskc.target_for("cuda", num_heads_q=8, num_heads_kv=2, head_dim=64, deterministic="yes")
 
 
+def test_a_target_for_a_gpu_this_process_does_not_see_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not torch's assertion (no CUDA build) or its invalid ordinal: where the target must come from."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(maskc.MaskcError, match=r"target_for\('cuda:2'\) asks for a GPU this process does not see \(2 visible\)"):
+        maskc.target_for("cuda:2", num_heads_q=8, num_heads_kv=2, head_dim=64)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(maskc.MaskcError, match=r"target_for\('cuda'\) asks for a GPU .* \(0 visible\): ask for the target where"):
+        maskc.target_for("cuda", num_heads_q=8, num_heads_kv=2, head_dim=64)
+
+
 def test_kernels_built_with_another_dsl_release_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With no runtime shipped beside them, objects must match the installed DSL's runtime library."""
     pytest.importorskip("nvidia_cutlass_dsl", reason="the CUTLASS DSL wheel is not installed")
