@@ -302,8 +302,8 @@ def plan_forward(mask: Mask, target: Target, device: torch.device) -> Launch:
 
 
 def plan_backward(mask: Mask, target: Target, device: torch.device, grid_queries: bool = False) -> Launch:
-    """The backward launch of a call; `grid_queries` for a dQ buffer the caller owns (its rows
-    are Tq: `backward_schedule`, `ops.backward_cuda`)."""
+    """The backward launch of a call; `grid_queries`, q blocks on the grid, for a dQ buffer the
+    caller owns (`backward_schedule`, `ops.backward_cuda`)."""
 
     def compute() -> Launch:
         kernel = backward_kernel(mask, target, grid_queries)

@@ -432,7 +432,7 @@ def build_backward_schedule(
     where one item alone would outlast the others' deal (`maskc.ir.items.split_heavy`) and at
     the end where that balances the CTAs (`maskc.ir.items.split_tail`). With `documents` its k
     tiles start at each document (`document_tiles`), and so do its q blocks unless
-    `grid_queries` (a dQ buffer the caller owns, with no room for the kernel's views past Tq)."""
+    `grid_queries` (what `attention_backward` plans for a dQ buffer the caller owns)."""
     s = transposed_schedule(mask, tile_m, tile_n, key_documents=documents, query_documents=documents and not grid_queries)
     cost = _item_cost(s)
     items = whole(sync_group_order(_last_blocks(s), cost, num_heads_kv, num_ctas))
