@@ -37,7 +37,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -327,43 +327,54 @@ def forward_backward(host: HostCall) -> Callable[[], None]:
     return step
 
 
-def host_batches(host: HostCall, backward: bool) -> Callable[[int], float]:
+def host_batches(host: HostCall, backward: bool, engine_threads: bool = True) -> Callable[[int], tuple[float, float]]:
     """`host` warmed up for one pass: its forward alone, as in inference (under no_grad, on inputs
     that need no gradient: FA4 would allocate its LSE for one that does), or with `backward` its
-    forward_backward. The function returned times a batch: the mean CPU time of one call over
-    that many calls back to back, synchronized only before and after (the GPU work is tiny, so
-    the host is what is timed)."""
+    forward_backward (without `engine_threads`, autograd runs the backward on the calling thread,
+    not on the device's). The function returned times a batch: the mean time of one call over
+    that many calls back to back, in microseconds, synchronized only before and after: the
+    host's (the calls issued) and the wall's (their GPU work done too; the GPU work is tiny, so
+    the two agree and the host is what is timed)."""
     for x in host.leaves:
         x.requires_grad_(backward)
-    with host.context(), torch.set_grad_enabled(backward):
+
+    def context() -> ExitStack:
+        stack = ExitStack()
+        for manager in (host.context(), torch.set_grad_enabled(backward), torch.autograd.set_multithreading_enabled(engine_threads)):
+            stack.enter_context(manager)
+        return stack
+
+    with context():
         once = forward_backward(host) if backward else host.call
         for _ in range(HOST_WARMUP):
             once()
 
-    def batch(calls: int) -> float:
-        with host.context(), torch.set_grad_enabled(backward):
+    def batch(calls: int) -> tuple[float, float]:
+        with context():
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(calls):
                 once()
-            elapsed = time.perf_counter() - start
+            issued = time.perf_counter() - start
             torch.cuda.synchronize()
-        return elapsed / calls * 1e6
+            done = time.perf_counter() - start
+        return issued / calls * 1e6, done / calls * 1e6
 
     return batch
 
 
-def host_times_us(hosts: dict[str, HostCall], backward: bool, calls: int, rounds: int) -> dict[str, list[float] | Exception]:
-    """Per implementation, its batch times of one pass (`host_batches`, `calls // rounds` calls a
-    batch), the implementations taking turns batch by batch: whatever else the machine does
-    meanwhile (its clocks, other processes) falls on all of them alike, so the times of one run
-    compare. What raises (a baseline without a kernel for the problem) is that implementation's
-    result and leaves the turns."""
-    times: dict[str, list[float] | Exception] = {}
+def host_times_us(hosts: dict[str, HostCall], backward: bool, calls: int, rounds: int,
+                  engine_threads: bool = True) -> dict[str, list[tuple[float, float]] | Exception]:  # fmt: skip
+    """Per implementation, its batch times (host, wall) of one pass (`host_batches`, `calls //
+    rounds` calls a batch), the implementations taking turns batch by batch: whatever else the
+    machine does meanwhile (its clocks, other processes) falls on all of them alike, so the times
+    of one run compare. What raises (a baseline without a kernel for the problem) is that
+    implementation's result and leaves the turns."""
+    times: dict[str, list[tuple[float, float]] | Exception] = {}
     batches = {}
     for impl, host in hosts.items():
         try:
-            batches[impl] = host_batches(host, backward)
+            batches[impl] = host_batches(host, backward, engine_threads)
             times[impl] = []
         except Exception as exc:  # noqa: BLE001 (a failure of the measured library is a result)
             times[impl] = exc
@@ -379,7 +390,7 @@ def host_times_us(hosts: dict[str, HostCall], backward: bool, calls: int, rounds
 
 def measure_host(run: Run, device: str = "cuda", calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> dict[str, dict[str, dict]]:
     """The host rows of every implementation and pass ({impl: {pass: row}}), all on the same q/k/v:
-    per pass the median and the fastest of the implementations' interleaved batches
+    per pass the median and the fastest host time of the implementations' interleaved batches
     (host_times_us). An error (the exception of a baseline that cannot run) is the row's, not
     the run's end."""
     q, k, v = inputs(HOST_TOKENS, HeadDim(D, D), False, device)
@@ -390,14 +401,16 @@ def measure_host(run: Run, device: str = "cuda", calls: int = HOST_CALLS, rounds
         for pass_ in HOST_PASSES:
             step = host_step(impl, pass_, calls, rounds)
 
-            def median_ms(times: list[float] | Exception = measured[pass_][impl]) -> list[dict]:
+            measured_times = measured[pass_][impl]
+            times = [host for host, _ in measured_times] if isinstance(measured_times, list) else measured_times
+
+            def median_ms(times: list[float] | Exception = times) -> list[dict]:
                 if isinstance(times, Exception):
                     raise times
                 return [{"ms": statistics.median(times) / 1e3, "min_ms": min(times) / 1e3}]
 
             [row] = run.write_measured([("host", {"step": step})], median_ms)
             rows.setdefault(impl, {})[pass_] = row
-            times = measured[pass_][impl]
             value = row["error"] if "error" in row else f"{row['ms'] * 1e3:.1f} us (batches {min(times):.1f} to {max(times):.1f})"
             print(f"{step}: {value}", flush=True)
     return rows
