@@ -176,8 +176,11 @@ What holds these back, as measured so far:
   its backward loads, which keeps it instead of lse, so where q and v have one head dim maskc's
   peak is FlexAttention's. At 192/128 the accumulator's 192 float32 columns add 128 bytes per
   query row and head over FlexAttention's peak (`docs/design/backward-dq.md`).
-- Host time: maskc's autograd node and launches run in Python, cuDNN's in C++
-  (`docs/design/host-time.md`).
+- Host time: maskc's autograd node, buffers and launches run in Python, cuDNN's in C++, and each
+  of maskc's launches encodes its TMA descriptors anew. No piece is large: a profile
+  (`bench/host_profile.py`) spreads a forward + backward over the launches (17%), the autograd
+  engine (15%), allocations and fills (16%) and a dozen pieces of 2-9%; reaching cuDNN needs
+  them in C++ together (`docs/design/host-time.md`).
 """
 
 HOST = """\
