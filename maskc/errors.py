@@ -1,4 +1,4 @@
-"""Error types shared by every layer, so callers can catch maskc problems precisely."""
+"""Error and warning types shared by every layer, so callers can catch maskc problems precisely."""
 
 from __future__ import annotations
 
@@ -7,6 +7,11 @@ from maskc.version import __version__
 
 class MaskcError(Exception):
     """Base class of every error maskc raises on purpose."""
+
+
+class PerformanceWarning(UserWarning):
+    """Something that leaves results correct but makes them slower (a kernel ptxas compiled
+    into a slow form)."""
 
 
 class MaskError(MaskcError, ValueError):

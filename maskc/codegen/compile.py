@@ -21,6 +21,7 @@ from pathlib import Path
 
 from maskc.artifact.abi import ENTRY_POINTS, STATIC_DIMS, ScalarArg, TensorArg
 from maskc.artifact.variant import KernelVariant
+from maskc.codegen import ptxas
 from maskc.codegen.render import render
 from maskc.errors import CompilerUnavailableError, install_compiler_hint
 
@@ -39,6 +40,8 @@ class CompiledObject:
     ptx_path: Path | None
     function_prefix: str
     seconds: float
+    #: What ptxas said (registers, stack, spills, serialised wgmma); None where the DSL wrote no log.
+    ptxas: ptxas.PtxasReport | None = None
 
     @property
     def ptx_text(self) -> str:
@@ -130,7 +133,8 @@ def compile_variant(variant: KernelVariant, out_dir: str | Path, *, keep_ptx: bo
     source_path.write_text(render(variant))
     module = _import_source(source_path, f"maskc_kernel_{key}")
 
-    options = f"--gpu-arch {variant.arch}"
+    remarks = ptxas.remarks_file()
+    options = f"--gpu-arch {variant.arch} {ptxas.OPTIONS.format(path=remarks)}"
     dump_dir = out / f"{key}.dump"
     if keep_ptx:
         dump_dir.mkdir(exist_ok=True)
@@ -138,10 +142,12 @@ def compile_variant(variant: KernelVariant, out_dir: str | Path, *, keep_ptx: bo
     try:
         prefix = ENTRY_POINTS[variant.direction].name
         compiled = cute.compile(getattr(module, prefix), *fake_arguments(variant), options=options)
+        report = ptxas.read_report(remarks, key)
         _load_runtime_libraries()
         compiled.export_to_c(file_path=str(out), file_name=key, function_prefix=prefix)
     finally:
         sys.modules.pop(module.__name__, None)
+        remarks.unlink(missing_ok=True)
 
     ptx_path = None
     if keep_ptx:
@@ -156,4 +162,5 @@ def compile_variant(variant: KernelVariant, out_dir: str | Path, *, keep_ptx: bo
         ptx_path=ptx_path,
         function_prefix=ENTRY_POINTS[variant.direction].name,
         seconds=time.perf_counter() - start,
+        ptxas=report,
     )
