@@ -4,8 +4,8 @@ causal tokens, 64:8 heads, d=128, bf16; the same calls of maskc, SDPA cuDNN and 
 1. per library and pass, the host time of a call and its wall time (the GPU's work waited
    for: where the two agree, the host is what the benchmark times), with autograd's device
    thread running the backward and with the backward on the calling thread;
-2. torch.profiler's tables of maskc's and SDPA cuDNN's calls: the kernels' GPU time and
-   each op's host time;
+2. torch.profiler's tables of every library's calls: the kernels' GPU time and each op's
+   host time;
 3. cProfile of maskc's forward + backward (the backward on the calling thread, so that the
    profiler sees it), by own time and by cumulative time.
 

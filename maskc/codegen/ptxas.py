@@ -2,10 +2,11 @@
 serialised the wgmma instructions.
 
 The CUTLASS DSL runs ptxas itself; with `remarks{ptx}` it passes `-v` and writes ptxas's log as
-remarks to the file `--remark-output` names (`OPTIONS`). A serialised wgmma (ptxas's C7515 to
-C7520 notes: every product waits for the one before) leaves the kernel correct but about a third
-slower, so it must not pass silently: a branch that left a product in flight across it did that
-to every wgmma of the forward once (docs/design/forward-kernel.md).
+remarks to the file `--remark-output` names (`OPTIONS`). A serialised wgmma (ptxas's "Potential
+Performance Loss: wgmma.mma_async instructions are serialized" notes, C7518 and its kin: every
+product waits for the one before) leaves the kernel correct but about a third slower, so it must
+not pass silently: a branch that left a product in flight across it did that to every wgmma of
+the forward once (docs/design/forward-kernel.md).
 """
 
 from __future__ import annotations
