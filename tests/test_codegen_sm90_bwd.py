@@ -245,7 +245,6 @@ def test_compiles_and_exports(compiled, name):
     assert obj.seconds < 120
 
 
-
 @pytest.mark.parametrize("name", sorted(COMPILED))
 def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     ptx = compiled[name].ptx_text
