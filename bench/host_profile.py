@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernel import D, HOST_TOKENS, HostCall, forward_backward, host_batches, host_calls, host_times_us, inputs
+from kernel import D, HOST_TOKENS, HostCall, host_calls, host_times_us, inputs, warmed_pass
 from report import markdown_table
 
 import maskc
@@ -63,9 +63,8 @@ def profiler_tables(hosts: dict[str, HostCall], steps: int, rows: int) -> list[s
     for impl, host in hosts.items():
         for pass_, backward in PASSES.items():
             try:
-                host_batches(host, backward)  # leaves set up, warmed up
-                once = forward_backward(host) if backward else host.call
-                with host.context(), torch.set_grad_enabled(backward), profile(activities=activities) as prof:
+                once, context = warmed_pass(host, backward)
+                with context(), profile(activities=activities) as prof:
                     for _ in range(steps):
                         once()
                     if torch.cuda.is_available():
@@ -82,10 +81,9 @@ def profiler_tables(hosts: dict[str, HostCall], steps: int, rows: int) -> list[s
 
 def cprofile_maskc(host: HostCall, steps: int, rows: int) -> list[str]:
     """cProfile of `steps` forward + backward calls of maskc, the backward on the calling thread."""
-    host_batches(host, True)  # leaves set up, warmed up
-    step = forward_backward(host)
+    step, context = warmed_pass(host, True, engine_threads=False)
     profiler = cProfile.Profile()
-    with torch.autograd.set_multithreading_enabled(False):
+    with context():
         profiler.enable()
         for _ in range(steps):
             step()

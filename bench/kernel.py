@@ -327,14 +327,12 @@ def forward_backward(host: HostCall) -> Callable[[], None]:
     return step
 
 
-def host_batches(host: HostCall, backward: bool, engine_threads: bool = True) -> Callable[[int], tuple[float, float]]:
+def warmed_pass(host: HostCall, backward: bool, engine_threads: bool = True) -> tuple[Callable[[], object], Callable[[], ExitStack]]:
     """`host` warmed up for one pass: its forward alone, as in inference (under no_grad, on inputs
     that need no gradient: FA4 would allocate its LSE for one that does), or with `backward` its
     forward_backward (without `engine_threads`, autograd runs the backward on the calling thread,
-    not on the device's). The function returned times a batch: the mean time of one call over
-    that many calls back to back, in microseconds, synchronized only before and after: the
-    host's (the calls issued) and the wall's (their GPU work done too; the GPU work is tiny, so
-    the two agree and the host is what is timed)."""
+    not on the device's). Returns the pass's call and the context it runs in (entered anew each
+    time)."""
     for x in host.leaves:
         x.requires_grad_(backward)
 
@@ -348,6 +346,15 @@ def host_batches(host: HostCall, backward: bool, engine_threads: bool = True) ->
         once = forward_backward(host) if backward else host.call
         for _ in range(HOST_WARMUP):
             once()
+    return once, context
+
+
+def host_batches(host: HostCall, backward: bool, engine_threads: bool = True) -> Callable[[int], tuple[float, float]]:
+    """`host`'s pass warmed up (`warmed_pass`), and a function that times a batch of it: the mean
+    time of one call over that many calls back to back, in microseconds, synchronized only
+    before and after: the host's (the calls issued) and the wall's (their GPU work done too; the
+    GPU work is tiny, so the two agree and the host is what is timed)."""
+    once, context = warmed_pass(host, backward, engine_threads)
 
     def batch(calls: int) -> tuple[float, float]:
         with context():

@@ -19,7 +19,7 @@ def test_profile_has_times_tables_and_cprofile_and_reports_what_cannot_run(monke
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
     profile = runpy.run_path(str(BENCH / "host_profile.py"), run_name="bench_host_profile")
-    profile["host_batches"].__globals__["HOST_WARMUP"] = 1
+    profile["warmed_pass"].__globals__["HOST_WARMUP"] = 1
     text = "\n".join(profile["host_profile"](device="cpu", calls=4, rounds=2, steps=2, cprofile_steps=3, rows=10))
     table = text.split("## torch.profiler")[0].splitlines()
     assert "| impl | pass | host (us) | wall (us) | host, calling thread (us) | wall, calling thread (us) |" in table
