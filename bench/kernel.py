@@ -1,5 +1,5 @@
 """Kernel benchmark on MagiAttention's settings: b=1, heads 64:8, bf16, seqlen 1k..64k, head dim
-128 or a sweep of head dims.
+128 or a sweep of head dims (and of dtypes: --dtypes bf16,fp16).
 
 maskc beside FlashAttention-4 (where it supports the mask natively), torch SDPA (cuDNN and
 flash backends, full/causal) and FlexAttention, in one run, forward TFLOP/s with the seeds'
@@ -25,7 +25,7 @@ libraries' (the median batch). --host-only measures just that, for a short GPU c
 
 Run on the GPU machine: `python bench/kernel.py --artifacts DIR... [--seqlens 16384,65536]
 [--head-dims 64,128,192/128] [--backward] [--deterministic] [--portable] [--host-only | --no-host]` (DIR:
-`maskc compile` directories holding the bf16 64:8 kernels of those head dims, and d=128's with
+`maskc compile` directories holding the 64:8 kernels of those head dims and dtypes, and bf16 d=128's with
 its backward for the host time). Appends kernel, memory and host rows to bench/results (or
 --out; see bench/README.md) and prints the run's tables.
 """
@@ -33,6 +33,7 @@ its backward for the host time). Appends kernel, memory and host rows to bench/r
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -73,6 +74,8 @@ HOST_WARMUP = 50
 HOST_CALLS = 2000
 #: The batches the host calls are timed in, each implementation's taking turns with the others'.
 HOST_ROUNDS = 10
+#: The dtypes --dtypes may name, by the name their rows record.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window_causal", "varlen_block_causal",
          "shared_question", "global_sliding_window")  # fmt: skip
 
@@ -111,6 +114,14 @@ def parse_head_dims(text: str) -> list[HeadDim]:
         return [HeadDim.parse(part) for part in text.split(",")]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_dtypes(text: str) -> list[str]:
+    """--dtypes: comma-separated DTYPES names."""
+    names = text.split(",")
+    if unknown := [name for name in names if name not in DTYPES]:
+        raise argparse.ArgumentTypeError(f"unknown dtype {unknown[0]!r}: choose among {', '.join(DTYPES)}")
+    return names
 
 
 def head_dim_field(head_dim: HeadDim) -> int | str:
@@ -235,11 +246,13 @@ def baselines(name: str, seqlen: int, lens: np.ndarray, q: torch.Tensor, k: torc
     return calls
 
 
-def inputs(seqlen: int, head_dim: HeadDim, requires_grad: bool, device: str = "cuda") -> tuple[torch.Tensor, ...]:
-    """q [S, Hq, Dqk], k [S, Hkv, Dqk], v [S, Hkv, Dv] in bf16, the same for every run at `seqlen`."""
+def inputs(seqlen: int, head_dim: HeadDim, requires_grad: bool, device: str = "cuda",
+           dtype: str = "bf16") -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """q [S, Hq, Dqk], k [S, Hkv, Dqk], v [S, Hkv, Dv] in `dtype` (a DTYPES name), the same for every run
+    at `seqlen`."""
     torch.manual_seed(seqlen)
     shapes = ((HQ, head_dim.qk), (HKV, head_dim.qk), (HKV, head_dim.v))
-    return tuple(torch.randn(seqlen, h, d, device=device, dtype=torch.bfloat16, requires_grad=requires_grad) for h, d in shapes)
+    return tuple(torch.randn(seqlen, h, d, device=device, dtype=DTYPES[dtype], requires_grad=requires_grad) for h, d in shapes)
 
 
 def maskc_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, **options: bool) -> Callable[[], torch.Tensor]:
@@ -437,7 +450,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--artifacts", required=True, type=Path, nargs="+",
-        help="maskc compile directories with the 64:8 bf16 kernels of the --head-dims (and of d=128 with its backward, for the host time)",
+        help="maskc compile directories with the 64:8 kernels of the --head-dims and --dtypes (and bf16 d=128's with its backward, for the host time)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the results files (default: bench/results)")
     parser.add_argument("--seqlens", default="1024,2048,4096,8192,16384,32768,65536")
@@ -445,6 +458,10 @@ def main() -> None:
     parser.add_argument(
         "--head-dims", type=parse_head_dims, default=[HeadDim(D, D)],
         help="comma-separated head dims, each D or Dqk/Dv (q and k Dqk, v Dv), e.g. 64,128,192/128 (default: 128)",
+    )
+    parser.add_argument(
+        "--dtypes", type=parse_dtypes, default=["bf16"],
+        help=f"comma-separated dtypes among {', '.join(DTYPES)}, each measured at every head dim (default: bf16)",
     )
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--backward", action="store_true", help="also time the backward of every implementation")
@@ -474,16 +491,17 @@ def main() -> None:
 
 
 def measure_kernels(run: Run, args: argparse.Namespace) -> list[dict]:
-    """The kernel and memory rows of every seqlen, head dim, mask and implementation `args` name."""
+    """The kernel and memory rows of every seqlen, head dim, dtype, mask and implementation `args`
+    name."""
     rows = []
     for seqlen in map(int, args.seqlens.split(",")):
         masks, lens = build_masks(seqlen)
-        for head_dim in args.head_dims:
-            q, k, v = inputs(seqlen, head_dim, args.backward)
+        for head_dim, dtype in itertools.product(args.head_dims, args.dtypes):
+            q, k, v = inputs(seqlen, head_dim, args.backward, dtype=dtype)
             for name in args.masks.split(","):
                 mask = masks[name]
                 case = {"mask": name, "seqlen": seqlen, "heads": f"{HQ}:{HKV}", "head_dim": head_dim_field(head_dim),
-                        "dtype": "bf16", "docs": len(lens), "area": mask.area()}
+                        "dtype": dtype, "docs": len(lens), "area": mask.area()}
                 calls = {"maskc": maskc_call(q, k, v, mask)}
                 if args.deterministic:
                     calls["maskc_det"] = maskc_call(q, k, v, mask, deterministic=True)
@@ -495,7 +513,7 @@ def measure_kernels(run: Run, args: argparse.Namespace) -> list[dict]:
                     for row in measure(run, case, impl, call, [q, k, v] if args.backward else None):
                         rows.append(row)
                         value = row.get("tflops", row.get("peak_mib", row.get("error")))
-                        print(f"{seqlen} d={head_dim} {name} {impl} {row['kind']} {row.get('direction', '')} {value}", flush=True)
+                        print(f"{seqlen} d={head_dim} {dtype} {name} {impl} {row['kind']} {row.get('direction', '')} {value}", flush=True)
     return rows
 
 

@@ -40,6 +40,8 @@ DIST_PLOT = "dist_scaling.png"
 PLOT_SEQLENS = (16384, 65536)
 #: The head dim of the kernel figure (the page's settings), in a run that measured several.
 PLOT_HEAD_DIM = 128
+#: The settings' dtype: tables of another name it in their heading.
+DTYPE = "bf16"
 DASH = "—"
 #: The directions' names in prose.
 DIRECTION_NAMES = {"fwd": "forward", "bwd": "backward"}
@@ -359,25 +361,35 @@ def memory_table(rows: Sequence[dict]) -> list[str]:
 
 def kernel_tables(rows: Sequence[dict], impls: dict[str, str] = KERNEL_IMPLS) -> list[str]:
     """The TFLOP/s table of one run's kernel rows, and its memory table if it measured memory;
-    where the run measured several head dims, those tables for each under its own heading."""
+    where the run measured several head dims or dtypes, those tables for each under its own
+    heading."""
     kernel = [row for row in rows if row["kind"] == "kernel" and row["impl"] in impls]
     memory = [row for row in rows if row["kind"] == "memory" and row["impl"] in impls]
-    head_dims = list(dict.fromkeys(row["head_dim"] for row in [*kernel, *memory]))
-    if len(head_dims) <= 1:
+    shapes = list(dict.fromkeys(map(shape, [*kernel, *memory])))
+    if len(shapes) <= 1:
         return head_dim_tables(kernel, memory, impls)
     lines = []
-    for head_dim in head_dims:
-        mine = ([row for row in group if row["head_dim"] == head_dim] for group in (kernel, memory))
-        lines += ["", f"#### {head_dim_title(head_dim)}", "", *head_dim_tables(*mine, impls)]
+    for one in shapes:
+        mine = ([row for row in group if shape(row) == one] for group in (kernel, memory))
+        lines += ["", f"#### {shape_title(one)}", "", *head_dim_tables(*mine, impls)]
     return lines[1:]
 
 
-def head_dim_title(head_dim: int | str) -> str:
-    """'Head dim 128', or 'Head dim 192/128 (q and k 192, v 128)' (a row's head_dim)."""
+def shape(row: dict) -> tuple[int | str, str]:
+    """What a kernel or memory row's tables are kept apart by: its head dim and dtype."""
+    return row["head_dim"], row["dtype"]
+
+
+def shape_title(shape: tuple[int | str, str]) -> str:
+    """'Head dim 128', 'Head dim 192/128 (q and k 192, v 128)'; the dtype named where it is not
+    the settings' bf16 ('Head dim 128, fp16')."""
+    head_dim, dtype = shape
     if isinstance(head_dim, int):
-        return f"Head dim {head_dim}"
-    qk, v = head_dim.split("/")
-    return f"Head dim {head_dim} (q and k {qk}, v {v})"
+        title = f"Head dim {head_dim}"
+    else:
+        qk, v = head_dim.split("/")
+        title = f"Head dim {head_dim} (q and k {qk}, v {v})"
+    return title if dtype == DTYPE else f"{title}, {dtype}"
 
 
 def head_dim_tables(kernel: list[dict], memory: list[dict], impls: dict[str, str]) -> list[str]:
@@ -440,7 +452,7 @@ def run_heading(rows: Sequence[dict]) -> list[str]:
 
 def plot_runs(rows: Sequence[dict]) -> dict[str, str]:
     """The run each figure shows: for the kernels, the shown run with both directions at 16k and
-    64k (at PLOT_HEAD_DIM) beside the most other libraries, then over the most masks (the newest
+    64k (at PLOT_HEAD_DIM in DTYPE) beside the most other libraries, then over the most masks (the newest
     of equals); for the scaling, the newest shown run over several GPU counts."""
     chosen = {}
     candidates = []
@@ -461,8 +473,8 @@ def plot_runs(rows: Sequence[dict]) -> dict[str, str]:
 
 
 def plotted_kernel_rows(rows: Sequence[dict], run: str) -> list[dict]:
-    """The kernel rows of `run` the figure can show: those of PLOT_HEAD_DIM."""
-    return [row for row in of_run(rows, run, "kernel") if row["head_dim"] == PLOT_HEAD_DIM]
+    """The kernel rows of `run` the figure can show: those of PLOT_HEAD_DIM in DTYPE."""
+    return [row for row in of_run(rows, run, "kernel") if shape(row) == (PLOT_HEAD_DIM, DTYPE)]
 
 
 def describe(rows: Sequence[dict], run: str) -> str:
@@ -531,42 +543,42 @@ def memory_shortfalls(memory: Sequence[dict]) -> list[str]:
 
 
 def kernel_shortfalls(rows: Sequence[dict]) -> list[str]:
-    """A line per head dim: what of its TFLOP/s and peak memory falls short (tflops_shortfalls,
-    memory_shortfalls) at TARGET_SEQLENS, each (sequence length, mask) from the newest run
+    """A line per head dim and dtype (`shape`): what of its TFLOP/s and peak memory falls short
+    (tflops_shortfalls, memory_shortfalls) at TARGET_SEQLENS, each (sequence length, mask) from the newest run
     measuring it with maskc and a peer (maskc alone, for a mask no peer has a kernel for), each
     length's memory from the newest run measuring it with maskc and a peer; the line names
     those runs."""
-    found: dict[int | str, dict[tuple, tuple[float, str | None]]] = defaultdict(dict)
-    memory: dict[int | str, dict[int, list[dict]]] = defaultdict(dict)
-    used: dict[int | str, dict[str, dict]] = defaultdict(dict)
+    found: dict[tuple[int | str, str], dict[tuple, tuple[float, str | None]]] = defaultdict(dict)
+    memory: dict[tuple[int | str, str], dict[int, list[dict]]] = defaultdict(dict)
+    used: dict[tuple[int | str, str], dict[str, dict]] = defaultdict(dict)
     mask_order = list(dict.fromkeys(row["mask"] for row in rows if row["kind"] == "kernel"))
     peer_masks = {row["mask"] for row in rows if row["kind"] == "kernel" and row["impl"] in PEERS and "error" not in row}
     for run in current_runs(rows, "kernel", {"maskc", *PEERS}):
         mine = [row for row in of_run(rows, run, "kernel") if "error" not in row]
-        for head_dim in dict.fromkeys(row["head_dim"] for row in mine):
+        for config in dict.fromkeys(map(shape, mine)):
             tflops = {(row["impl"], row["seqlen"], row["mask"], row["direction"]): row["tflops"]
-                      for row in mine if row["head_dim"] == head_dim}  # fmt: skip
+                      for row in mine if shape(row) == config}  # fmt: skip
             impls = {impl for impl, *_ in tflops}
             if "maskc" not in impls:
                 continue
             measured = ratios(tflops, peer_masks)
-            new = {k: v for k, v in measured.items() if k[0] in TARGET_SEQLENS and k not in found[head_dim]}
+            new = {k: v for k, v in measured.items() if k[0] in TARGET_SEQLENS and k not in found[config]}
             peaks_of = defaultdict(list)
             for row in of_run(rows, run, "memory") if impls.intersection(PEERS) else ():
-                if row["head_dim"] == head_dim and row["seqlen"] in TARGET_SEQLENS and row["seqlen"] not in memory[head_dim]:
+                if shape(row) == config and row["seqlen"] in TARGET_SEQLENS and row["seqlen"] not in memory[config]:
                     peaks_of[row["seqlen"]].append(row)
             if new or peaks_of:
-                found[head_dim].update(new)
-                memory[head_dim].update(peaks_of)
-                used[head_dim][run] = mine[0]
+                found[config].update(new)
+                memory[config].update(peaks_of)
+                used[config][run] = mine[0]
     lines = []
-    for head_dim in sorted(used, key=lambda d: tuple(map(int, str(d).split("/")))):
-        measured = sorted(found[head_dim].items(), key=lambda item: (item[0][0], mask_order.index(item[0][1])))
+    for config in sorted(used, key=lambda d: (tuple(map(int, str(d[0]).split("/"))), d[1] != DTYPE, d[1])):
+        measured = sorted(found[config].items(), key=lambda item: (item[0][0], mask_order.index(item[0][1])))
         short = tflops_shortfalls(dict(measured))
-        short["peak memory"] = memory_shortfalls([row for seqlen_rows in memory[head_dim].values() for row in seqlen_rows])
+        short["peak memory"] = memory_shortfalls([row for seqlen_rows in memory[config].values() for row in seqlen_rows])
         parts = [f"{what}: {', '.join(items)}" for what, items in short.items() if items]
-        runs = "; ".join(dict.fromkeys(map(shortfall_source, used[head_dim].values())))
-        lines.append(f"- **{head_dim_title(head_dim)}** ({runs}): " + ("; ".join(parts) if parts else "none") + ".")
+        runs = "; ".join(dict.fromkeys(map(shortfall_source, used[config].values())))
+        lines.append(f"- **{shape_title(config)}** ({runs}): " + ("; ".join(parts) if parts else "none") + ".")
     return lines
 
 

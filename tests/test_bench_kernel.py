@@ -40,8 +40,8 @@ def scratch_run(tmp_path: Path, run: str | None = None, day: int = 1) -> Run:
     return Run.start("kernel", "NVIDIA H200", tmp_path, run=run, argv=["bench/kernel.py", "--backward"], now=NOW.replace(day=day))
 
 
-def case(head_dim: object, seqlen: int = 256) -> dict:
-    return {"mask": "causal", "seqlen": seqlen, "heads": "64:8", "head_dim": head_dim, "dtype": "bf16", "docs": 1,
+def case(head_dim: object, seqlen: int = 256, dtype: str = "bf16") -> dict:
+    return {"mask": "causal", "seqlen": seqlen, "heads": "64:8", "head_dim": head_dim, "dtype": dtype, "docs": 1,
             "area": seqlen * (seqlen + 1) // 2}
 
 
@@ -132,6 +132,38 @@ def test_a_head_dim_without_maskc_backward_gives_error_rows(kernel: dict, tmp_pa
     table = report.kernel_tables(rows)
     assert f"| 256 | causal | 1.00 / — | {fwd} / failed | {fwd} / {bwd} | failed / failed |" in table
     assert "| 256 | — | 10 | — |" in table
+
+
+def test_dtypes_parse_into_the_inputs_and_rows(kernel: dict) -> None:
+    assert kernel["parse_dtypes"]("bf16,fp16") == ["bf16", "fp16"]
+    with pytest.raises(argparse.ArgumentTypeError, match="'fp32': choose among bf16, fp16"):
+        kernel["parse_dtypes"]("bf16,fp32")
+    q, k, v = kernel["inputs"](64, MLA, True, "cpu", "fp16")
+    assert [x.dtype for x in (q, k, v)] == [torch.float16] * 3 and q.requires_grad
+    assert [x.shape for x in (q, k, v)] == [(64, 64, 192), (64, 8, 192), (64, 8, 128)]
+    bf16 = kernel["inputs"](64, MLA, False, "cpu")[0]
+    assert bf16.dtype == torch.bfloat16 and torch.allclose(bf16.float(), q.detach().float(), rtol=1e-2, atol=1e-2)  # same draws
+
+
+def test_a_run_over_two_dtypes_has_tables_and_shortfalls_per_dtype(tmp_path: Path) -> None:
+    """fp16 rows never supersede or mix with bf16 ones: each dtype gets its tables, its line of
+    shortfalls, and the figure shows bf16 only."""
+    run = scratch_run(tmp_path, run="dtypes")
+    for dtype, tflops in (("bf16", 600.0), ("fp16", 500.0)):
+        for seqlen in report.PLOT_SEQLENS:
+            for direction in ("fwd", "bwd"):
+                run.write("kernel", impl="maskc", direction=direction, tflops=tflops, **case(128, seqlen, dtype))
+                run.write("kernel", impl="fa4", direction=direction, tflops=550.0, **case(128, seqlen, dtype))
+    rows = read_results(tmp_path)
+    table = report.kernel_tables(rows)
+    assert table[0] == "#### Head dim 128"
+    split = table.index("#### Head dim 128, fp16")
+    assert "| 16k | causal | 1.09 / 1.09 | 600 / 600 | 550 / 550 |" in table[:split]
+    assert "| 16k | causal | 0.91 / 0.91 | 500 / 500 | 550 / 550 |" in table[split:]
+    bf16, fp16 = report.kernel_shortfalls(rows)
+    assert bf16.startswith("- **Head dim 128** (") and bf16.endswith("): none.")
+    assert fp16.startswith("- **Head dim 128, fp16** (") and "below FA4, forward: causal 16k 0.91, causal 64k 0.91" in fp16
+    assert report.plotted_kernel_rows(rows, "dtypes") == [row for row in rows if row["dtype"] == "bf16"]
 
 
 def test_a_run_over_several_head_dims_has_tables_per_head_dim(tmp_path: Path) -> None:
