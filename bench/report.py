@@ -361,12 +361,12 @@ def memory_table(rows: Sequence[dict]) -> list[str]:
 
 def kernel_tables(rows: Sequence[dict], impls: dict[str, str] = KERNEL_IMPLS) -> list[str]:
     """The TFLOP/s table of one run's kernel rows, and its memory table if it measured memory;
-    where the run measured several head dims or dtypes, those tables for each under its own
-    heading."""
+    where the run measured another head dim or dtype than the settings' (or several), those
+    tables for each under its own heading."""
     kernel = [row for row in rows if row["kind"] == "kernel" and row["impl"] in impls]
     memory = [row for row in rows if row["kind"] == "memory" and row["impl"] in impls]
     shapes = list(dict.fromkeys(map(shape, [*kernel, *memory])))
-    if len(shapes) <= 1:
+    if shapes in ([], [(PLOT_HEAD_DIM, DTYPE)]):
         return head_dim_tables(kernel, memory, impls)
     lines = []
     for one in shapes:
