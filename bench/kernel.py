@@ -1,5 +1,6 @@
 """Kernel benchmark on MagiAttention's settings: b=1, heads 64:8, bf16, seqlen 1k..64k, head dim
-128 or a sweep of head dims (and of dtypes: --dtypes bf16,fp16).
+128 or a sweep of head dims (and of dtypes, --dtypes bf16,fp16, and of head counts, --heads
+64:8,64:64,64:1 for GQA, MHA and MQA).
 
 maskc beside FlashAttention-4 (where it supports the mask natively), torch SDPA (cuDNN and
 flash backends, full/causal) and FlexAttention, in one run, forward TFLOP/s with the seeds'
@@ -24,9 +25,9 @@ libraries' (the median batch). --host-only measures just that, for a short GPU c
 --no-host skips it (kernel A/B runs).
 
 Run on the GPU machine: `python bench/kernel.py --artifacts DIR... [--seqlens 16384,65536]
-[--head-dims 64,128,192/128] [--backward] [--deterministic] [--portable] [--host-only | --no-host]` (DIR:
-`maskc compile` directories holding the 64:8 kernels of those head dims and dtypes, and bf16 d=128's with
-its backward for the host time). Appends kernel, memory and host rows to bench/results (or
+[--head-dims 64,128,192/128] [--dtypes bf16,fp16] [--heads 64:8,64:64] [--backward] [--deterministic]
+[--portable] [--host-only | --no-host]` (DIR: `maskc compile` directories holding the kernels of those
+head dims, dtypes and head counts, and bf16 64:8 d=128's with its backward for the host time). Appends kernel, memory and host rows to bench/results (or
 --out; see bench/README.md) and prints the run's tables.
 """
 
@@ -116,6 +117,20 @@ def parse_head_dims(text: str) -> list[HeadDim]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def parse_heads(text: str) -> list[tuple[int, int]]:
+    """--heads: comma-separated HQ:HKV pairs, each HKV dividing HQ."""
+    pairs = []
+    for part in text.split(","):
+        try:
+            hq, hkv = map(int, part.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"heads must be HQ:HKV like 64:8, got {part!r}") from None
+        if hq < 1 or hkv < 1 or hq % hkv:
+            raise argparse.ArgumentTypeError(f"{part}: the kv heads must divide the query heads")
+        pairs.append((hq, hkv))
+    return pairs
+
+
 def parse_dtypes(text: str) -> list[str]:
     """--dtypes: comma-separated DTYPES names."""
     names = text.split(",")
@@ -130,10 +145,10 @@ def head_dim_field(head_dim: HeadDim) -> int | str:
     return head_dim.qk if head_dim.qk == head_dim.v else str(head_dim)
 
 
-def forward_flops(area: int, head_dim: HeadDim) -> int:
+def forward_flops(area: int, head_dim: HeadDim, heads_q: int = HQ) -> int:
     """FLOPs of the forward: Q K^T over Dqk and P V over Dv on every unmasked (query, key) pair
-    of every query head; the seeds' 4 * area * Hq * D where Dqk = Dv = D."""
-    return 2 * area * HQ * (head_dim.qk + head_dim.v)
+    of every one of `heads_q` query heads; the seeds' 4 * area * Hq * D where Dqk = Dv = D."""
+    return 2 * area * heads_q * (head_dim.qk + head_dim.v)
 
 
 def timed_tflops(fn: Callable[[], object], flops: int) -> float:
@@ -246,12 +261,13 @@ def baselines(name: str, seqlen: int, lens: np.ndarray, q: torch.Tensor, k: torc
     return calls
 
 
-def inputs(seqlen: int, head_dim: HeadDim, requires_grad: bool, device: str = "cuda",
-           dtype: str = "bf16") -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """q [S, Hq, Dqk], k [S, Hkv, Dqk], v [S, Hkv, Dv] in `dtype` (a DTYPES name), the same for every run
-    at `seqlen`."""
+def inputs(seqlen: int, head_dim: HeadDim, requires_grad: bool, device: str = "cuda", dtype: str = "bf16",
+           heads: tuple[int, int] = (HQ, HKV)) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """q [S, Hq, Dqk], k [S, Hkv, Dqk], v [S, Hkv, Dv] in `dtype` (a DTYPES name) with `heads` (Hq,
+    Hkv), the same for every run at `seqlen`."""
     torch.manual_seed(seqlen)
-    shapes = ((HQ, head_dim.qk), (HKV, head_dim.qk), (HKV, head_dim.v))
+    hq, hkv = heads
+    shapes = ((hq, head_dim.qk), (hkv, head_dim.qk), (hkv, head_dim.v))
     return tuple(torch.randn(seqlen, h, d, device=device, dtype=DTYPES[dtype], requires_grad=requires_grad) for h, d in shapes)
 
 
@@ -265,7 +281,7 @@ def measure(run: Run, case: dict, impl: str, call: Callable[[], object], leaves:
     `leaves` (the inputs whose gradients the backward computes) also backward TFLOP/s and the
     peak memory of a forward + backward. Whatever raises (a library without a kernel for the
     case, maskc without a backward at the head dim) is recorded as the rows' error."""
-    flops = forward_flops(case["area"], HeadDim.parse(str(case["head_dim"])))
+    flops = forward_flops(case["area"], HeadDim.parse(str(case["head_dim"])), int(case["heads"].split(":")[0]))
 
     def forward() -> list[dict]:
         with torch.no_grad():
@@ -450,7 +466,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--artifacts", required=True, type=Path, nargs="+",
-        help="maskc compile directories with the 64:8 kernels of the --head-dims and --dtypes (and bf16 d=128's with its backward, for the host time)",
+        help="maskc compile directories with the kernels of the --head-dims, --dtypes and --heads (and bf16 64:8 d=128's with its backward, for the host time)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the results files (default: bench/results)")
     parser.add_argument("--seqlens", default="1024,2048,4096,8192,16384,32768,65536")
@@ -462,6 +478,10 @@ def main() -> None:
     parser.add_argument(
         "--dtypes", type=parse_dtypes, default=["bf16"],
         help=f"comma-separated dtypes among {', '.join(DTYPES)}, each measured at every head dim (default: bf16)",
+    )
+    parser.add_argument(
+        "--heads", type=parse_heads, default=[(HQ, HKV)],
+        help=f"comma-separated query:kv head counts, each measured at every head dim and dtype (default: {HQ}:{HKV})",
     )
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--backward", action="store_true", help="also time the backward of every implementation")
@@ -491,16 +511,16 @@ def main() -> None:
 
 
 def measure_kernels(run: Run, args: argparse.Namespace) -> list[dict]:
-    """The kernel and memory rows of every seqlen, head dim, dtype, mask and implementation `args`
-    name."""
+    """The kernel and memory rows of every seqlen, head dim, dtype, head count, mask and
+    implementation `args` name."""
     rows = []
     for seqlen in map(int, args.seqlens.split(",")):
         masks, lens = build_masks(seqlen)
-        for head_dim, dtype in itertools.product(args.head_dims, args.dtypes):
-            q, k, v = inputs(seqlen, head_dim, args.backward, dtype=dtype)
+        for head_dim, dtype, heads in itertools.product(args.head_dims, args.dtypes, args.heads):
+            q, k, v = inputs(seqlen, head_dim, args.backward, dtype=dtype, heads=heads)
             for name in args.masks.split(","):
                 mask = masks[name]
-                case = {"mask": name, "seqlen": seqlen, "heads": f"{HQ}:{HKV}", "head_dim": head_dim_field(head_dim),
+                case = {"mask": name, "seqlen": seqlen, "heads": "{}:{}".format(*heads), "head_dim": head_dim_field(head_dim),
                         "dtype": dtype, "docs": len(lens), "area": mask.area()}
                 calls = {"maskc": maskc_call(q, k, v, mask)}
                 if args.deterministic:
@@ -513,7 +533,7 @@ def measure_kernels(run: Run, args: argparse.Namespace) -> list[dict]:
                     for row in measure(run, case, impl, call, [q, k, v] if args.backward else None):
                         rows.append(row)
                         value = row.get("tflops", row.get("peak_mib", row.get("error")))
-                        print(f"{seqlen} d={head_dim} {dtype} {name} {impl} {row['kind']} {row.get('direction', '')} {value}", flush=True)
+                        print(f"{seqlen} d={head_dim} {dtype} {case['heads']} {name} {impl} {row['kind']} {row.get('direction', '')} {value}", flush=True)
     return rows
 
 

@@ -40,8 +40,8 @@ DIST_PLOT = "dist_scaling.png"
 PLOT_SEQLENS = (16384, 65536)
 #: The head dim of the kernel figure (the page's settings), in a run that measured several.
 PLOT_HEAD_DIM = 128
-#: The settings' dtype: tables of another name it in their heading.
-DTYPE = "bf16"
+#: The settings' dtype and heads (query:kv): tables of others name them in their heading.
+DTYPE, HEADS = "bf16", "64:8"
 DASH = "—"
 #: The directions' names in prose.
 DIRECTION_NAMES = {"fwd": "forward", "bwd": "backward"}
@@ -361,12 +361,12 @@ def memory_table(rows: Sequence[dict]) -> list[str]:
 
 def kernel_tables(rows: Sequence[dict], impls: dict[str, str] = KERNEL_IMPLS) -> list[str]:
     """The TFLOP/s table of one run's kernel rows, and its memory table if it measured memory;
-    where the run measured another head dim or dtype than the settings' (or several), those
-    tables for each under its own heading."""
+    where the run measured another head dim, dtype or head count than the settings' (or
+    several), those tables for each under its own heading."""
     kernel = [row for row in rows if row["kind"] == "kernel" and row["impl"] in impls]
     memory = [row for row in rows if row["kind"] == "memory" and row["impl"] in impls]
     shapes = list(dict.fromkeys(map(shape, [*kernel, *memory])))
-    if shapes in ([], [(PLOT_HEAD_DIM, DTYPE)]):
+    if shapes in ([], [(PLOT_HEAD_DIM, DTYPE, HEADS)]):
         return head_dim_tables(kernel, memory, impls)
     lines = []
     for one in shapes:
@@ -375,21 +375,27 @@ def kernel_tables(rows: Sequence[dict], impls: dict[str, str] = KERNEL_IMPLS) ->
     return lines[1:]
 
 
-def shape(row: dict) -> tuple[int | str, str]:
-    """What a kernel or memory row's tables are kept apart by: its head dim and dtype."""
-    return row["head_dim"], row["dtype"]
+def shape(row: dict) -> tuple[int | str, str, str]:
+    """What a kernel or memory row's tables are kept apart by: its head dim, dtype and heads."""
+    return row["head_dim"], row["dtype"], row["heads"]
 
 
-def shape_title(shape: tuple[int | str, str]) -> str:
-    """'Head dim 128', 'Head dim 192/128 (q and k 192, v 128)'; the dtype named where it is not
-    the settings' bf16 ('Head dim 128, fp16')."""
-    head_dim, dtype = shape
+def shape_order(shape: tuple[int | str, str, str]) -> tuple:
+    """Head dims ascending (192/128 after 192), each with the settings' dtype and heads first."""
+    head_dim, dtype, heads = shape
+    return tuple(map(int, str(head_dim).split("/"))), dtype != DTYPE, dtype, heads != HEADS, heads
+
+
+def shape_title(shape: tuple[int | str, str, str]) -> str:
+    """'Head dim 128', 'Head dim 192/128 (q and k 192, v 128)'; the dtype and heads named where
+    they are not the settings' ('Head dim 128, fp16', 'Head dim 128, 64:64 heads')."""
+    head_dim, dtype, heads = shape
     if isinstance(head_dim, int):
         title = f"Head dim {head_dim}"
     else:
         qk, v = head_dim.split("/")
         title = f"Head dim {head_dim} (q and k {qk}, v {v})"
-    return title if dtype == DTYPE else f"{title}, {dtype}"
+    return "".join((title, "" if dtype == DTYPE else f", {dtype}", "" if heads == HEADS else f", {heads} heads"))
 
 
 def head_dim_tables(kernel: list[dict], memory: list[dict], impls: dict[str, str]) -> list[str]:
@@ -452,8 +458,9 @@ def run_heading(rows: Sequence[dict]) -> list[str]:
 
 def plot_runs(rows: Sequence[dict]) -> dict[str, str]:
     """The run each figure shows: for the kernels, the shown run with both directions at 16k and
-    64k (at PLOT_HEAD_DIM in DTYPE) beside the most other libraries, then over the most masks (the newest
-    of equals); for the scaling, the newest shown run over several GPU counts."""
+    64k (at PLOT_HEAD_DIM in DTYPE with HEADS) beside the most other libraries, then over the
+    most masks (the newest of equals); for the scaling, the newest shown run over several GPU
+    counts."""
     chosen = {}
     candidates = []
     for run in current_runs(rows, "kernel", KERNEL_IMPLS):
@@ -473,8 +480,8 @@ def plot_runs(rows: Sequence[dict]) -> dict[str, str]:
 
 
 def plotted_kernel_rows(rows: Sequence[dict], run: str) -> list[dict]:
-    """The kernel rows of `run` the figure can show: those of PLOT_HEAD_DIM in DTYPE."""
-    return [row for row in of_run(rows, run, "kernel") if shape(row) == (PLOT_HEAD_DIM, DTYPE)]
+    """The kernel rows of `run` the figure can show: those of PLOT_HEAD_DIM in DTYPE with HEADS."""
+    return [row for row in of_run(rows, run, "kernel") if shape(row) == (PLOT_HEAD_DIM, DTYPE, HEADS)]
 
 
 def describe(rows: Sequence[dict], run: str) -> str:
@@ -543,7 +550,7 @@ def memory_shortfalls(memory: Sequence[dict]) -> list[str]:
 
 
 def kernel_shortfalls(rows: Sequence[dict]) -> list[str]:
-    """A line per head dim and dtype (`shape`): what of its TFLOP/s and peak memory falls short
+    """A line per head dim, dtype and head count (`shape`): what of its TFLOP/s and peak memory falls short
     (tflops_shortfalls, memory_shortfalls) at TARGET_SEQLENS, each (sequence length, mask) from the newest run
     measuring it with maskc and a peer (maskc alone, for a mask no peer has a kernel for), each
     length's memory from the newest run measuring it with maskc and a peer; the line names
@@ -572,7 +579,7 @@ def kernel_shortfalls(rows: Sequence[dict]) -> list[str]:
                 memory[config].update(peaks_of)
                 used[config][run] = mine[0]
     lines = []
-    for config in sorted(used, key=lambda d: (tuple(map(int, str(d[0]).split("/"))), d[1] != DTYPE, d[1])):
+    for config in sorted(used, key=shape_order):
         measured = sorted(found[config].items(), key=lambda item: (item[0][0], mask_order.index(item[0][1])))
         short = tflops_shortfalls(dict(measured))
         short["peak memory"] = memory_shortfalls([row for seqlen_rows in memory[config].values() for row in seqlen_rows])

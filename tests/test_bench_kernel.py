@@ -134,6 +134,17 @@ def test_a_head_dim_without_maskc_backward_gives_error_rows(kernel: dict, tmp_pa
     assert "| 256 | — | 10 | — |" in table
 
 
+def test_heads_parse_into_the_inputs_and_flops(kernel: dict) -> None:
+    assert kernel["parse_heads"]("64:8,64:64,64:1") == [(64, 8), (64, 64), (64, 1)]
+    for bad, message in (("64:6", "64:6: the kv heads must divide"), ("64x8", "HQ:HKV like 64:8, got '64x8'"), ("0:0", "0:0")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            kernel["parse_heads"](bad)
+    q, k, v = kernel["inputs"](32, HeadDim(64, 64), False, "cpu", heads=(16, 1))
+    assert [x.shape for x in (q, k, v)] == [(32, 16, 64), (32, 1, 64), (32, 1, 64)]
+    assert kernel["forward_flops"](10, HeadDim(64, 64), 16) == 4 * 10 * 16 * 64
+    assert kernel["forward_flops"](10, MLA) == 2 * 10 * 64 * (192 + 128)  # the settings' 64 query heads
+
+
 def test_dtypes_parse_into_the_inputs_and_rows(kernel: dict) -> None:
     assert kernel["parse_dtypes"]("bf16,fp16") == ["bf16", "fp16"]
     with pytest.raises(argparse.ArgumentTypeError, match="'fp32': choose among bf16, fp16"):
@@ -146,8 +157,9 @@ def test_dtypes_parse_into_the_inputs_and_rows(kernel: dict) -> None:
 
 
 def test_a_run_over_two_dtypes_has_tables_and_shortfalls_per_dtype(tmp_path: Path) -> None:
-    """fp16 rows never supersede or mix with bf16 ones: each dtype gets its tables, its line of
-    shortfalls, and the figure shows bf16 only."""
+    """fp16 rows never supersede or mix with bf16 ones, nor rows of other head counts with the
+    settings' 64:8: each gets its tables, its line of shortfalls, and the figure shows bf16 at
+    64:8 only."""
     run = scratch_run(tmp_path, run="dtypes")
     for dtype, tflops in (("bf16", 600.0), ("fp16", 500.0)):
         for seqlen in report.PLOT_SEQLENS:
@@ -164,6 +176,16 @@ def test_a_run_over_two_dtypes_has_tables_and_shortfalls_per_dtype(tmp_path: Pat
     assert bf16.startswith("- **Head dim 128** (") and bf16.endswith("): none.")
     assert fp16.startswith("- **Head dim 128, fp16** (") and "below FA4, forward: causal 16k 0.91, causal 64k 0.91" in fp16
     assert report.plotted_kernel_rows(rows, "dtypes") == [row for row in rows if row["dtype"] == "bf16"]
+    mha = {**case(128, 16384), "heads": "64:64"}
+    run.write("kernel", impl="maskc", direction="fwd", tflops=500.0, **mha)
+    run.write("kernel", impl="fa4", direction="fwd", tflops=550.0, **mha)
+    rows = read_results(tmp_path)
+    assert "#### Head dim 128, 64:64 heads" in report.kernel_tables(rows)
+    assert report.kernel_shortfalls(rows)[1] == (
+        f"- **Head dim 128, 64:64 heads** ({rows[0]['device']}, {rows[0]['date']}, `{rows[0]['commit']}`): "
+        "below FA4, forward: causal 16k 0.91."
+    )
+    assert report.plotted_kernel_rows(rows, "dtypes") == [row for row in rows if row["dtype"] == "bf16" and row["heads"] == "64:8"]
 
 
 def test_a_run_over_several_head_dims_has_tables_per_head_dim(tmp_path: Path) -> None:
