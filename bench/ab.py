@@ -28,6 +28,7 @@ def add_run_command(commands: argparse._SubParsersAction, folders: str, what: st
     parser.add_argument("--out", type=Path, default=Path(out), help=f"scratch folder of the rows (default: {out})")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--head-dims", default="128", help="as bench/kernel.py's (default: 128)")
+    parser.add_argument("--heads", default="64:8", help="as bench/kernel.py's (default: 64:8)")
     parser.add_argument("--seqlens", default="16384", help="as bench/kernel.py's (default: 16384)")
     parser.add_argument("--masks", default="full,causal,varlen_causal", help="as bench/kernel.py's")
     parser.add_argument("--backward", action="store_true", help="also time the backward")
@@ -37,7 +38,7 @@ def alternate(arms: list[Arm], args: argparse.Namespace, bench: Path) -> Path:
     """bench/kernel.py of the folder `bench` on each arm, `args.rounds` times in turn, the cases
     `add_run_command` took; the rows of arm a's round r go to OUT/a.r. Returns OUT."""
     out = args.out.resolve()
-    options = ["--head-dims", args.head_dims, "--seqlens", args.seqlens, "--masks", args.masks]
+    options = ["--head-dims", args.head_dims, "--heads", args.heads, "--seqlens", args.seqlens, "--masks", args.masks]
     for round_ in range(args.rounds):
         for arm in arms:
             subprocess.run([sys.executable, str(bench / "kernel.py"), "--artifacts", str(arm.artifacts), "--no-baselines",

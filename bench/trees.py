@@ -4,8 +4,8 @@
     python bench/trees.py run ab/* --head-dims 128 --rounds 2 --backward                 # the GPU machine
 
 `build` exports each revision (`git archive`; `worktree` is the checkout with the uncommitted
-changes of its tracked files: `git add` a new file first), installs its package into DIR/<sha>/package and compiles its 64:8 bf16 kernels of
-the head dims into DIR/<sha>/kernels with that package, from outside the checkout (a process
+changes of its tracked files: `git add` a new file first), installs its package into DIR/<sha>/package and compiles its bf16 kernels of
+the head dims and head counts (--heads, default 64:8) into DIR/<sha>/kernels with that package, from outside the checkout (a process
 started inside a checkout imports the checkout: measuring.md). `run` times every tree in turn
 with its own package and kernels (`bench/kernel.py --no-baselines`, from a copy of this
 checkout's bench/ outside it), round after round (only ratios within one call compare),
@@ -59,7 +59,7 @@ def export(sha: str, dest: Path) -> Path:
     return dest
 
 
-def build(out: Path, revs: Sequence[str], head_dims: str) -> list[Path]:
+def build(out: Path, revs: Sequence[str], head_dims: str, heads: str = "64:8") -> list[Path]:
     """DIR/<sha>/{package, kernels} for each revision."""
     dirs = []
     for rev in revs:
@@ -73,7 +73,7 @@ def build(out: Path, revs: Sequence[str], head_dims: str) -> list[Path]:
             wheel = next(Path(tmp, "wheel").glob("*.whl"))
             subprocess.run([*pip, "install", "--no-deps", "--target", str(tree / "package"), str(wheel)], check=True)
             subprocess.run([sys.executable, "-m", "maskc", "compile", str(source / "examples" / "full.mask"), "-o",
-                            str(tree / "kernels"), "--head-dim", head_dims, "--heads", "64:8", "--dtype", "bf16"],
+                            str(tree / "kernels"), "--head-dim", head_dims, "--heads", heads, "--dtype", "bf16"],
                            cwd=tmp, env=tree_env(tree), check=True)  # fmt: skip
         dirs.append(tree)
     return dirs
@@ -97,7 +97,7 @@ def run(trees: list[Path], args: argparse.Namespace) -> None:
 
 
 def summary(rows: dict[str, list[list[dict]]]) -> list[str]:
-    """A line per (head dim, length, mask, direction): each tree's TFLOP/s round by round, and
+    """A line per (head dim, heads, length, mask, direction): each tree's TFLOP/s round by round, and
     after every tree but the first its mean's ratio to the first's. `rows`: per tree, each
     round's rows (failed measurements show as -)."""
     cells: dict[tuple, dict[str, list[float | None]]] = defaultdict(lambda: defaultdict(list))
@@ -105,11 +105,11 @@ def summary(rows: dict[str, list[list[dict]]]) -> list[str]:
         for round_rows in rounds:
             for row in round_rows:
                 if row["kind"] == "kernel":
-                    key = (row["head_dim"], row["seqlen"], row["mask"], row["direction"])
+                    key = (row["head_dim"], row["heads"], row["seqlen"], row["mask"], row["direction"])
                     cells[key][tree].append(row.get("tflops"))
     lines = []
     first = next(iter(rows))
-    for (head_dim, seqlen, mask, direction), by_tree in cells.items():
+    for (head_dim, heads, seqlen, mask, direction), by_tree in cells.items():
         parts = []
         for tree in rows:
             values = by_tree.get(tree, [])
@@ -118,7 +118,7 @@ def summary(rows: dict[str, list[list[dict]]]) -> list[str]:
             if tree != first and measured and base:
                 text += f" ({sum(measured) / len(measured) / (sum(base) / len(base)):.3f})"
             parts.append(f"{tree} {text}")
-        lines.append(f"d={head_dim} {seqlen // 1024}k {mask} {direction}: " + ", ".join(parts))
+        lines.append(f"d={head_dim} {heads} {seqlen // 1024}k {mask} {direction}: " + ", ".join(parts))
     return lines
 
 
@@ -129,6 +129,7 @@ def main() -> None:
     b.add_argument("--out", type=Path, required=True, help="folder of the trees")
     b.add_argument("--rev", action="append", required=True, help=f"a git revision, or {WORKTREE}; the first is the base")
     b.add_argument("--head-dims", default="128", help="as maskc compile's --head-dim (default: 128)")
+    b.add_argument("--heads", default="64:8", help="as maskc compile's --heads (default: 64:8)")
     add_run_command(sub, "trees", "folders `build` wrote, the base first", "tree_ab")
     args = parser.parse_args()
     if args.command == "build":
@@ -136,7 +137,7 @@ def main() -> None:
             shas = [resolve(rev) for rev in args.rev]
         except ValueError as e:
             parser.error(str(e))
-        for tree in build(args.out, shas, args.head_dims):
+        for tree in build(args.out, shas, args.head_dims, args.heads):
             print(tree)
     else:
         run(args.trees, args)

@@ -19,7 +19,7 @@ import trees  # noqa: E402
 
 
 def _row(tflops: float | None, mask: str = "full", direction: str = "fwd") -> dict:
-    row = {"kind": "kernel", "head_dim": "128", "seqlen": 16384, "mask": mask, "direction": direction}
+    row = {"kind": "kernel", "head_dim": "128", "heads": "64:8", "seqlen": 16384, "mask": mask, "direction": direction}
     return {**row, "tflops": tflops} if tflops is not None else {**row, "error": "failed"}
 
 
@@ -29,8 +29,8 @@ def test_the_summary_sets_each_case_of_the_trees_side_by_side_with_ratios_to_the
         "bbbbbbb": [[_row(550.0), _row(380.0, "causal")], [_row(561.0), _row(420.0, "causal")]],
     }
     assert trees.summary(rows) == [
-        "d=128 16k full fwd: aaaaaaa 500 / 510, bbbbbbb 550 / 561 (1.100)",
-        "d=128 16k causal fwd: aaaaaaa 400 / -, bbbbbbb 380 / 420 (1.000)",
+        "d=128 64:8 16k full fwd: aaaaaaa 500 / 510, bbbbbbb 550 / 561 (1.100)",
+        "d=128 64:8 16k causal fwd: aaaaaaa 400 / -, bbbbbbb 380 / 420 (1.000)",
     ]
 
 
@@ -42,15 +42,16 @@ def test_the_arms_run_in_turn_round_after_round_each_in_its_environment(tmp_path
         "import json, os, sys\n"
         "a = sys.argv[1:]\n"
         "with open(os.environ['LOG'], 'a') as f:\n"
-        "    f.write(json.dumps([os.environ['ARM'], a[a.index('--artifacts') + 1], a[a.index('--out') + 1], a[-1]]) + '\\n')\n"
+        "    f.write(json.dumps([os.environ['ARM'], a[a.index('--artifacts') + 1], a[a.index('--out') + 1], a[a.index('--heads') + 1], a[-1]]) + '\\n')\n"
     )
     log = tmp_path / "log"
     arms = [ab.Arm(name, tmp_path / name, {**os.environ, "ARM": name, "LOG": str(log)}) for name in ("base", "new")]
-    args = argparse.Namespace(out=tmp_path / "out", rounds=2, head_dims="128", seqlens="16384", masks="full", backward=True)
+    args = argparse.Namespace(out=tmp_path / "out", rounds=2, head_dims="128", heads="64:1", seqlens="16384", masks="full",
+                              backward=True)  # fmt: skip
     out = ab.alternate(arms, args, bench)
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert [call[0] for call in calls] == ["base", "new", "base", "new"]
-    assert calls[2] == ["base", str(tmp_path / "base"), str(out / "base.1"), "--backward"]
+    assert calls[2] == ["base", str(tmp_path / "base"), str(out / "base.1"), "64:1", "--backward"]
 
 
 def test_revisions_resolve_to_commits_and_export_their_whole_tree(tmp_path: Path) -> None:
@@ -80,8 +81,8 @@ def test_a_process_of_a_tree_imports_its_package_and_names_its_commit(tmp_path: 
 @pytest.mark.slow
 def test_a_built_tree_holds_its_revisions_package_and_kernels(tmp_path: Path) -> None:
     pytest.importorskip("cutlass")
-    [tree] = trees.build(tmp_path, ["HEAD"], "64")
+    [tree] = trees.build(tmp_path, ["HEAD"], "64", "8:1")
     assert tree.name == trees.resolve("HEAD")
     assert (tree / "package" / "maskc" / "templates").is_dir()
     manifest = json.loads((tree / "kernels" / "manifest.json").read_text())
-    assert {v["fields"]["head_dim"] for v in manifest["variants"]} == {64}
+    assert {(v["fields"]["head_dim"], v["fields"]["num_heads_q"], v["fields"]["num_heads_kv"]) for v in manifest["variants"]} == {(64, 8, 1)}
