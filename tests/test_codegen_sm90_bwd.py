@@ -269,13 +269,15 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add", ptx)
     assert not re.search(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", ptx)
     # No per-element atomics on dQ: only a split item's pieces add their dK / dV (a warpgroup's
-    # (dk_cols + dv_cols) x key block values over its 128 threads) and count, and the last piece takes
-    # the sums back, leaving zeros (one exchange a value).
+    # (dk_cols + dv_cols) x key block values over its 128 threads, four values a reduction) and
+    # count, and the last piece takes the sums back, leaving zeros (one exchange a value).
     values = (dk_cols + dv_cols) * v.bwd_key_block // 128
     # The dQ writer adds the rows of a view's last, partial 8-row group one value a lane at a
     # time: one reduction in a loop per view off row 0, warpgroup and chunk.
     tails = 0 if v.deterministic else 7 * v.bwd_dq_warpgroups * dq_chunks
-    assert ptx.count("red.global") == ptx.count("red.global.add.f32") == copies * values + tails
+    assert ptx.count("red.global.add.v4.f32") == copies * values // 4
+    assert ptx.count("red.global") == ptx.count("red.global.add.v4.f32") + ptx.count("red.global.add.f32")
+    assert ptx.count("red.global.add.f32") == tails
     assert ptx.count("atom.global") == ptx.count("atom.global.exch.b32") == copies * values
     # The pieces' counts, and with the CTAs' pace one count of the CTAs done (the producer's).
     assert ptx.count("atom.acq_rel.gpu.global.add.s32") == copies + v.bwd_paced
