@@ -104,7 +104,9 @@ each mask natively. The backward is `out.backward` timed alone. `maskc / FA4` is
 TFLOP/s over FA4's on the same line (forward / backward), `maskc / full` over maskc's own on the
 full mask of the same length: below 1 in the first, FA4 is the faster there ("Short of the
 targets" below lists every such line and what holds maskc back); the second says what a mask's
-shape costs.
+shape costs. A table of another dtype (fp16) or head count (64:64, MHA; 64:1, MQA) than the
+settings' names it in its heading; fp16 runs the bf16 kernels' code with the other element
+type, and measures as bf16 does.
 """
 
 SEVERAL_GPUS = """\
@@ -168,12 +170,21 @@ What holds these back, as measured so far:
 - Masks with many partial blocks against the full mask: each partial block computes and
   applies its keep masks (an item's lines past the registers' slots come from global memory
   inside the block loop), and a window leaves every q tile few blocks to spread its prologue
-  and epilogue over (`docs/design/backward-order.md`). Whole tiles also bound these masks: of
+  and epilogue over (`docs/design/backward-order.md`): in the runs that measured both at
+  d=128, FA4's own sliding window runs at 0.66-0.79 of its full mask, maskc's at 0.74-0.77
+  at 64:8. Whole tiles also bound these masks: of
   the elements in the tiles a mask touches (the forward's chosen tile, 16 tokens a tile under
   PackGQA; the backward's) it keeps 91-93% for global + window (96% in the 64-key backward of
   d=256), 92-97% for varlen block causal and shared question at 16k (90% in d=64's 128 x 128
   backward) and 95-99% at 64k; the full mask 99-100% (`bench/fill.py`). Where that
   share is near 92%, the target asks partial blocks to cost no more than full ones.
+- Other head counts (`docs/design/head-counts.md`): with one query head a K/V head (64:64) the
+  forward has no heads to pack, so its 128-row q tiles sit on the fixed grid and those that
+  straddle two documents compute both (varlen full 0.81 of FA4, varlen causal 0.88; q tiles
+  per document would keep 0.993 and 0.957 of the computed elements against 0.964 and 0.904);
+  with one K/V head (64:1) nearly every backward item is split into one-head pieces, each
+  paying an item's boundary over a few q blocks (varlen causal 0.59; without the split whole
+  items leave one CTA twice the mean load, 252 TFLOP/s against 328).
 - Memory: the peak holds the backward's float32 dQ accumulator. The forward writes the lse
   its backward loads, which keeps it instead of lse, so where q and v have one head dim maskc's
   peak is FlexAttention's. At 192/128 the accumulator's 192 float32 columns add 128 bytes per
