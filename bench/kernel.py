@@ -25,10 +25,11 @@ libraries' (the median batch). --host-only measures just that, for a short GPU c
 --no-host skips it (kernel A/B runs).
 
 Run on the GPU machine: `python bench/kernel.py --artifacts DIR... [--seqlens 16384,65536]
-[--head-dims 64,128,192/128] [--dtypes bf16,fp16] [--heads 64:8,64:64] [--backward] [--deterministic]
-[--portable] [--host-only | --no-host]` (DIR: `maskc compile` directories holding the kernels of those
-head dims, dtypes and head counts, and bf16 64:8 d=128's with its backward for the host time). Appends kernel, memory and host rows to bench/results (or
---out; see bench/README.md) and prints the run's tables.
+[--head-dims 64,128,192/128] [--dtypes bf16,fp16] [--heads 64:8,64:64] [--backward]
+[--deterministic] [--portable] [--host-only | --no-host]` (DIR: `maskc compile` directories
+holding the kernels of those head dims, dtypes and head counts, and bf16 64:8 d=128's with its
+backward for the host time). Appends kernel, memory and host rows to bench/results (or --out;
+see bench/README.md) and prints the run's tables.
 """
 
 from __future__ import annotations

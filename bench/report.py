@@ -380,9 +380,9 @@ def kernel_tables(rows: Sequence[dict], impls: dict[str, str] = KERNEL_IMPLS) ->
     if shapes in ([], [(PLOT_HEAD_DIM, DTYPE, HEADS)]):
         return head_dim_tables(kernel, memory, impls)
     lines = []
-    for one in shapes:
-        mine = ([row for row in group if shape(row) == one] for group in (kernel, memory))
-        lines += ["", f"#### {shape_title(one)}", "", *head_dim_tables(*mine, impls)]
+    for config in shapes:
+        mine = ([row for row in group if shape(row) == config] for group in (kernel, memory))
+        lines += ["", f"#### {shape_title(config)}", "", *head_dim_tables(*mine, impls)]
     return lines[1:]
 
 
@@ -391,16 +391,16 @@ def shape(row: dict) -> tuple[int | str, str, str]:
     return row["head_dim"], row["dtype"], row["heads"]
 
 
-def shape_order(shape: tuple[int | str, str, str]) -> tuple:
+def shape_order(config: tuple[int | str, str, str]) -> tuple:
     """Head dims ascending (192/128 after 192), each with the settings' dtype and heads first."""
-    head_dim, dtype, heads = shape
+    head_dim, dtype, heads = config
     return tuple(map(int, str(head_dim).split("/"))), dtype != DTYPE, dtype, heads != HEADS, heads
 
 
-def shape_title(shape: tuple[int | str, str, str]) -> str:
+def shape_title(config: tuple[int | str, str, str]) -> str:
     """'Head dim 128', 'Head dim 192/128 (q and k 192, v 128)'; the dtype and heads named where
     they are not the settings' ('Head dim 128, fp16', 'Head dim 128, 64:64 heads')."""
-    head_dim, dtype, heads = shape
+    head_dim, dtype, heads = config
     if isinstance(head_dim, int):
         title = f"Head dim {head_dim}"
     else:
@@ -561,14 +561,14 @@ def memory_shortfalls(memory: Sequence[dict]) -> list[str]:
 
 
 def kernel_shortfalls(rows: Sequence[dict]) -> list[str]:
-    """A line per head dim, dtype and head count (`shape`): what of its TFLOP/s and peak memory falls short
-    (tflops_shortfalls, memory_shortfalls) at TARGET_SEQLENS, each (sequence length, mask) from the newest run
-    measuring it with maskc and a peer (maskc alone, for a mask no peer has a kernel for), each
-    length's memory from the newest run measuring it with maskc and a peer; the line names
-    those runs."""
-    found: dict[tuple[int | str, str], dict[tuple, tuple[float, str | None]]] = defaultdict(dict)
-    memory: dict[tuple[int | str, str], dict[int, list[dict]]] = defaultdict(dict)
-    used: dict[tuple[int | str, str], dict[str, dict]] = defaultdict(dict)
+    """A line per head dim, dtype and head count (`shape`): what of its TFLOP/s and peak memory
+    falls short (tflops_shortfalls, memory_shortfalls) at TARGET_SEQLENS, each (sequence length,
+    mask) from the newest run measuring it with maskc and a peer (maskc alone, for a mask no
+    peer has a kernel for), each length's memory from the newest run measuring it with maskc and
+    a peer; the line names those runs."""
+    found: dict[tuple[int | str, str, str], dict[tuple, tuple[float, str | None]]] = defaultdict(dict)
+    memory: dict[tuple[int | str, str, str], dict[int, list[dict]]] = defaultdict(dict)
+    used: dict[tuple[int | str, str, str], dict[str, dict]] = defaultdict(dict)
     mask_order = list(dict.fromkeys(row["mask"] for row in rows if row["kind"] == "kernel"))
     peer_masks = {row["mask"] for row in rows if row["kind"] == "kernel" and row["impl"] in PEERS and "error" not in row}
     for run in current_runs(rows, "kernel", {"maskc", *PEERS}):

@@ -4,8 +4,9 @@
     python bench/trees.py run ab/* --head-dims 128 --rounds 2 --backward                 # the GPU machine
 
 `build` exports each revision (`git archive`; `worktree` is the checkout with the uncommitted
-changes of its tracked files: `git add` a new file first), installs its package into DIR/<sha>/package and compiles its bf16 kernels of
-the head dims and head counts (--heads, default 64:8) into DIR/<sha>/kernels with that package, from outside the checkout (a process
+changes of its tracked files: `git add` a new file first), installs its package into
+DIR/<sha>/package and compiles its bf16 kernels of the head dims and head counts (--heads,
+default 64:8) into DIR/<sha>/kernels with that package, from outside the checkout (a process
 started inside a checkout imports the checkout: measuring.md). `run` times every tree in turn
 with its own package and kernels (`bench/kernel.py --no-baselines`, from a copy of this
 checkout's bench/ outside it), round after round (only ratios within one call compare),
