@@ -204,7 +204,8 @@ CTA c of the `num_ctas` runs items[cta_items[c]:cta_items[c+1]], rows (work, K/V
 1 to walk each q block's query heads innermost, 2 to walk the q blocks first to last; query
 head within the K/V head, -1 for all; split slot, -1 for none) (`maskc.ir.items`). The pieces
 of a split item (one per query head) add dK / dV into `dkv_accum` (KA = slots * tile_n * (D +
-Dv), per slot and 64-key warpgroup block [64, D] then [64, Dv]; empty when there is no slot) and
+Dv): per slot, each consumer warpgroup's dK and dV in the kernel's own order; empty when there
+is no slot) and
 count themselves in `dkv_count` after its PACE_COUNTERS first counters (KC = PACE_COUNTERS +
 slots * tile_n / 64), both zero on entry; the last piece of each item clears its slot and
 counter. The first counters pace the CTAs of the SM90 kernels that keep pace
