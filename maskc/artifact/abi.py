@@ -205,10 +205,9 @@ CTA c of the `num_ctas` runs items[cta_items[c]:cta_items[c+1]], rows (work, K/V
 head within the K/V head, -1 for all; split slot, -1 for none) (`maskc.ir.items`). The pieces
 of a split item (one per query head) add dK / dV into `dkv_accum` (KA = slots * tile_n * (D +
 Dv): per slot, each consumer warpgroup's dK and dV in the kernel's own order; empty when there
-is no slot) and
-count themselves in `dkv_count` after its PACE_COUNTERS first counters (KC = PACE_COUNTERS +
-slots * tile_n / 64), both zero on entry; the last piece of each item clears its slot and
-counter. The first counters pace the CTAs of the SM90 kernels that keep pace
+is no slot) and count themselves in `dkv_count` after its PACE_COUNTERS first counters (KC =
+PACE_COUNTERS + slots * tile_n / 64), both zero on entry; the last piece of each item clears
+its slot and counter. The first counters pace the CTAs of the SM90 kernels that keep pace
 (`KernelVariant.bwd_paced`): each counts its steps on the first, its end on the second, and
 the last CTA to end clears both. So both are zero again when the kernel ends and the caller
 can keep them for the next launch on the stream."""
