@@ -59,6 +59,7 @@ import maskc
 from maskc.artifact.families import HeadDim
 from maskc.frontend import load
 from maskc.ir import Mask
+from maskc.runtime.plan import TORCH_DTYPES
 
 HQ, HKV = 64, 8
 #: The head dim of the host time (and of bench/dist.py).
@@ -76,8 +77,8 @@ HOST_WARMUP = 50
 HOST_CALLS = 2000
 #: The batches the host calls are timed in, each implementation's taking turns with the others'.
 HOST_ROUNDS = 10
-#: The dtypes --dtypes may name, by the name their rows record.
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: The dtypes --dtypes may name (maskc's kernel dtypes), by the name their rows record.
+DTYPES = {name: dtype for dtype, name in TORCH_DTYPES.items()}
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window_causal", "varlen_block_causal",
          "shared_question", "global_sliding_window")  # fmt: skip
 
