@@ -22,6 +22,7 @@ import maskc
 from maskc.artifact.families import HeadDim
 from maskc.frontend import load
 from maskc.ir import AttnSlice, Mask, strategy
+from maskc.ir.schedule import build_backward_schedule
 from maskc.runtime import plan, registry
 
 pytestmark = pytest.mark.gpu
@@ -469,19 +470,48 @@ def test_gradients_through_a_broadcast_lse_gradient(portable: bool | None) -> No
     ("varlen_causal", 8, 1, "192/128", "fp16", False),
 ])  # fmt: skip
 def test_gradients_with_split_items(name: str, hq: int, hkv: int, d: int | str, dtype: str, extras: bool, monkeypatch) -> None:
-    """Items split into one piece per query head (fp32 slot sums; the last piece to count stores
+    """Items split into pieces by query head (fp32 slot sums; the last piece to count stores
     them) give the same gradients. With no piece overhead in the deal's model the tail of every
     mask here splits; the test checks that it did. The sums live in a workspace the runtime
     keeps across calls: each backward leaves it zeroed, and the next one (new inputs) is right."""
-    monkeypatch.setattr(maskc.ir.items, "PIECE_OVERHEAD_BLOCKS", 0.0)
+    monkeypatch.setattr(maskc.ir.items, "PIECE_OVERHEAD_STEPS", 0)
     mask = MASKS[name]()
+    _check_split_grads(mask, hq, hkv, d, dtype, extras)
+    assert _split_items(mask)[:, 5].max() >= 0, "the backward schedule split no item"
+
+
+@pytest.mark.parametrize("name,hq,hkv,d,dtype", [
+    ("random_unequal", 8, 2, 128, "bf16"), ("random_unequal", 8, 1, 64, "fp16"), ("rows_without_keys", 64, 8, 128, "bf16"),
+    ("causal_8k", 8, 1, 128, "bf16"),
+])  # fmt: skip
+def test_gradients_with_pieces_of_several_query_heads(name: str, hq: int, hkv: int, d: int, dtype: str) -> None:
+    """Pieces of a few query heads each (as the deal's model cuts these masks' items) count
+    their heads on the slot's counter; the piece that counts the last stores the sums. A causal
+    mask of one k tile per CTA has every item cut, the pieces in (longest, shortest) pairs: the
+    second walks its q blocks first to last."""
+    mask = Mask([AttnSlice((0, 8192), (0, 8192), "causal")], 8192, 8192) if name == "causal_8k" else MASKS[name]()
+    _check_split_grads(mask, hq, hkv, d, dtype, extras=False)
+    items = _split_items(mask)
+    assert items[:, 4].max() > 1, "no piece of the backward schedule has several query heads"
+    if name == "causal_8k":
+        assert (items[items[:, 5] >= 0, 2] & maskc.ir.items.ASCENDING).any(), "no pair of pieces"
+
+
+def _check_split_grads(mask: Mask, hq: int, hkv: int, d: int | str, dtype: str, extras: bool) -> None:
+    """Gradients right twice over (new inputs), each backward leaving the split sums' workspace zero."""
     for seed in (0, 1):
         _check_grads(mask, hq, hkv, d, dtype, softcap=5.0 if extras else 0.0, sink=extras, seed=seed)
         torch.cuda.synchronize()
         workspaces = list(maskc.runtime.ops._SPLIT_WORKSPACES.values())
         assert workspaces and not any(bool(w.any()) for w in workspaces), "a backward left split sums behind"
-    slots = [entry[2] for key, entry in mask.memo.items() if isinstance(key, tuple) and key[0] == "build_backward_schedule"]
-    assert slots and slots[0] > 0, "the backward schedule split no item"
+
+
+def _split_items(mask: Mask) -> np.ndarray:
+    """The item rows (`maskc.ir.items.ItemLists`) of the backward schedule the calls planned for
+    `mask`, rebuilt from its memo key (build, num_ctas, then the builder's parameters)."""
+    keys = [key for key in mask.memo if isinstance(key, tuple) and key[0] == "build_backward_schedule"]
+    assert len(keys) == 1, f"expected one backward schedule, found {len(keys)}"
+    return build_backward_schedule(mask, *keys[0][2:]).items
 
 
 @pytest.mark.parametrize("mask,hq,hkv,d,dtype", [

@@ -7,10 +7,12 @@ import pytest
 
 from maskc.ir import AttnSlice, Mask
 from maskc.ir.items import (
-    ASCENDING, HEADS_INNER, SECTION, SPLIT_GAIN, TAIL_ROUNDS, _free_times, _pieces, _unit_costs, deal, heads_inner,
-    section_order, split_heavy, split_tail, sync_group_order, whole,
+    ASCENDING, COARSE_ITEMS_PER_CTA, HEADS_INNER, PIECE_OVERHEAD_STEPS, SECTION, SPLIT_GAIN, TAIL_ROUNDS, _free_times,
+    _makespan, _pieces, _unit_costs, deal, heads_inner, section_order, split, split_heavy, split_tail, sync_group_order,
+    whole,
 )  # fmt: skip
 from maskc.ir.schedule import build_backward_schedule
+from test_schedule import piece_heads
 
 
 def test_heads_inner_only_where_tiles_share_their_last_block() -> None:
@@ -141,15 +143,15 @@ def test_split_tail_cuts_the_last_items_into_one_piece_per_query_head() -> None:
     # 5 equal items on 4 CTAs: whole, the fifth runs alone after the first round (makespan 2x).
     items = whole(np.stack([np.arange(5), np.zeros(5, np.int64), np.zeros(5, np.int64)], axis=1))
     rows, cost = split_tail(items, np.full(5, 40.0), qheads_per_kvhead=4, num_ctas=4)
-    pieces = rows[rows[:, 4] >= 0]
-    assert len(pieces) and (pieces[:, 3] >= 0).all() and (rows[rows[:, 4] < 0, 3] == -1).all()
+    pieces = rows[rows[:, 5] >= 0]
+    assert len(pieces) and (pieces[:, 4] == 1).all() and (rows[rows[:, 5] < 0, 4] == -1).all()
     # Every split item has each query head once, all under one slot.
-    for slot in np.unique(pieces[:, 4]):
-        mine = pieces[pieces[:, 4] == slot]
+    for slot in np.unique(pieces[:, 5]):
+        mine = pieces[pieces[:, 5] == slot]
         assert sorted(mine[:, 3].tolist()) == [0, 1, 2, 3] and len(set(mine[:, 0].tolist())) == 1
     lists = deal(rows, cost, num_ctas=4)
-    assert lists.num_slots == len(np.unique(pieces[:, 4])) and lists.items.shape == (len(rows), 5)
-    row_cost = np.where(lists.items[:, 3] >= 0, cost.min(), 40.0)  # a piece: a quarter of the q blocks + overhead
+    assert lists.num_slots == len(np.unique(pieces[:, 5])) and lists.items.shape == (len(rows), 6)
+    row_cost = np.where(lists.items[:, 5] >= 0, cost.min(), 40.0)  # a piece: a quarter of the q blocks + overhead
     load = np.bincount(np.repeat(np.arange(4), np.diff(lists.cta_items)), weights=row_cost, minlength=4)
     assert cost.min() < 40 and load.max() < 80  # shorter than the whole items' two rounds
 
@@ -158,7 +160,7 @@ def test_split_tail_leaves_balanced_or_single_head_items_whole() -> None:
     items = whole(np.stack([np.arange(8), np.zeros(8, np.int64), np.zeros(8, np.int64)], axis=1))
     for qheads, num_ctas in ((4, 4), (1, 3)):  # 8 equal items on 4 CTAs are balanced; one query head cannot split
         rows, cost = split_tail(items, np.full(8, 40.0), qheads_per_kvhead=qheads, num_ctas=num_ctas)
-        assert rows is items and (rows[:, 3:] == -1).all()
+        assert rows is items and (rows[:, 3] == 0).all() and (rows[:, 4:] == -1).all()
 
 
 def test_split_tail_takes_the_shortest_of_its_candidate_deals() -> None:
@@ -195,36 +197,71 @@ def _cta_loads(rows: np.ndarray, cost: np.ndarray, num_ctas: int) -> list[float]
 
 def test_split_heavy_cuts_the_items_no_deal_could_balance_and_split_tail_numbers_on() -> None:
     """Two items that each outweigh a CTA's fair share (global keys: every query sees them)
-    become one piece per query head at the front, in slots 0 and 1; the light items stay whole
-    and in order, and pieces split_tail makes after them take the next slots."""
+    become pieces at the front, in slots 0 and 1, as wide as balance allows (here two query
+    heads each); the light items stay whole and in order, and pieces split_tail makes after
+    them take the next slots."""
     n = 44
     items = whole(np.stack([np.arange(n), np.zeros(n, np.int64), np.zeros(n, np.int64)], axis=1))
     cost = np.r_[400.0, 400.0, np.full(n - 2, 20.0)]  # fair share on 8 CTAs: 1640 / 8 = 205
     rows, row_cost = split_heavy(items, cost, qheads_per_kvhead=4, num_ctas=8)
-    heavy = rows[:8]
-    assert sorted(map(tuple, heavy[:, [0, 3, 4]].tolist())) == [(w, h, w) for w in (0, 1) for h in range(4)]
-    assert (rows[8:] == items[2:]).all() and np.allclose(row_cost[:8], (400 - 2) / 4 + 1.5)
+    heavy = rows[:4]
+    assert sorted(map(tuple, heavy[:, [0, 3, 4, 5]].tolist())) == [(w, h, 2, w) for w in (0, 1) for h in (0, 2)]
+    assert (rows[4:] == items[2:]).all() and np.allclose(row_cost[:4], ((400 - 2) * 2 + PIECE_OVERHEAD_STEPS) / 4)
     assert max(_cta_loads(rows, row_cost, 8)) < max(_cta_loads(items, cost, 8)) / 1.5
     rows, row_cost = split_tail(rows, row_cost, qheads_per_kvhead=4, num_ctas=8)
-    tail_slots = set(rows[8:][rows[8:, 4] >= 0, 4].tolist())
-    assert (rows[:8] == heavy).all() and tail_slots and min(tail_slots) == 2
+    tail_slots = set(rows[4:][rows[4:, 5] >= 0, 5].tolist())
+    assert (rows[:4] == heavy).all() and tail_slots and min(tail_slots) == 2
     light, _ = split_heavy(items[2:], cost[2:], qheads_per_kvhead=4, num_ctas=8)
     assert (light == items[2:]).all()
 
 
 def test_the_k_tiles_every_query_sees_are_split_first() -> None:
     """Global keys (every query of 8k sees keys 0-255) beside a narrow window: their two k tiles
-    per K/V head would each outlast a CTA's fair share, so the schedule cuts them into one piece
-    per query head and leaves most of the window's tiles whole (without split_heavy the tail
-    split cuts every item to reach them)."""
+    per K/V head would each outlast a CTA's fair share, so the schedule cuts them into pieces
+    that cover each query head once and leaves most of the window's tiles whole (without
+    split_heavy the tail split cuts every item to reach them)."""
     n = 8192
     mask = Mask.sliding_window([0, n], left=128, right=128) | Mask([AttnSlice((0, n), (0, 256))], n, n)
     s = build_backward_schedule(mask, 64, 128, 2, 16, 4)
     tiles = s.work_tile[s.items[:, 0]]
-    pieces = s.items[:, 3] >= 0
+    pieces = s.items[:, 5] >= 0
     assert set(tiles[tiles < 2].tolist()) == {0, 1} and pieces[tiles < 2].all()
     for tile in (0, 1):
         for head_kv in (0, 1):
             mine = s.items[(tiles == tile) & (s.items[:, 1] == head_kv)]
-            assert sorted(mine[:, 3].tolist()) == [0, 1, 2, 3] and len(set(mine[:, 4].tolist())) == 1
+            assert piece_heads(mine) == [0, 1, 2, 3] and len(set(mine[:, 5].tolist())) == 1
     assert s.num_slots >= 4 and (~pieces[tiles >= 2]).mean() > 0.5
+
+
+def test_a_coarse_deal_has_every_item_cut_into_pieces_of_a_few_query_heads() -> None:
+    """Six equal items on four CTAs (fewer than COARSE_ITEMS_PER_CTA each): whole, two CTAs
+    run two; cutting the last two still leaves each CTA a whole item and a quarter of their
+    pieces. Cut into pieces of a few query heads, all of them, the deal ends sooner; each item's
+    pieces share a slot and cover its query heads once, and all have one width."""
+    last_block, cost = np.zeros(6, np.int64), np.full(6, 42.0)
+    tail_rows, tail_cost = split_tail(whole(sync_group_order(last_block, cost, 1, 4)), cost, 8, 4)
+    rows, row_cost = split(last_block, cost, num_heads_kv=1, qheads_per_kvhead=8, num_ctas=4)
+    assert (rows[:, 5] >= 0).all() and len(set(rows[:, 4].tolist())) == 1 and 1 < rows[0, 4] < 8
+    assert _makespan(rows, row_cost, 4) < _makespan(tail_rows, tail_cost, 4) * (1 - SPLIT_GAIN)
+    for slot in range(6):
+        mine = rows[rows[:, 5] == slot]
+        assert piece_heads(mine) == list(range(8)) and set(mine[:, 0].tolist()) == {slot}
+    # Nine on four is no coarse deal: the tail split balances it, every item is never cut.
+    last_block, cost = np.zeros(9, np.int64), np.full(9, 42.0)
+    rows, _ = split(last_block, cost, num_heads_kv=1, qheads_per_kvhead=8, num_ctas=4)
+    assert 9 > COARSE_ITEMS_PER_CTA * 4 and (rows[:, 5] < 0).sum() == 8
+
+
+def test_pieces_of_a_causal_mask_run_in_pairs() -> None:
+    """Causal 8k, one K/V head of eight query heads on 132 CTAs: 64 k tiles of unequal lengths
+    cannot fill the CTAs whole, so every one is cut; the pieces (items of more K/V heads) run in
+    (longest, shortest) pairs like whole items of a longer sequence, each pair at one set of
+    query heads."""
+    n = 8192
+    s = build_backward_schedule(Mask([AttnSlice((0, n), (0, n), "causal")], n, n), 64, 128, 1, 132, 8)
+    assert (s.items[:, 5] >= 0).all() and (s.items[:, 4] > 1).all()
+    second = np.flatnonzero(s.items[:, 2] & ASCENDING)
+    assert second.size == len(s.items) // 2
+    tiles = s.work_tile[s.items[:, 0]]
+    assert (tiles[second - 1] + tiles[second] == n // 128 - 1).all()  # tile t with tile 63 - t
+    assert (s.items[second - 1, 3:5] == s.items[second, 3:5]).all()

@@ -196,26 +196,34 @@ def test_bad_tile_shape() -> None:
         build_schedule(Mask([], 4, 4), 0, 128)
 
 
+def piece_heads(pieces: np.ndarray) -> list[int]:
+    """The query heads item rows (`maskc.ir.items.ItemLists`) of pieces walk, sorted."""
+    return sorted(h for first, count in pieces[:, 3:5].tolist() for h in range(first, first + count))
+
+
 def check_items(s: BackwardSchedule, num_heads_kv: int, num_ctas: int, qheads_per_kvhead: int = 1) -> None:
-    """The CTAs' item lists hold every (work, K/V head) once, whole, or split into one piece
-    per query head under one slot of its own; one walk flag per work; the second of a pair
-    (ASCENDING) runs right after its partner on the same CTA, same head."""
+    """The CTAs' item lists hold every (work, K/V head) once, whole, or split into pieces that
+    cover each query head once under one slot of its own; one walk flag per whole work; the
+    second of a pair (ASCENDING) runs right after its partner on the same CTA, at the same
+    query heads, both whole or both pieces."""
     assert s.cta_items.tolist() == sorted(s.cta_items.tolist()) and len(s.cta_items) == num_ctas + 1
     assert s.cta_items[0] == 0 and s.cta_items[-1] == len(s.items)
-    whole = s.items[s.items[:, 4] < 0]
-    pieces = s.items[s.items[:, 4] >= 0]
-    assert (whole[:, 3] == -1).all() and not (pieces[:, 2] & ASCENDING).any()
+    whole = s.items[s.items[:, 5] < 0]
+    pieces = s.items[s.items[:, 5] >= 0]
+    assert (whole[:, 3] == 0).all() and (whole[:, 4] == -1).all()
     covered = [tuple(r) for r in whole[:, :2].tolist()]
     for slot in range(s.num_slots):
-        mine = pieces[pieces[:, 4] == slot]
-        assert sorted(mine[:, 3].tolist()) == list(range(qheads_per_kvhead)) and len({tuple(r) for r in mine[:, :2].tolist()}) == 1
+        mine = pieces[pieces[:, 5] == slot]
+        assert piece_heads(mine) == list(range(qheads_per_kvhead)) and len({tuple(r) for r in mine[:, :2].tolist()}) == 1
         covered.append(tuple(mine[0, :2].tolist()))
     assert sorted(covered) == [(w, h) for w in range(s.num_work) for h in range(num_heads_kv)]
     flags = {}
     for w, _, flag in whole[:, :3].tolist():
         assert flags.setdefault(w, flag) == flag and flag in (0, HEADS_INNER, HEADS_INNER | ASCENDING)
     for i in np.flatnonzero(s.items[:, 2] & ASCENDING):
-        assert i not in s.cta_items[:-1] and s.items[i - 1, 1] == s.items[i, 1] and not s.items[i - 1, 2] & ASCENDING
+        partner, second = s.items[i - 1], s.items[i]
+        assert i not in s.cta_items[:-1] and not partner[2] & ASCENDING
+        assert (partner[[1, 3, 4]] == second[[1, 3, 4]]).all() and (partner[5] < 0) == (second[5] < 0)
 
 
 @given(

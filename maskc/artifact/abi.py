@@ -170,8 +170,8 @@ BACKWARD_ABI: tuple[Arg, ...] = (
               doc="the CTAs' pace (PACE_COUNTERS), then pieces done per split slot and warpgroup (zero)"),
     TensorArg("query_bounds", "int32", ("NQ1",), param="mQueryBounds", used_when="document_tiles",
               doc="q block m is queries [query_bounds[m], query_bounds[m + 1])"),
-    TensorArg("items", "int32", ("I", 5), param="mItems",
-              doc="(work, K/V head, flags, query head, split slot) items, CTA by CTA (maskc.ir.items)"),
+    TensorArg("items", "int32", ("I", 6), param="mItems",
+              doc="(work, K/V head, flags, first q head, q heads, slot) items by CTA (maskc.ir.items)"),
     TensorArg("cta_items", "int32", ("G1",), param="mCtaItems", doc="CSR offsets of each CTA's items"),
     *_schedule_and_launch("k tile", "(m_begin, m_end, partial, first query) q blocks",
                           "(r0, r1, lo_a, lo_s, hi_a, hi_s), rows keys, columns queries",
@@ -201,13 +201,14 @@ variants order those additions:
 warpgroup) (zeroed by the caller), and `work_blocks` / `block_rank` come from
 `build_deterministic_backward_schedule`; other variants never read the three (one element each).
 CTA c of the `num_ctas` runs items[cta_items[c]:cta_items[c+1]], rows (work, K/V head, flags:
-1 to walk each q block's query heads innermost, 2 to walk the q blocks first to last; query
-head within the K/V head, -1 for all; split slot, -1 for none) (`maskc.ir.items`). The pieces
-of a split item (one per query head) add dK / dV into `dkv_accum` (KA = slots * tile_n * (D +
-Dv): per slot, each consumer warpgroup's dK and dV in the kernel's own order; empty when there
-is no slot) and count themselves in `dkv_count` after its PACE_COUNTERS first counters (KC =
-PACE_COUNTERS + slots * tile_n / 64), both zero on entry; the last piece of each item clears
-its slot and counter. The first counters pace the CTAs of the SM90 kernels that keep pace
+1 to walk each q block's query heads innermost, 2 to walk the q blocks first to last; the first
+of its query heads within the K/V head's, and how many, -1 for all; split slot, -1 for none)
+(`maskc.ir.items`). The pieces of a split item (a few query heads each) add dK / dV into
+`dkv_accum` (KA = slots * tile_n * (D + Dv): per slot, each consumer warpgroup's dK and dV in
+the kernel's own order; empty when there is no slot) and count their query heads in
+`dkv_count` after its PACE_COUNTERS first counters (KC = PACE_COUNTERS + slots * tile_n / 64),
+both zero on entry; the piece that counts an item's last query heads clears its slot and
+counter. The first counters pace the CTAs of the SM90 kernels that keep pace
 (`KernelVariant.bwd_paced`): each counts its steps on the first, its end on the second, and
 the last CTA to end clears both. So both are zero again when the kernel ends and the caller
 can keep them for the next launch on the stream."""

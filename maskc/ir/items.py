@@ -32,8 +32,11 @@ many (head, q block) places the CTAs walk at once, the rows the L2 must hold).
 
 Items are whole k tiles, so the last round of the deal leaves CTAs idle: 1024 equal items on
 132 CTAs take 8 rounds where 7.76 would do (3%). `split_tail` cuts the items at the end of the
-order into one piece per query head where that shortens the deal; the pieces of an item add
-their dK / dV into an fp32 slot, and the last piece to finish stores the sums.
+order into one piece per query head where that shortens the deal, `split_heavy` the items that
+outweigh a CTA's share into pieces of a few query heads, and in a coarse deal (about an item
+per CTA: one K/V head of many query heads) `split_every` cuts all of them, its pieces ordered
+and paired as the items of more K/V heads would be. The pieces of an item add their dK / dV
+into an fp32 slot, and the piece that counts the item's last query heads stores the sums.
 """
 
 from __future__ import annotations
@@ -64,20 +67,25 @@ PLACE_SAMPLES = 64
 SPLIT_GAIN = 0.01
 #: split_heavy cuts the units heavier than this share of a CTA's fair share of the deal.
 HEAVY_SHARE = 1.0
-#: A piece's fixed cost in q blocks: the K/V load and epilogue of an item (a few microseconds,
-#: under half a q block of eight query heads) plus its fp32 dK / dV additions.
-PIECE_OVERHEAD_BLOCKS = 1.5
+#: A piece's fixed cost in steps (one q block of one query head): the K/V load and epilogue of
+#: an item plus its fp32 dK / dV additions. A fixed time, so in q blocks (of every query head
+#: of the K/V head, the unit of the costs here) it shrinks as the heads grow.
+PIECE_OVERHEAD_STEPS = 12
+#: `split_every` is tried where the whole items number at most this many per CTA: so coarse a
+#: deal cannot balance itself (at 16k, one k tile of 64 query heads per CTA), and its slots (a
+#: k tile's fp32 dK / dV each) stay few.
+COARSE_ITEMS_PER_CTA = 2
 #: split_tail's candidates: enough pieces for this many rounds of the CTAs.
 TAIL_ROUNDS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 @dataclass(frozen=True, eq=False)
 class ItemLists:
-    """`items [I, 5]` int32 (work index into the schedule, K/V head, flags: HEADS_INNER,
-    ASCENDING, query head within the K/V head's (-1: all of them), split slot (-1: the item
-    owns its dK / dV; else the fp32 slot its pieces add into)), grouped by CTA, each CTA's in
-    priority order; `cta_items [G+1]` CSR offsets of each CTA's items; `num_slots` the split
-    slots used."""
+    """`items [I, 6]` int32 (work index into the schedule, K/V head, flags: HEADS_INNER,
+    ASCENDING, the first of its query heads within the K/V head's, how many (-1: all of them),
+    split slot (-1: the item owns its dK / dV; else the fp32 slot its pieces add into)),
+    grouped by CTA, each CTA's in priority order; `cta_items [G+1]` CSR offsets of each CTA's
+    items; `num_slots` the split slots used."""
 
     items: np.ndarray
     cta_items: np.ndarray
@@ -93,7 +101,7 @@ class ItemLists:
 
 def slots_used(items: np.ndarray) -> int:
     """The split slots that item rows (see `ItemLists`) add into."""
-    return int(items[:, 4].max()) + 1 if len(items) else 0
+    return int(items[:, 5].max()) + 1 if len(items) else 0
 
 
 def heads_inner(last_block: np.ndarray) -> np.ndarray:
@@ -216,7 +224,7 @@ def section_order(last_block: np.ndarray, num_heads_kv: int) -> np.ndarray:
 
 def whole(order: np.ndarray) -> np.ndarray:
     """(work, head, flags) rows as items that own their dK / dV: every query head, no slot."""
-    return np.c_[order, np.full((len(order), 2), -1, np.int64)]
+    return np.c_[order, np.zeros(len(order), np.int64), np.full((len(order), 2), -1, np.int64)]
 
 
 def _units(order: np.ndarray) -> np.ndarray:
@@ -258,50 +266,121 @@ def _unit_costs(items: np.ndarray, cost: np.ndarray) -> tuple[np.ndarray, np.nda
     return unit, (np.bincount(unit, weights=cost.astype(np.float64)) if len(items) else np.zeros(0))
 
 
-def _pieces(rows: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, first_slot: int) -> tuple[np.ndarray, np.ndarray]:
-    """`rows` (whole items) cut into one piece per query head, head by head (CTAs at one query
-    head share its Q / dO), each item with its own slot from `first_slot` on; and their costs:
-    a piece costs its share of the item's q blocks plus PIECE_OVERHEAD_BLOCKS."""
-    pieces = np.tile(rows, (qheads_per_kvhead, 1))
+def _pieces(
+    rows: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, first_slot: int, width: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """`rows` (whole items) cut into pieces of `width` query heads (a divisor of
+    qheads_per_kvhead), piece by piece (CTAs at the same query heads share their Q / dO), each
+    item with its own slot from `first_slot` on; and their costs: a piece costs its share of the
+    item's q blocks plus PIECE_OVERHEAD_STEPS."""
+    parts = qheads_per_kvhead // width
+    pieces = np.tile(rows, (parts, 1))
     pieces[:, 2] &= ~ASCENDING
-    pieces[:, 3] = np.repeat(np.arange(qheads_per_kvhead), len(rows))
-    pieces[:, 4] = np.tile(first_slot + np.arange(len(rows)), qheads_per_kvhead)
-    piece_cost = (cost - ITEM_OVERHEAD_BLOCKS) / qheads_per_kvhead + PIECE_OVERHEAD_BLOCKS
-    return pieces, np.tile(piece_cost, qheads_per_kvhead)
+    pieces[:, 3] = np.repeat(np.arange(parts) * width, len(rows))
+    pieces[:, 4] = width
+    pieces[:, 5] = np.tile(first_slot + np.arange(len(rows)), parts)
+    return pieces, np.tile(_piece_cost(cost, width, qheads_per_kvhead), parts)
+
+
+def split(
+    last_block: np.ndarray, cost: np.ndarray, num_heads_kv: int, qheads_per_kvhead: int, num_ctas: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The items of `sync_group_order` (same arguments) split where that shortens the deal:
+    the heavy ones and the tail (`split_heavy`, `split_tail`), or in a coarse deal every one
+    (`split_every`) where that ends sooner by SPLIT_GAIN. Returns the rows and their costs."""
+    order = sync_group_order(last_block, cost, num_heads_kv, num_ctas)
+    rows, row_cost = split_heavy(whole(order), cost[order[:, 0]], qheads_per_kvhead, num_ctas)
+    rows, row_cost = split_tail(rows, row_cost, qheads_per_kvhead, num_ctas)
+    if qheads_per_kvhead == 1 or len(order) > COARSE_ITEMS_PER_CTA * num_ctas:
+        return rows, row_cost
+    every, every_cost = split_every(last_block, cost, num_heads_kv, qheads_per_kvhead, num_ctas)
+    if _makespan(every, every_cost, num_ctas) < _makespan(rows, row_cost, num_ctas) * (1 - SPLIT_GAIN):
+        return every, every_cost
+    return rows, row_cost
 
 
 def split_heavy(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
     """`items` (rows of `whole`, in dealing order, `cost` per row) with every unit heavier than
-    HEAVY_SHARE of a CTA's fair share of the deal cut into one piece per query head, the pieces
-    first (no deal ends before its heaviest unit does: the k tiles of global keys, which every
-    query sees, would hold one CTA long after the others). Returns the rows and their costs."""
+    HEAVY_SHARE of a CTA's fair share of the deal cut into pieces of a few query heads, the
+    pieces first (no deal ends before its heaviest unit does: the k tiles of global keys, which
+    every query sees, would hold one CTA long after the others). The pieces' width is the one
+    whose deal ends first (the widest of equals: each piece pays an item's boundary, and walks
+    its q blocks' keep masks once for all its heads), if that shortens the deal by SPLIT_GAIN.
+    Returns the rows and their costs."""
     if qheads_per_kvhead == 1 or not len(items):
         return items, cost
     unit, unit_costs = _unit_costs(items, cost)
     heavy = (unit_costs > HEAVY_SHARE * unit_costs.sum() / num_ctas)[unit]
     if not heavy.any():
         return items, cost
-    pieces, piece_cost = _pieces(items[heavy], cost[heavy], qheads_per_kvhead, 0)
-    return np.r_[pieces, items[~heavy]], np.r_[piece_cost, cost[~heavy]]
+    best = (_makespan(items, cost, num_ctas) * (1 - SPLIT_GAIN), items, cost)
+    for width in _widths(qheads_per_kvhead):
+        pieces, piece_cost = _pieces(items[heavy], cost[heavy], qheads_per_kvhead, 0, width)
+        rows, row_cost = np.r_[pieces, items[~heavy]], np.r_[piece_cost, cost[~heavy]]
+        if (makespan := _makespan(rows, row_cost, num_ctas)) < best[0]:
+            best = (makespan, rows, row_cost)
+    return best[1], best[2]
+
+
+def split_every(
+    last_block: np.ndarray, cost: np.ndarray, num_heads_kv: int, qheads_per_kvhead: int, num_ctas: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every item cut into pieces of a few query heads: the pieces of a K/V head are the items
+    of as many K/V heads of fewer query heads, so `sync_group_order` orders them (groups, and
+    pairs where they pay), and each item's pieces share its slot. The rows and costs of the
+    width whose deal ends first, the widest of equals (`last_block`, `cost` per work as in
+    `sync_group_order`)."""
+    best: tuple[float, np.ndarray, np.ndarray] | None = None
+    for width in _widths(qheads_per_kvhead):
+        parts = qheads_per_kvhead // width
+        piece_cost = _piece_cost(cost, width, qheads_per_kvhead)
+        # No deal ends before its mean load, which grows as the pieces narrow (planning time).
+        if best is not None and piece_cost.sum() * num_heads_kv * parts / num_ctas >= best[0]:
+            break
+        order = sync_group_order(last_block, piece_cost, num_heads_kv * parts, num_ctas)
+        head, part = np.divmod(order[:, 1], parts)
+        rows = np.c_[order[:, 0], head, order[:, 2], part * width, np.full(len(order), width),
+                     order[:, 0] * num_heads_kv + head]  # fmt: skip
+        makespan = _makespan(rows, piece_cost[rows[:, 0]], num_ctas)
+        if best is None or makespan < best[0]:
+            best = (makespan, rows, piece_cost[rows[:, 0]])
+    assert best is not None, "split_every needs two query heads per K/V head at least"
+    return best[1], best[2]
+
+
+def _widths(qheads_per_kvhead: int) -> list[int]:
+    """The widths of pieces: the divisors of qheads_per_kvhead below it, widest first."""
+    return [w for w in range(qheads_per_kvhead // 2, 0, -1) if qheads_per_kvhead % w == 0]
+
+
+def _piece_cost(cost: np.ndarray, width: int, qheads_per_kvhead: int) -> np.ndarray:
+    """Per whole item's `cost`, one of its pieces of `width` query heads: its share of the q
+    blocks plus PIECE_OVERHEAD_STEPS."""
+    return ((cost - ITEM_OVERHEAD_BLOCKS) * width + PIECE_OVERHEAD_STEPS) / qheads_per_kvhead
+
+
+def _makespan(items: np.ndarray, cost: np.ndarray, num_ctas: int) -> float:
+    """When the last CTA of the deal of `items` (with `cost` per row) ends."""
+    return float(_free_times(_unit_costs(items, cost)[1], num_ctas)[2].max())
 
 
 def split_tail(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
     """`items` (rows of `whole`, in dealing order, after any pieces of `split_heavy`; `cost` per
     row) with the whole units at the end cut into one piece per query head, as many units as
     shorten the deal's makespan most (by SPLIT_GAIN at least; else none). A piece costs its
-    share of the item's q blocks plus PIECE_OVERHEAD_BLOCKS. The pieces run head by head (CTAs
+    share of the item's q blocks plus PIECE_OVERHEAD_STEPS. The pieces run head by head (CTAs
     at one query head share its Q / dO), each split item with its own slot. Returns the rows
     and their costs."""
     if qheads_per_kvhead == 1 or not len(items):
         return items, cost
     unit, unit_costs = _unit_costs(items, cost)
-    makespan = _free_times(unit_costs, num_ctas)[2].max()
+    makespan = _makespan(items, cost, num_ctas)
     if makespan * num_ctas <= unit_costs.sum() * (1 + SPLIT_GAIN):
         return items, cost  # balanced already
     best = (makespan * (1 - SPLIT_GAIN), items, cost)
     num_units = len(unit_costs)
     # Only whole items are cut: the pieces split_heavy made lead the order.
-    cut = np.flatnonzero(items[:, 3] >= 0)
+    cut = np.flatnonzero(items[:, 5] >= 0)
     whole_units = num_units - (int(unit[cut[-1]]) + 1 if cut.size else 0)
     # Candidates: enough pieces for TAIL_ROUNDS rounds of the CTAs. The deal of the units
     # before the longest tail is common to all of them.

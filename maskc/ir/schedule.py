@@ -27,8 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from maskc.errors import MaskError
-from maskc.ir.items import (ITEM_OVERHEAD_BLOCKS, ItemLists, deal, section_order, slots_used, split_heavy, split_tail,
-                            sync_group_order, whole)
+from maskc.ir.items import ITEM_OVERHEAD_BLOCKS, ItemLists, deal, section_order, slots_used, split, whole
 from maskc.ir.mask import Mask
 from maskc.ir.merge import merge_ranges
 from maskc.ir.slices import RowLines, expand_spans, ragged_expand
@@ -429,15 +428,13 @@ def build_backward_schedule(
     (rows are keys, columns queries). It is the forward schedule of the transposed mask, so one
     scheduler and one line mask serve both directions. Its items (k tile, K/V head) go to
     `num_ctas` CTAs in sync groups (`maskc.ir.items.sync_group_order`), split by query head
-    where one item alone would outlast the others' deal (`maskc.ir.items.split_heavy`) and at
-    the end where that balances the CTAs (`maskc.ir.items.split_tail`). With `documents` its k
+    where one item alone would outlast the others' deal and at the end where that balances the
+    CTAs, or in a coarse deal all of them (`maskc.ir.items.split`). With `documents` its k
     tiles start at each document (`document_tiles`), and so do its q blocks unless
     `grid_queries` (what `attention_backward` plans for a dQ buffer the caller owns)."""
     s = transposed_schedule(mask, tile_m, tile_n, key_documents=documents, query_documents=documents and not grid_queries)
     cost = _item_cost(s)
-    items = whole(sync_group_order(_last_blocks(s), cost, num_heads_kv, num_ctas))
-    items, row_cost = split_heavy(items, cost[items[:, 0]], qheads_per_kvhead, num_ctas)
-    items, row_cost = split_tail(items, row_cost, qheads_per_kvhead, num_ctas)
+    items, row_cost = split(_last_blocks(s), cost, num_heads_kv, qheads_per_kvhead, num_ctas)
     return BackwardSchedule(**_with_items(s, deal(items, row_cost, num_ctas)))
 
 
