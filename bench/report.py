@@ -182,9 +182,10 @@ What holds these back, as measured so far:
   forward has no heads to pack, so its 128-row q tiles sit on the fixed grid and those that
   straddle two documents compute both (varlen full 0.81 of FA4, varlen causal 0.88; q tiles
   per document would keep 0.993 and 0.957 of the computed elements against 0.964 and 0.904);
-  with one K/V head (64:1) nearly every backward item is split into one-head pieces, each
-  paying an item's boundary over a few q blocks (varlen causal 0.59; without the split whole
-  items leave one CTA twice the mean load, 252 TFLOP/s against 328).
+  with one K/V head (64:1) a 16k mask has about one backward item per CTA, so the deal cuts
+  every item into pieces of 8 or 32 query heads, dealt and paired as the items of more K/V
+  heads would be (backward 0.90-0.96 of FA4, varlen causal from 0.59 with one-head pieces;
+  what holds the rest is not measured).
 - Memory: the peak holds the backward's float32 dQ accumulator. The forward writes the lse
   its backward loads, which keeps it instead of lse, so where q and v have one head dim maskc's
   peak is FlexAttention's. At 192/128 the accumulator's 192 float32 columns add 128 bytes per
