@@ -277,55 +277,58 @@ def number(value: float) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
-def direction_cell(rows: Sequence[dict]) -> str:
-    """'fwd / bwd' TFLOP/s of one implementation on one configuration, or what exists of it."""
+def direction_cell(rows: Sequence[dict], directions: Sequence[str]) -> str:
+    """'fwd / bwd' TFLOP/s of one implementation on one configuration, for the `directions`
+    its table has: a dash for one it lacks (a run cut short), one dash where it has none."""
     by_direction = {row["direction"]: row for row in rows}
+    if not by_direction:
+        return DASH
     parts = []
-    for direction in ("fwd", "bwd"):
+    for direction in directions:
         row = by_direction.get(direction)
-        if row is not None:
-            parts.append("failed" if "error" in row else f"{row['tflops']:.0f}")
-    return " / ".join(parts) if parts else DASH
+        parts.append(DASH if row is None else "failed" if "error" in row else f"{row['tflops']:.0f}")
+    return " / ".join(parts)
 
 
-def ratio_cell(ours: Sequence[dict], theirs: Sequence[dict]) -> str:
-    """`ours`' TFLOP/s over `theirs`' per direction, 'fwd / bwd'; a dash where either lacks
-    a direction the other has (or failed it), one dash where either has none."""
+def ratio_cell(ours: Sequence[dict], theirs: Sequence[dict], directions: Sequence[str]) -> str:
+    """`ours`' TFLOP/s over `theirs`' for the `directions` of the table, 'fwd / bwd'; a dash
+    where either lacks a direction (or failed it), one dash where either has none."""
     mine = {row["direction"]: row["tflops"] for row in ours if "error" not in row}
     other = {row["direction"]: row["tflops"] for row in theirs if "error" not in row}
     if not mine or not other:
         return DASH
-    parts = [f"{mine[d] / other[d]:.2f}" if d in mine and d in other else DASH
-             for d in ("fwd", "bwd") if d in mine or d in other]  # fmt: skip
-    return " / ".join(parts)
+    return " / ".join(f"{mine[d] / other[d]:.2f}" if d in mine and d in other else DASH for d in directions)
 
 
-def ratio_columns(kernel: Sequence[dict]) -> dict[str, Callable[[list[dict]], str]]:
+def ratio_columns(kernel: Sequence[dict]) -> dict[str, Callable[[list[dict], Sequence[str]], str]]:
     """The columns that say where maskc stands: its TFLOP/s over FA4's on the same line, and
     over its own on the full mask of the same length (each where the run measured both)."""
     def impl_rows(line: list[dict], impl: str) -> list[dict]:
         return [row for row in line if row["impl"] == impl]
 
-    columns: dict[str, Callable[[list[dict]], str]] = {}
+    columns: dict[str, Callable[[list[dict], Sequence[str]], str]] = {}
     impls = {row["impl"] for row in kernel}
     if {"maskc", "fa4"} <= impls:
-        columns["maskc / FA4"] = lambda line: ratio_cell(impl_rows(line, "maskc"), impl_rows(line, "fa4"))
+        columns["maskc / FA4"] = lambda line, dirs: ratio_cell(impl_rows(line, "maskc"), impl_rows(line, "fa4"), dirs)
     full: dict[int, list[dict]] = defaultdict(list)
     for row in kernel:
         if row["impl"] == "maskc" and row["mask"] == "full":
             full[row["seqlen"]].append(row)
     if full and any(row["mask"] != "full" for row in kernel):
-        columns["maskc / full"] = lambda line: ratio_cell(impl_rows(line, "maskc"), full.get(line[0]["seqlen"], []))
+        columns["maskc / full"] = lambda line, dirs: ratio_cell(impl_rows(line, "maskc"), full.get(line[0]["seqlen"], []),
+                                                               dirs)  # fmt: skip
     return columns
 
 
 def attention_table(
-    rows: Sequence[dict], size: str, impls: dict[str, str], extra: dict[str, Callable[[list[dict]], str]] | None = None
+    rows: Sequence[dict], size: str, impls: dict[str, str],
+    extra: dict[str, Callable[[list[dict], Sequence[str]], str]] | None = None,
 ) -> list[str]:
     """TFLOP/s, forward / backward: a line per (`size`, mask), `size` being seqlen or gpus; after
-    the `extra` columns (each computed from a line's rows), a column per implementation in
-    `impls` that the rows hold."""
+    the `extra` columns (each computed from a line's rows and the table's directions), a column
+    per implementation in `impls` that the rows hold."""
     mask_order = list(dict.fromkeys(row["mask"] for row in rows))
+    directions = [d for d in ("fwd", "bwd") if any(row["direction"] == d for row in rows)]
     cells: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
         cells[(row[size], mask_order.index(row["mask"]))][row["impl"]].append(row)
@@ -337,8 +340,8 @@ def attention_table(
         by_impl = cells[line]
         label = tokens(line[0]) if size == "seqlen" else str(line[0])
         everything = [row for group in by_impl.values() for row in group]
-        lines.append([label, mask_order[line[1]].replace("_", " "), *(f(everything) for f in extra.values()),
-                      *(direction_cell(by_impl.get(c, [])) for c in columns)])
+        lines.append([label, mask_order[line[1]].replace("_", " "), *(f(everything, directions) for f in extra.values()),
+                      *(direction_cell(by_impl.get(c, []), directions) for c in columns)])
     return markdown_table(header, lines, {0, *range(2 + len(extra), len(header))})
 
 
@@ -424,7 +427,7 @@ def dist_tables(rows: Sequence[dict], impls: dict[str, str] = DIST_IMPLS) -> lis
     """One run's per-GPU TFLOP/s table, with maskc's stage plan and the all-to-all bandwidth."""
     dist = [row for row in rows if row["kind"] == "dist" and row["impl"] in impls]
 
-    def plan(line: list[dict]) -> str:
+    def plan(line: list[dict], directions: Sequence[str]) -> str:
         return next((row["plan"] for row in line if row["impl"] == "maskc" and "plan" in row), DASH)
 
     links = defaultdict(list)
