@@ -340,9 +340,9 @@ def build_forward_schedule(mask: Mask, tile_m: int, tile_n: int, documents: bool
 @dataclass(frozen=True, eq=False)
 class BackwardSchedule(Schedule):
     """A transposed schedule (work items are k tiles, runs are q blocks) plus the persistent
-    CTAs' item lists (`maskc.ir.items`): `items [I, 5]` (work, K/V head, walk flags, query
-    head, split slot) CTA by CTA and `cta_items [G+1]`, their CSR offsets; the launch uses G
-    CTAs and `num_slots` fp32 dK / dV slots for the split items."""
+    CTAs' item lists (`maskc.ir.items`): `items [I, 6]` (work, K/V head, walk flags, first
+    query head and how many, split slot) CTA by CTA and `cta_items [G+1]`, their CSR offsets;
+    the launch uses G CTAs and `num_slots` fp32 dK / dV slots for the split items."""
 
     items: np.ndarray
     cta_items: np.ndarray
