@@ -215,6 +215,20 @@ def test_split_heavy_cuts_the_items_no_deal_could_balance_and_split_tail_numbers
     assert (light == items[2:]).all()
 
 
+def test_split_heavy_keeps_the_widest_pieces_that_balance_the_deal() -> None:
+    """Two heavy items among 198 light ones: pieces of two query heads let the light items fill
+    the CTAs to within SPLIT_GAIN of their mean load; one-head pieces would end a little
+    sooner, but not SPLIT_GAIN sooner, so the wider pieces (fewer boundaries) stay."""
+    n = 200
+    items = whole(np.stack([np.arange(n), np.zeros(n, np.int64), np.zeros(n, np.int64)], axis=1))
+    cost = np.r_[400.0, 400.0, np.full(n - 2, 7.0)]
+    rows, row_cost = split_heavy(items, cost, qheads_per_kvhead=4, num_ctas=8)
+    assert (rows[:4, 4] == 2).all() and (rows[4:] == items[2:]).all()
+    pieces, piece_cost = _pieces(items[:2], cost[:2], 4, 0, width=1)
+    one_head = _makespan(np.r_[pieces, items[2:]], np.r_[piece_cost, cost[2:]], 8)
+    assert one_head < _makespan(rows, row_cost, 8) < one_head / (1 - SPLIT_GAIN)
+
+
 def test_the_k_tiles_every_query_sees_are_split_first() -> None:
     """Global keys (every query of 8k sees keys 0-255) beside a narrow window: their two k tiles
     per K/V head would each outlast a CTA's fair share, so the schedule cuts them into pieces

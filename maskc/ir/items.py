@@ -303,22 +303,26 @@ def split_heavy(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num
     """`items` (rows of `whole`, in dealing order, `cost` per row) with every unit heavier than
     HEAVY_SHARE of a CTA's fair share of the deal cut into pieces of a few query heads, the
     pieces first (no deal ends before its heaviest unit does: the k tiles of global keys, which
-    every query sees, would hold one CTA long after the others). The pieces' width is the one
-    whose deal ends first (the widest of equals: each piece pays an item's boundary, and walks
-    its q blocks' keep masks once for all its heads), if that shortens the deal by SPLIT_GAIN.
-    Returns the rows and their costs."""
+    every query sees, would hold one CTA long after the others). Widths go widest first, and a
+    narrower one is taken only where its deal ends SPLIT_GAIN sooner (each piece pays an item's
+    boundary, and walks its q blocks' keep masks once for all its heads); none where no deal
+    ends SPLIT_GAIN before the heaviest unit. Returns the rows and their costs."""
     if qheads_per_kvhead == 1 or not len(items):
         return items, cost
     unit, unit_costs = _unit_costs(items, cost)
     heavy = (unit_costs > HEAVY_SHARE * unit_costs.sum() / num_ctas)[unit]
     if not heavy.any():
         return items, cost
-    best = (_makespan(items, cost, num_ctas) * (1 - SPLIT_GAIN), items, cost)
+    # What a deal must end before: SPLIT_GAIN sooner than the best so far, at first the whole
+    # items' (which end no sooner than their heaviest unit).
+    best = (unit_costs.max() * (1 - SPLIT_GAIN), items, cost)
     for width in _widths(qheads_per_kvhead):
         pieces, piece_cost = _pieces(items[heavy], cost[heavy], qheads_per_kvhead, 0, width)
         rows, row_cost = np.r_[pieces, items[~heavy]], np.r_[piece_cost, cost[~heavy]]
+        if row_cost.sum() / num_ctas >= best[0]:
+            break  # no deal ends before its mean load, which grows as the pieces narrow
         if (makespan := _makespan(rows, row_cost, num_ctas)) < best[0]:
-            best = (makespan, rows, row_cost)
+            best = (makespan * (1 - SPLIT_GAIN), rows, row_cost)
     return best[1], best[2]
 
 
@@ -334,9 +338,8 @@ def split_every(
     for width in _widths(qheads_per_kvhead):
         parts = qheads_per_kvhead // width
         piece_cost = _piece_cost(cost, width, qheads_per_kvhead)
-        # No deal ends before its mean load, which grows as the pieces narrow (planning time).
         if best is not None and piece_cost.sum() * num_heads_kv * parts / num_ctas >= best[0]:
-            break
+            break  # no deal ends before its mean load, which grows as the pieces narrow
         order = sync_group_order(last_block, piece_cost, num_heads_kv * parts, num_ctas)
         head, part = np.divmod(order[:, 1], parts)
         rows = np.c_[order[:, 0], head, order[:, 2], part * width, np.full(len(order), width),
