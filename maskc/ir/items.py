@@ -331,10 +331,10 @@ def split_every(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Every item cut into pieces of a few query heads: the pieces of a K/V head are the items
     of as many K/V heads of fewer query heads, so `sync_group_order` orders them (groups, and
-    pairs where they pay), and each item's pieces share its slot. The rows and costs of the
-    width whose deal ends first, the widest of equals (`last_block`, `cost` per work as in
-    `sync_group_order`)."""
-    best: tuple[float, np.ndarray, np.ndarray] | None = None
+    pairs where they pay), and each item's pieces share its slot. Widths go widest first, a
+    narrower one taken only where its deal ends SPLIT_GAIN sooner (`split_heavy`). Returns the
+    rows and their costs (`last_block`, `cost` per work as in `sync_group_order`)."""
+    best: tuple[float, np.ndarray, np.ndarray] | None = None  # (what a deal must end before, rows, costs)
     for width in _widths(qheads_per_kvhead):
         parts = qheads_per_kvhead // width
         piece_cost = _piece_cost(cost, width, qheads_per_kvhead)
@@ -346,7 +346,7 @@ def split_every(
                      order[:, 0] * num_heads_kv + head]  # fmt: skip
         makespan = _makespan(rows, piece_cost[rows[:, 0]], num_ctas)
         if best is None or makespan < best[0]:
-            best = (makespan, rows, piece_cost[rows[:, 0]])
+            best = (makespan * (1 - SPLIT_GAIN), rows, piece_cost[rows[:, 0]])
     assert best is not None, "split_every needs two query heads per K/V head at least"
     return best[1], best[2]
 
