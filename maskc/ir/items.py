@@ -344,9 +344,10 @@ def split_every(
         head, part = np.divmod(order[:, 1], parts)
         rows = np.c_[order[:, 0], head, order[:, 2], part * width, np.full(len(order), width),
                      order[:, 0] * num_heads_kv + head]  # fmt: skip
-        makespan = _makespan(rows, piece_cost[rows[:, 0]], num_ctas)
+        row_cost = piece_cost[rows[:, 0]]
+        makespan = _makespan(rows, row_cost, num_ctas)
         if best is None or makespan < best[0]:
-            best = (makespan * (1 - SPLIT_GAIN), rows, piece_cost[rows[:, 0]])
+            best = (makespan * (1 - SPLIT_GAIN), rows, row_cost)
     assert best is not None, "split_every needs two query heads per K/V head at least"
     return best[1], best[2]
 
