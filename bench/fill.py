@@ -1,16 +1,16 @@
 """What whole tiles allow on the benchmark masks: of the elements in the tiles a mask touches,
 the share it keeps, for the SM90 kernels' tiles at every head dim (the forward's tile and GQA
-strategy as maskc chooses them, 16 tokens a tile under PackGQA at 64:8 heads; the backward's).
+strategy as maskc chooses them, 16 tokens a tile under PackGQA at 64:8 heads; the backward's),
+at 64:8 heads or those `--heads` names.
 A kernel computes whole tiles, so its TFLOP/s on a mask, counted on the kept elements, is at
 most that share of its speed on full tiles: where the share is near 92%, reaching 92% of the
 full mask's TFLOP/s asks partial blocks to cost no more than full ones.
 
 The kernels' k blocks (forward), k tiles and q blocks (backward) start at each document
-(`maskc.ir.schedule.document_tiles`), the forward's q tiles on the fixed grid; with
-`--per-document` those start at each document too, which the forward does not do yet.
+(`maskc.ir.schedule.document_tiles`), and so do the forward's q tiles but under PackGQA.
 
-Runs anywhere, in seconds: `python bench/fill.py [--seqlens 16384,65536] [--per-document]`. It
-prints a table and writes no rows: the shares follow from the schedules, nothing is timed.
+Runs anywhere, in seconds: `python bench/fill.py [--seqlens 16384,65536] [--heads 64:64]`. It prints a table
+and writes no rows: the shares follow from the schedules, nothing is timed.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernel import HKV, HQ, MASKS, build_masks  # noqa: E402
+from kernel import HKV, HQ, MASKS, build_masks, parse_heads  # noqa: E402
 
 import torch  # noqa: E402
 
 from maskc.artifact.families import HEAD_DIMS, HeadDim  # noqa: E402
 from maskc.ir import Mask  # noqa: E402
-from maskc.ir.schedule import Schedule, build_schedule, document_tiles, transposed_schedule  # noqa: E402
+from maskc.ir.schedule import Schedule, build_forward_schedule, transposed_schedule  # noqa: E402
 from maskc.runtime import plan  # noqa: E402
 
 #: The GPU the kernels are planned for: an H100 / H200 (sm_90a, 132 SMs).
@@ -39,31 +39,31 @@ def kept_share(mask: Mask, schedule: Schedule) -> float:
     return mask.area() / (int(schedule.blocks_per_item().sum()) * schedule.tile_m * schedule.tile_n)
 
 
-def target(head_dim: HeadDim) -> plan.Target:
-    """The calls the table is for: 64:8 bf16 heads of `head_dim`, no options."""
-    return plan.make_target(CAPABILITY, NUM_SMS, torch.bfloat16, HQ, HKV, head_dim, False, False, False, None, False)
+def target(head_dim: HeadDim, heads: tuple[int, int] = (HQ, HKV)) -> plan.Target:
+    """The calls the table is for: bf16 `heads` of `head_dim`, no options."""
+    return plan.make_target(CAPABILITY, NUM_SMS, torch.bfloat16, *heads, head_dim, False, False, False, None, False)
 
 
-def schedule(mask: Mask, target: plan.Target, request: dict, per_document: bool = False) -> Schedule:
+def schedule(mask: Mask, target: plan.Target, request: dict) -> Schedule:
     """The schedule of the kernel the runtime picks for `request` (`plan.forward_requests` or
     `plan.backward_requests`), with its launch shape (tokens a tile under PackGQA) and its tiles
-    per document (the backward's keys and queries, the forward's keys); with `per_document`,
-    the forward's queries' tiles per document too."""
+    per document."""
     shape = plan.launch_shape_of(target, request)
     if request["direction"] == "bwd":
         return transposed_schedule(mask, shape.tile_m, shape.tile_n, key_documents=shape.document_tiles,
                                    query_documents=shape.document_tiles)  # fmt: skip
-    rows, cols = document_tiles(mask, shape.tile_m, shape.tile_n)
-    return build_schedule(mask, shape.tile_m, shape.tile_n, row_starts=rows if per_document else None,
-                          col_starts=cols if shape.document_tiles else None)  # fmt: skip
+    return build_forward_schedule(mask, shape.tile_m, shape.tile_n, shape.document_tiles, shape.document_rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqlens", default="16384,65536", help="comma-separated sequence lengths")
-    parser.add_argument("--per-document", action="store_true", help="the forward's q tiles that start at each document too")
+    parser.add_argument("--heads", type=parse_heads, default=[(HQ, HKV)],
+                        help="HQ:HKV of the calls (default 64:8; one pair)")  # fmt: skip
     args = parser.parse_args()
-    targets = {d: target(d) for d in HEAD_DIMS}
+    if len(args.heads) != 1:
+        parser.error("--heads takes one HQ:HKV pair")
+    targets = {d: target(d, args.heads[0]) for d in HEAD_DIMS}
     print("| seqlen | mask | " + " | ".join(f"d={d} fwd / bwd" for d in targets) + " |")
     print("|---:|---|" + "---|" * len(targets))
     for seqlen in map(int, args.seqlens.split(",")):
@@ -72,7 +72,7 @@ def main() -> None:
             mask = masks[name]
             cells = []
             for t in targets.values():
-                fwd, bwd = (kept_share(mask, schedule(mask, t, requests(mask, t)[0], args.per_document))
+                fwd, bwd = (kept_share(mask, schedule(mask, t, requests(mask, t)[0]))
                             for requests in (plan.forward_requests, plan.backward_requests))  # fmt: skip
                 cells.append(f"{fwd:.3f} / {bwd:.3f}")
             print(f"| {seqlen} | {name} | " + " | ".join(cells) + " |", flush=True)

@@ -46,7 +46,7 @@ _ARGS = {a.name: a for a in BACKWARD_ABI if isinstance(a, TensorArg)}
 SCHEDULE_ARGS = tuple(_ARGS[name] for name in ("work_tile", "work_ranges", "ranges", "work_lines", "lines",
                                                "key_bounds", "query_bounds", "items", "cta_items", "work_blocks",
                                                "block_rank"))  # fmt: skip
-"""A schedule's tensors in `Schedule.arrays()` order (the forward's has the first six, the
+"""A schedule's tensors in `Schedule.arrays()` order (the forward's has the first seven, the
 backward's nine, the deterministic backward's all eleven); every dim but the first has a fixed
 extent."""
 
@@ -162,9 +162,9 @@ def forward_requests(mask: Mask, target: Target) -> tuple[dict[str, Any], dict[s
     # Plain ints (a prepared mask carries the decision): the tall tile (0 x 0: none), the
     # strategies allowed (bit 0 plain, bit 1 PackGQA), and the choice as 2 * tall + PackGQA.
     key = ("forward", hq, hkv, *shapes[0], *(shapes[1] or (0, 0)), sum(1 << p for p in packs), target.num_sms)
-    choice = memoized(
-        mask, key, lambda: _choice_code(*select_forward(mask, hq, hkv, *shapes, target.num_sms, packs=packs, keep=True))
-    )
+    documents = target.family.document_tiles
+    choice = memoized(mask, key, lambda: _choice_code(*select_forward(mask, hq, hkv, *shapes, target.num_sms, packs=packs,
+                                                                      keep=True, documents=documents)))  # fmt: skip
     is_tall, packed = bool(choice >> 1), bool(choice & 1)
     chosen = {**request, "pack_gqa": packed, **({"tall": True} if is_tall else {})}
     if is_tall:
@@ -236,11 +236,12 @@ def _host_schedule(mask: Mask, build: Callable, num_ctas: int, *params: int) -> 
 
 
 def forward_schedule(mask: Mask, shape: registry.LaunchShape, num_sms: int) -> HostSchedule:
-    """One CTA per work item, up to the CTAs the SMs hold at once; k blocks per document where
-    the kernel takes them."""
+    """One CTA per work item, up to the CTAs the SMs hold at once; k blocks and q tiles per
+    document where the kernel takes them."""
     tiles = -(-mask.shape[0] // shape.tile_m)
     num_ctas = min(num_sms * shape.ctas_per_sm, max(1, tiles * shape.items_per_tile))
-    return _host_schedule(mask, build_forward_schedule, num_ctas, shape.tile_m, shape.tile_n, shape.document_tiles)
+    return _host_schedule(mask, build_forward_schedule, num_ctas, shape.tile_m, shape.tile_n, shape.document_tiles,
+                          shape.document_rows)  # fmt: skip
 
 
 def backward_schedule(mask: Mask, shape: registry.LaunchShape, num_sms: int, grid_queries: bool = False) -> HostSchedule:

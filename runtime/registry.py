@@ -49,6 +49,8 @@ class LaunchShape(NamedTuple):
     document_tiles: bool = False
     """Its k blocks (forward) or k tiles and q blocks (backward) start at each document
     (`KernelFamily.document_tiles`)."""
+    document_rows: bool = False
+    """A forward's q tiles start at each document too (`KernelVariant.document_rows`)."""
 
 
 def launch_shape(fields: Mapping[str, Any]) -> LaunchShape:
@@ -66,7 +68,7 @@ def launch_shape(fields: Mapping[str, Any]) -> LaunchShape:
     if fields.get("pack_gqa", False):
         return LaunchShape(fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv, document_tiles=family.document_tiles)
     return LaunchShape(fields["tile_m"], fields["tile_n"], hq, ctas_per_sm=family.ctas_per_sm,
-                       document_tiles=family.document_tiles)  # fmt: skip
+                       document_tiles=family.document_tiles, document_rows=family.document_tiles)  # fmt: skip
 
 
 class Entry:

@@ -229,6 +229,33 @@ def test_the_tall_forward_tile_at_sequence_edges(n: int, monkeypatch: pytest.Mon
     _check(Mask.from_cu_seqlens([0, n], causal=True), 8, 2, 128, "bf16")
 
 
+EDGE_DOCS = [1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 1000]
+
+
+@pytest.mark.parametrize("d", [64, 128, "192/128", 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_q_tiles_per_document(d: int | str, causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain forward's q tiles start at each document, so a document's last tile ends
+    anywhere in its box (lengths about the 64-row warpgroup blocks and the 128- and 192-row
+    tiles): only its own rows reach out and lse (poisoned), the rest are the next tile's. On
+    the family's tile and on the tall one (d=128), there with tiles of rows that see no key."""
+    mask = Mask.from_cu_seqlens(np.cumsum([0, *EDGE_DOCS]), causal=causal)
+    _check(mask, 8, 8, d, "bf16", seed=len(str(d)) + causal)
+    bounds = _forward_query_bounds(mask)
+    assert set(np.cumsum([0, *EDGE_DOCS[:-1]])) <= set(bounds.tolist()), "the q tiles did not start at each document"
+    if d == 128:
+        _force_tall_tile(monkeypatch)
+        _check(Mask(list(mask.slices), 3100, mask.shape[1]), 8, 8, d, "fp16")
+
+
+def _forward_query_bounds(mask: Mask) -> np.ndarray:
+    """The q tiles' first rows in the forward schedule the calls planned for `mask` (the one in
+    its memo)."""
+    schedules = [value for key, value in mask.memo.items() if isinstance(key, tuple) and key[0] == "build_forward_schedule"]
+    assert len(schedules) == 1, f"expected one forward schedule, found {len(schedules)}"
+    return plan.schedule_views(schedules[0].flat, schedules[0].rows)["query_bounds"].numpy()
+
+
 def test_the_portable_kernel_has_no_pack_gqa_yet() -> None:
     q, k = (torch.randn(100, h, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 2))
     with pytest.raises(maskc.MaskcError, match="has no PackGQA yet; on sm_90a pass portable=None"):

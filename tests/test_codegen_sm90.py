@@ -154,7 +154,7 @@ def test_entry_signature_is_the_forward_abi():
     entry = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "attn_fwd")
     assert [a.arg for a in entry.args.args] == [
         "mQ", "mK", "mV", "mO", "mLSE", "mLSE2", "mRowMax", "mSink", "mWorkTile", "mWorkRanges", "mRanges",
-        "mWorkLines", "mLines", "mKeyBounds", "softmax_scale", "softcap", "num_ctas", "stream",
+        "mWorkLines", "mLines", "mKeyBounds", "mQueryBounds", "softmax_scale", "softcap", "num_ctas", "stream",
     ]  # fmt: skip
 
 
@@ -219,8 +219,10 @@ def test_the_kernel_takes_only_what_its_features_use(compiled, name):
     ptx = compiled[name].ptx_text
     v = COMPILED[name]
     # Always 21: the lse the backward takes (its tensor and log2(scale)) and the k blocks' keys
-    # (mKeyBounds: blocks per document) besides the rest.
-    assert sum(entry_params(ptx, "attn_fwd_kernel").values()) == 21 + v.has_sink + 2 * v.has_max_logits + 2 * v.has_softcap
+    # (mKeyBounds: blocks per document) besides the rest; the q tiles' rows where they start at
+    # each document (mQueryBounds: not under PackGQA).
+    params = 21 + v.document_rows + v.has_sink + 2 * v.has_max_logits + 2 * v.has_softcap
+    assert sum(entry_params(ptx, "attn_fwd_kernel").values()) == params
     assert ("cp.async.bulk.tensor.4d" in ptx) == (v.pack_gqa and v.num_heads_kv > 1)
 
 

@@ -23,7 +23,7 @@ from maskc.ir.schedule import (
     document_tiles,
     tile_starts,
 )
-from maskc.ir.strategy import select_pack_gqa
+from maskc.ir.strategy import select_forward, select_pack_gqa
 
 from test_ir import masks
 
@@ -332,17 +332,32 @@ def _kept(mask: Mask) -> list[tuple]:
     return [key for key in mask.memo if key[0] == "kept schedule"]
 
 
+@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("heads", [(64, 8), (8, 8)])
 @pytest.mark.parametrize("mask", [Mask.from_cu_seqlens([0, 900, 1000, 5000], causal=True), Mask.from_cu_seqlens([0, 4096])])
-def test_the_forward_per_document_takes_or_drops_the_strategys_schedule(mask: Mask) -> None:
-    """The forward's k blocks per document: a mask of one document keeps the grid (the schedule
-    the GQA strategy kept), one of several builds its own; neither leaves a schedule behind."""
-    m = Mask.from_arrays(mask.q_ranges, mask.k_ranges, mask.types, *mask.shape)
-    tile_m = 16 if select_pack_gqa(m, 64, 8, 128, 128, keep=True) else 128
+def test_the_forward_build_takes_the_strategys_schedule_of_its_own_tiles(
+    mask: Mask, heads: tuple[int, int], documents: bool
+) -> None:
+    """The forward strategy keeps the schedule it chose, built as the kernel's is: with
+    `documents` k blocks per document, and the plain kernel's q tiles too (PackGQA's stay on the
+    grid). The forward's build for those tiles takes it once (the arrays it would build anew,
+    nothing left in the memo); a build for other tiles leaves it."""
+
+    def fresh() -> Mask:
+        return Mask.from_arrays(mask.q_ranges, mask.k_ranges, mask.types, *mask.shape)
+
+    m = fresh()
+    packed = select_forward(m, *heads, (128, 128), None, keep=True, documents=documents)[1]
+    tile_m, rows = (128 // (heads[0] // heads[1]), False) if packed else (128, documents)
+    build_forward_schedule(m, tile_m, 128, not documents, rows)
     assert len(_kept(m)) == 1
-    s = build_forward_schedule(m, tile_m, 128, documents=True)
+    s = build_forward_schedule(m, tile_m, 128, documents, rows)
     assert not _kept(m) and torch.equal(decode(s), mask.to_dense())
-    one_document = len(document_starts(mask)[1]) == 1
-    assert _same(s, build_schedule(mask, tile_m, 128)) == one_document
+    assert _same(s, build_forward_schedule(fresh(), tile_m, 128, documents, rows))
+    q_starts, k_starts = document_starts(mask)
+    assert set(k_starts) <= set(s.col_starts) or not documents
+    assert set(q_starts) <= set(s.row_starts) or not rows
+    assert np.array_equal(s.row_starts, np.arange(0, 5000, tile_m)[: len(s.row_starts)]) or rows
 
 
 @pytest.mark.parametrize("heads", [(64, 8), (8, 8), (16, 8)])
@@ -358,7 +373,8 @@ def test_a_decision_hands_its_schedule_to_the_build_after_it(mask: Mask, heads: 
     m = fresh()
     tile_m = 128 // (heads[0] // heads[1]) if select_pack_gqa(m, *heads, 128, 128, keep=True) else 128
     assert len(_kept(m)) == (heads[0] != heads[1])
-    assert _same(build_schedule(m, tile_m, 128), build_schedule(fresh(), tile_m, 128)) and not _kept(m)
+    built = build_forward_schedule(m, tile_m, 128)
+    assert _same(built, build_forward_schedule(fresh(), tile_m, 128)) and not _kept(m)
     for deterministic, build, params in ((False, build_backward_schedule, (8, 132, 8)),
                                          (True, build_deterministic_backward_schedule, (8, 132))):  # fmt: skip
         m = fresh()

@@ -115,4 +115,16 @@ def test_a_fixed_gqa_strategy_is_kept_and_the_chosen_schedule_is_kept_for_the_ru
     mask = Mask([AttnSlice((0, 8192), (0, 8192), "full")], 8192, 8192)
     assert select_forward(mask, 64, 8, TILES, TALL, keep=True) == (True, False)
     kept = [key[2:] for key in mask.memo if isinstance(key, tuple) and key[:2] == ("kept schedule", "forward")]
-    assert kept == [(192, 128, True, False)]
+    assert kept == [(192, 128, False, False)]
+
+
+def test_tiles_per_document_make_documents_of_full_blocks_take_the_tall_tile():
+    """Packed documents on the grid cross q tiles and k blocks, whose partial blocks the tall
+    tile pays 1.75 times for; where the kernels' tiles start at each document (`documents`)
+    their blocks are full and the tall tile is estimated faster, with one query head a K/V
+    head (plain tiles per document) and with eight (PackGQA: k blocks per document)."""
+    mask = Mask.from_cu_seqlens(np.cumsum([0, 809, 4096, 4096, 4096, 119, 2008, 322, 359, 479]).tolist())
+    assert select_forward(mask, 64, 64, TILES, TALL) == (False, False)
+    assert select_forward(mask, 64, 64, TILES, TALL, documents=True) == (True, False)
+    assert select_forward(mask, 64, 8, TILES, TALL) == (False, True)
+    assert select_forward(mask, 64, 8, TILES, TALL, documents=True) == (True, True)

@@ -107,10 +107,10 @@ def _comment(described: str, doc: str, used_when: str | None, variant: KernelVar
 Arg = Union[TensorArg, ScalarArg, StreamArg]
 
 
-def _schedule_and_launch(tile: str, runs: str, lines: str, keys: str) -> tuple[Arg, ...]:
+def _schedule_and_launch(tile: str, runs: str, lines: str, keys: str, *bounds: TensorArg) -> tuple[Arg, ...]:
     """The tail every kernel shares: its tile schedule (maskc/ir/schedule.py; `tile`, `runs`,
     `lines` and `keys` say what a work item, a run, a line and a key bound are in this
-    direction) and launch scalars."""
+    direction, `bounds` follow the key bounds) and launch scalars."""
     return (
         TensorArg("work_tile", "int32", ("W",), param="mWorkTile", doc=f"{tile} of each work item"),
         TensorArg("work_ranges", "int32", ("W1",), param="mWorkRanges", doc="CSR offsets into mRanges"),
@@ -118,6 +118,7 @@ def _schedule_and_launch(tile: str, runs: str, lines: str, keys: str) -> tuple[A
         TensorArg("work_lines", "int32", ("W1",), param="mWorkLines", doc="CSR offsets into mLines"),
         TensorArg("lines", "int32", ("L", 6), param="mLines", doc=lines),
         TensorArg("key_bounds", "int32", ("NK1",), param="mKeyBounds", doc=keys, used_when="document_tiles"),
+        *bounds,
         ScalarArg("softmax_scale", "float32"),
         ScalarArg("softcap", "float32", doc="c of s = c * tanh(scale * qk / c)", used_when="has_softcap"),
         ScalarArg("num_ctas", "int32", doc="persistent grid size"),
@@ -136,9 +137,13 @@ FORWARD_ABI: tuple[Arg, ...] = (
     TensorArg("row_max", "float32", ("Tq", "Hq"), param="mRowMax", doc="written", used_when="has_max_logits"),
     TensorArg("sink", "float32", ("S", "Hq"), param="mSink", used_when="has_sink"),
     *_schedule_and_launch("q tile", "(n_begin, n_end, partial, first key)", "(r0, r1, lo_a, lo_s, hi_a, hi_s)",
-                          "k block n is keys [key_bounds[n], key_bounds[n + 1])"),
+                          "k block n is keys [key_bounds[n], key_bounds[n + 1])",
+                          TensorArg("query_bounds", "int32", ("NQ1",), param="mQueryBounds", used_when="document_rows",
+                                    doc="q tile m is queries [query_bounds[m], query_bounds[m + 1])")),
 )  # fmt: skip
-"""`attn_fwd`'s arguments, in order (see maskc/ir/schedule.py for the schedule tensors). Where
+"""`attn_fwd`'s arguments, in order (see maskc/ir/schedule.py for the schedule tensors). With
+`document_rows` a q tile's box is the tile_m queries from its first, and only its own rows
+reach `out` and `lse` (a document's last tile is shorter than tile_m). Where
 `lse_log2` has rows the forward also writes lse in the units the backward's kernels load it in
 (BACKWARD_ABI), head-major, QP / Hq rows a head, for a backward that then needs no lse."""
 

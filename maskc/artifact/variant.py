@@ -188,6 +188,12 @@ class KernelVariant:
         return self.family.document_tiles
 
     @property
+    def document_rows(self) -> bool:
+        """A forward whose q tiles start at each document too: document_tiles without PackGQA
+        (a packed tile's 16 or fewer tokens seldom cross a document's end)."""
+        return self.direction == "fwd" and self.document_tiles and not self.pack_gqa
+
+    @property
     def qheads_per_kvhead(self) -> int:
         return self.num_heads_q // self.num_heads_kv
 

@@ -13,7 +13,10 @@ The kernels read a schedule as flat int32 arrays (the forward ABI):
   never overlap;
 - `work_lines [W+1]` / `lines [L, 6]`: per item, the row lines `(r0, r1, lo_a, lo_s, hi_a,
   hi_s)` of the merged, disjoint slices (`merge_ranges`) crossing its rows: element (r, c)
-  of a partial block is allowed iff some line has r0 <= r < r1 and lo_a + lo_s*r <= c <= hi_a + hi_s*r.
+  of a partial block is allowed iff some line has r0 <= r < r1 and lo_a + lo_s*r <= c <= hi_a + hi_s*r;
+- `key_bounds [NK+1]` / `query_bounds [NQ+1]`: k block n is keys [key_bounds[n],
+  key_bounds[n + 1]), q tile m queries [query_bounds[m], query_bounds[m + 1]) (the grid, or
+  tiles per document).
 
 Every q tile is a work item, also one with no k block, so the kernel writes every output
 row. Runs instead of per-block lists keep a 1M-token full mask at one run per tile.
@@ -72,9 +75,14 @@ class Schedule:
         """The kernels' `key_bounds`: k block n is keys [key_bounds[n], key_bounds[n + 1])."""
         return np.append(self.col_starts, self.seqlen_k).astype(np.int32)
 
+    def query_bounds(self) -> np.ndarray:
+        """The kernels' `query_bounds`: q tile m is queries [query_bounds[m], query_bounds[m + 1])."""
+        return np.append(self.row_starts, self.seqlen_q).astype(np.int32)
+
     def arrays(self) -> tuple[np.ndarray, ...]:
         """The kernel arguments, in ABI order."""
-        return (self.work_tile, self.work_ranges, self.ranges, self.work_lines, self.lines, self.key_bounds())
+        return (self.work_tile, self.work_ranges, self.ranges, self.work_lines, self.lines, self.key_bounds(),
+                self.query_bounds())  # fmt: skip
 
 
 def _as32(x: np.ndarray) -> np.ndarray:
@@ -221,8 +229,7 @@ def build_schedule(
     """The forward schedule of `mask` for (tile_m x tile_n) tiles; work items heaviest first, or
     in tile order (`heaviest_first=False`). With `free_past_end` the columns past the last one
     need no mask (the backward's queries past Tq: their P is 0), so a block a line covers up to
-    the last column is full. The one the forward strategy pass built and kept, if it did
-    (`maskc.ir.strategy.select_forward`).
+    the last column is full.
 
     `row_starts` / `col_starts` (`tile_starts`; default the grid) partition the rows into q
     tiles and the columns into k blocks; a tile's own rows and a block's own columns end where
@@ -233,10 +240,6 @@ def build_schedule(
     would add to dQ) a short tile's blocks are partial too."""
     if tile_m <= 0 or tile_n <= 0:
         raise MaskError(f"tile shape must be positive, got {tile_m} x {tile_n}")
-    partitioned = row_starts is not None or col_starts is not None
-    kept = None if partitioned else _kept(mask, "forward", tile_m, tile_n, heaviest_first, free_past_end)
-    if kept is not None:
-        return kept
     sq, sk = mask.shape
     rs = grid_starts(sq, tile_m) if row_starts is None else _checked_starts(row_starts, sq, tile_m, "row")
     cs = grid_starts(sk, tile_n) if col_starts is None else _checked_starts(col_starts, sk, tile_n, "column")
@@ -324,17 +327,33 @@ def build_schedule(
     )
 
 
-def build_forward_schedule(mask: Mask, tile_m: int, tile_n: int, documents: bool = False) -> Schedule:
-    """The schedule of a forward kernel (heaviest first); with `documents` each document's keys
-    in k blocks of their own (`document_starts`; q tiles on the grid). A mask of one document
-    keeps the grid, and so takes the schedule the forward strategy kept; one of several
-    documents drops that grid schedule instead of leaving it in the memo."""
-    sk = mask.shape[1]
-    cols = tile_starts(document_starts(mask)[1], sk, tile_n) if documents else None
-    if cols is None or np.array_equal(cols, grid_starts(sk, tile_n)):
-        return build_schedule(mask, tile_m, tile_n)
-    _kept(mask, "forward", tile_m, tile_n, True, False)
-    return build_schedule(mask, tile_m, tile_n, col_starts=cols)
+def forward_starts(mask: Mask, tile_m: int, tile_n: int, documents: bool, query_documents: bool
+                   ) -> tuple[np.ndarray | None, np.ndarray | None]:  # fmt: skip
+    """The q tile and k block starts (`build_schedule`'s; None: the grid) of a forward kernel
+    whose k blocks start at each document with `documents`, and its q tiles too with
+    `query_documents` (`document_tiles`)."""
+    if not documents:
+        return None, None
+    rows, cols = document_tiles(mask, tile_m, tile_n)
+    return (rows if query_documents else None), cols
+
+
+def build_forward_schedule(
+    mask: Mask, tile_m: int, tile_n: int, documents: bool = False, query_documents: bool = False
+) -> Schedule:
+    """The schedule of a forward kernel (heaviest first), its tiles per document as
+    `forward_starts` says; the one the forward strategy pass built and kept, if it did
+    (`maskc.ir.strategy.select_forward`)."""
+    kept = _kept(mask, *forward_key(tile_m, tile_n, documents, query_documents))
+    if kept is not None:
+        return kept
+    rows, cols = forward_starts(mask, tile_m, tile_n, documents, query_documents)
+    return build_schedule(mask, tile_m, tile_n, row_starts=rows, col_starts=cols)
+
+
+def forward_key(tile_m: int, tile_n: int, documents: bool, query_documents: bool) -> tuple:
+    """The key under which a forward schedule built for a decision is kept (`keep_schedule`)."""
+    return ("forward", tile_m, tile_n, documents, query_documents)
 
 
 @dataclass(frozen=True, eq=False)
@@ -361,7 +380,7 @@ class BackwardSchedule(Schedule):
         return np.append(self.col_starts, self.seqlen_k).astype(np.int32)
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        return (*super().arrays(), self.query_bounds(), self.items, self.cta_items)
+        return (*super().arrays(), self.items, self.cta_items)
 
 
 def _last_blocks(s: Schedule) -> np.ndarray:

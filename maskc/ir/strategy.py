@@ -9,7 +9,7 @@ import numpy as np
 
 from maskc.artifact.families import pack_gqa_supported
 from maskc.ir.mask import Mask
-from maskc.ir.schedule import Schedule, build_schedule, keep_schedule
+from maskc.ir.schedule import Schedule, build_schedule, forward_key, forward_starts, keep_schedule
 
 #: Cost model of one work item, in units of one full (TILE_M x TILE_N) k block: a partial
 #: block also pays its line mask, and every item pays its Q load, pipeline fill and epilogue.
@@ -62,18 +62,25 @@ def _gqa_choice(
     num_sms: int,
     partial_block_cost: float,
     packs: tuple[bool, ...] = (False, True),
+    documents: bool = False,
 ) -> tuple[bool, Schedule, float]:
     """select_pack_gqa's decision for a (tile_m x tile_n) kernel among the GQA strategies
-    `packs` (PackGQA or not), with the schedule it takes and that schedule's estimated time."""
+    `packs` (PackGQA or not), with the schedule it takes and that schedule's estimated time;
+    `documents`: the kernels' k blocks, and the plain kernel's q tiles, start at each document."""
     g = num_heads_q // num_heads_kv
+
+    def schedule(rows: int, packed: bool) -> Schedule:
+        starts = forward_starts(mask, rows, tile_n, documents, not packed)
+        return build_schedule(mask, rows, tile_n, row_starts=starts[0], col_starts=starts[1])
+
     if packs == (True,):
-        packed_schedule = build_schedule(mask, tile_m // g, tile_n)
+        packed_schedule = schedule(tile_m // g, True)
         return True, packed_schedule, estimated_time(packed_schedule, num_heads_kv, num_sms, partial_block_cost)
-    plain_schedule = build_schedule(mask, tile_m, tile_n)
+    plain_schedule = schedule(tile_m, False)
     plain = estimated_time(plain_schedule, num_heads_q, num_sms, partial_block_cost)
     if True not in packs or not pack_gqa_supported(num_heads_q, num_heads_kv) or tile_m % g:
         return False, plain_schedule, plain
-    packed_schedule = build_schedule(mask, tile_m // g, tile_n)
+    packed_schedule = schedule(tile_m // g, True)
     packed = estimated_time(packed_schedule, num_heads_kv, num_sms, partial_block_cost)
     if packed < PACK_GQA_MARGIN * plain:
         chosen = True
@@ -122,6 +129,7 @@ def select_forward(
     *,
     packs: tuple[bool, ...] = (False, True),
     keep: bool = False,
+    documents: bool = False,
 ) -> tuple[bool, bool]:
     """The forward's tile shape and GQA strategy for `mask`: (tall, pack_gqa). The family's
     (tile_m, tile_n) `tiles` take the GQA strategy select_pack_gqa would among `packs` (one
@@ -129,15 +137,20 @@ def select_forward(
     tall shape is chosen where its estimated time, in query-key elements at its block speed,
     is below TALL_MARGIN of the other's: masks made of long items of full blocks (full,
     causal), not those with many partial blocks (windows, short documents; from
-    TALL_MAX_PARTIAL on it is not estimated). `keep` as in select_pack_gqa."""
-    packed, schedule, time = _gqa_choice(mask, num_heads_q, num_heads_kv, *tiles, num_sms, PARTIAL_BLOCK_COST, packs)
+    TALL_MAX_PARTIAL on it is not estimated). `keep` as in select_pack_gqa; `documents`: the
+    kernels' k blocks, and the plain kernels' q tiles, start at each document (the family's
+    `document_tiles`)."""
+    packed, schedule, time = _gqa_choice(
+        mask, num_heads_q, num_heads_kv, *tiles, num_sms, PARTIAL_BLOCK_COST, packs, documents
+    )
     chosen = (False, packed, schedule)
     if tall is not None and schedule.partial_share() < TALL_MAX_PARTIAL:
         _, tall_schedule, tall_time = _gqa_choice(
-            mask, num_heads_q, num_heads_kv, *tall, num_sms, TALL_PARTIAL_BLOCK_COST, (packed,)
+            mask, num_heads_q, num_heads_kv, *tall, num_sms, TALL_PARTIAL_BLOCK_COST, (packed,), documents
         )
         if tall_time * tall[0] * tall[1] / TALL_BLOCK_SPEEDUP < TALL_MARGIN * time * tiles[0] * tiles[1]:
             chosen = (True, packed, tall_schedule)
-    if keep:  # for the runtime's build_schedule to take
-        keep_schedule(mask, chosen[2], "forward", chosen[2].tile_m, chosen[2].tile_n, True, False)
+    if keep:  # for the runtime's build_forward_schedule to take
+        s = chosen[2]
+        keep_schedule(mask, s, *forward_key(s.tile_m, s.tile_n, documents, documents and not packed))
     return chosen[0], chosen[1]
