@@ -51,8 +51,10 @@ def decode(s: Schedule, free_past_end: bool = False, whole_rows: bool = False, b
         seen: set[int] = set()
         for n_begin, n_end, partial, key in s.ranges[s.work_ranges[w] : s.work_ranges[w + 1]].tolist():
             assert n_begin < n_end and key == cs[n_begin]
-            # Blocks follow each other at tile_n columns, except in runs marked 2.
+            # Blocks follow each other at tile_n columns, except in runs marked 2; a run marked 1
+            # is on the grid, block n at column n * tile_n (the kernels' line slots count it there).
             assert partial == 2 or cs[n_begin:n_end] == list(range(key, key + (n_end - n_begin) * s.tile_n, s.tile_n))
+            assert partial != 1 or key == n_begin * s.tile_n, "a run marked 1 off the grid"
             for n in range(n_begin, n_end):
                 assert n not in seen, f"block {n} of tile {m} scheduled twice"
                 seen.add(n)
@@ -107,9 +109,10 @@ def test_schedule_on_any_partition_covers_exactly_the_mask(data, mask: Mask, til
     s = build_schedule(mask, tile_m, tile_n, row_starts=rows, col_starts=cols, free_past_end=backward, whole_rows=backward)
     assert torch.equal(decode(s, free_past_end=backward, whole_rows=backward), mask.to_dense())
     assert (s.row_starts == rows).all() and (s.col_starts == cols).all()
-    # Partial runs holding a block off the grid, or short before the last column, are marked 2.
+    # Partial runs holding a block off the grid (block n not at column n * tile_n), or short
+    # before the last column, are marked 2.
     ends = [*cols[1:].tolist(), mask.seqlen_k]
-    odd = [c % tile_n != 0 or (e - c < tile_n and e != mask.seqlen_k) for c, e in zip(cols.tolist(), ends)]
+    odd = [c != n * tile_n or (e - c < tile_n and e != mask.seqlen_k) for n, (c, e) in enumerate(zip(cols.tolist(), ends))]
     for n_begin, n_end, partial, _ in s.ranges.tolist():
         assert partial == (0 if partial == 0 else 1 + any(odd[n_begin:n_end]))
 

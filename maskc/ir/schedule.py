@@ -7,8 +7,9 @@ The kernels read a schedule as flat int32 arrays (the forward ABI):
 - `work_ranges [W+1]` / `ranges [R, 4]`: per item, runs `(n_begin, n_end, partial, key)` of
   k blocks, `key` the first column of block n_begin; a full run (partial=0) has every element
   allowed and in range, so the kernel skips all masking there; a partial run is 1, or 2 where
-  it holds a block off the grid (blocks per document: the kernel masks it from its own first
-  column) or shorter than the tile before the last column (its box past its end cleared).
+  it holds a block off the grid (block n not at column n * tile_n: blocks per document; the
+  kernel masks it from its own first column) or shorter than the tile before the last column
+  (its box past its end cleared).
   Outside runs marked 2 a run's blocks follow each other at tile_n columns. Runs of one item
   never overlap;
 - `work_lines [W+1]` / `lines [L, 6]`: per item, the row lines `(r0, r1, lo_a, lo_s, hi_a,
@@ -287,7 +288,10 @@ def build_schedule(
     keep = p_end > p_begin
     part = _merge_runs(p_tile[keep], p_begin[keep], p_end[keep])
     # A partial run holding a block off the grid, or short before the last column, is marked 2.
-    off_grid = np.r_[0, np.cumsum((cs % tile_n != 0) | ((col_ends - cs < tile_n) & (col_ends != sk)))]
+    # Off the grid: block n not at column n * tile_n, where the kernels' line slots count it
+    # (a document's block on a multiple of tile_n is off it after a document that was not).
+    grid_cols = np.arange(cs.size, dtype=np.int64) * tile_n
+    off_grid = np.r_[0, np.cumsum((cs != grid_cols) | ((col_ends - cs < tile_n) & (col_ends != sk)))]
     part_flag = 1 + (off_grid[part[2]] > off_grid[part[1]]).astype(np.int64)
 
     run_tile = np.r_[part[0], full[0]]
