@@ -155,8 +155,8 @@ What holds these back, as measured so far:
 - The varlen masks: the backward's k tiles and q blocks and the forward's k blocks start at
   each document, as FA4's tiles do (varlen full at d=128 16k: 0.89 of FA4's backward before
   the k tiles, 0.97 since; the q blocks +1-7% more, most at d=64; the forward +1.5-3% at
-  d=128); the forward's q tiles still sit on a fixed grid, so those that straddle two
-  documents compute both documents' rows (`docs/design/document-tiles.md`).
+  d=128), and so do the forward's q tiles but under PackGQA, whose 16-token tiles straddle
+  few documents (`docs/design/document-tiles.md`).
 - The backward at d=256 on varlen full at 16k: 64-key tiles with the head dims split between
   the warpgroups, P^T and dS^T through shared memory, dO in one stage and dQ staged in halves
   to fit; Nsight Compute (before its k tiles started at each document) put its 7% more cycles
@@ -179,10 +179,9 @@ What holds these back, as measured so far:
   backward) and 95-99% at 64k; the full mask 99-100% (`bench/fill.py`). Where that
   share is near 92%, the target asks partial blocks to cost no more than full ones.
 - Other head counts (`docs/design/head-counts.md`): with one query head a K/V head (64:64) the
-  forward has no heads to pack, so its 128-row q tiles sit on the fixed grid and those that
-  straddle two documents compute both (varlen full 0.81 of FA4, varlen causal 0.88; q tiles
-  per document would keep 0.993 and 0.957 of the computed elements against 0.964 and 0.904);
-  with one K/V head (64:1) a 16k mask has about one backward item per CTA, so the deal cuts
+  forward has no heads to pack; its q tiles start at each document (varlen full 0.81 of FA4's
+  forward before, 0.94 since; varlen block causal 0.77 of the full mask's before, 0.84 since);
+  what keeps the rest below FA4 is not measured; with one K/V head (64:1) a 16k mask has about one backward item per CTA, so the deal cuts
   every item into pieces of 8 or 32 query heads, dealt and paired as the items of more K/V
   heads would be (backward 0.90-0.96 of FA4, varlen causal from 0.59 with one-head pieces;
   what holds the rest is not measured).
