@@ -9,8 +9,8 @@ full mask's TFLOP/s asks partial blocks to cost no more than full ones.
 The kernels' k blocks (forward), k tiles and q blocks (backward) start at each document
 (`maskc.ir.schedule.document_tiles`), and so do the forward's q tiles but under PackGQA.
 
-Runs anywhere, in seconds: `python bench/fill.py [--seqlens 16384,65536] [--heads 64:64]`. It prints a table
-and writes no rows: the shares follow from the schedules, nothing is timed.
+Runs anywhere, in seconds: `python bench/fill.py [--seqlens 16384,65536] [--heads 64:64]`. It
+prints a table and writes no rows: the shares follow from the schedules, nothing is timed.
 """
 
 from __future__ import annotations
