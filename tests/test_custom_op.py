@@ -466,14 +466,16 @@ def test_deterministic_selects_the_ordered_backward_kernel_and_schedule(cuda_on_
         assert len(launch.rows) == arrays
 
 
-def test_sm90_kernels_take_blocks_and_tiles_per_document(cuda_on_cpu: Any) -> None:
+@pytest.mark.parametrize("pack_gqa", [False, True])
+def test_sm90_kernels_take_blocks_and_tiles_per_document(cuda_on_cpu: Any, pack_gqa: bool) -> None:
     """The SM90 forward's k blocks and backward's k tiles start at each document, and so do the
-    backward's q blocks: their schedules' key and query bounds are `document_tiles`', not the
-    grid's."""
+    backward's q blocks and the forward's q tiles where it packs no query heads: their
+    schedules' key and query bounds are `document_tiles`', not the grid's (PackGQA's q tiles
+    stay on the grid)."""
     _, kernels, _ = cuda_on_cpu
     mask = Mask.from_cu_seqlens([0, 300, 1000, 1500], causal=True)
     q, k, v = _inputs(mask)
-    out, meta = maskc.attention(q, k, v, mask)
+    out, meta = maskc.attention(q, k, v, mask, pack_gqa=pack_gqa)
     _loss(out, meta.lse).backward()
     (_, forward), (_, backward) = kernels.launches[-2:]
     for launch in (forward, backward):
@@ -483,6 +485,10 @@ def test_sm90_kernels_take_blocks_and_tiles_per_document(cuda_on_cpu: Any) -> No
     queries = plan.schedule_views(backward.schedule, backward.rows)["query_bounds"].tolist()
     starts = schedules.document_tiles(mask, backward.kernel.tile_m, backward.kernel.tile_n)[0]
     assert queries == [*starts.tolist(), 1500] and 300 in queries and 1000 in queries
+    shape = forward.kernel.shape
+    assert shape.document_rows != pack_gqa
+    tiles = schedules.document_tiles(mask, shape.tile_m, shape.tile_n)[0] if not pack_gqa else range(0, 1500, shape.tile_m)
+    assert plan.schedule_views(forward.schedule, forward.rows)["query_bounds"].tolist() == [*tiles, 1500]
 
 
 def test_a_callers_dq_buffer_keeps_the_backwards_q_blocks_on_the_grid(cuda_on_cpu: Any) -> None:
