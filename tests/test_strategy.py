@@ -12,7 +12,7 @@ import pytest
 from maskc.artifact.families import pack_gqa_supported
 from maskc.frontend import load
 from maskc.ir import AttnSlice, Mask, strategy
-from maskc.ir.schedule import build_schedule
+from maskc.ir.schedule import build_forward_schedule, build_schedule
 from maskc.ir.strategy import estimated_time, select_forward, select_pack_gqa
 
 
@@ -91,11 +91,11 @@ def test_masks_of_many_partial_blocks_do_not_build_the_tall_schedule(monkeypatch
     """The tall tile's schedule is a new mask's host time: built only where it can win."""
     built = []
 
-    def counted(mask, tile_m, tile_n, **kwargs):
+    def counted(mask, tile_m, tile_n, *args):
         built.append(tile_m)
-        return build_schedule(mask, tile_m, tile_n, **kwargs)
+        return build_forward_schedule(mask, tile_m, tile_n, *args)
 
-    monkeypatch.setattr(strategy, "build_schedule", counted)
+    monkeypatch.setattr(strategy, "build_forward_schedule", counted)
     select_forward(_window(16384, 1024), 64, 8, TILES, TALL)
     assert sorted(set(built)) == [16, 128]  # the other tile, plain and packed
     built.clear()

@@ -331,28 +331,21 @@ def build_schedule(
     )
 
 
-def forward_starts(mask: Mask, tile_m: int, tile_n: int, documents: bool, query_documents: bool
-                   ) -> tuple[np.ndarray | None, np.ndarray | None]:  # fmt: skip
-    """The q tile and k block starts (`build_schedule`'s; None: the grid) of a forward kernel
-    whose k blocks start at each document with `documents`, and its q tiles too with
-    `query_documents` (`document_tiles`)."""
-    if not documents:
-        return None, None
-    rows, cols = document_tiles(mask, tile_m, tile_n)
-    return (rows if query_documents else None), cols
-
-
 def build_forward_schedule(
     mask: Mask, tile_m: int, tile_n: int, documents: bool = False, query_documents: bool = False
 ) -> Schedule:
-    """The schedule of a forward kernel (heaviest first), its tiles per document as
-    `forward_starts` says; the one the forward strategy pass built and kept, if it did
-    (`maskc.ir.strategy.select_forward`)."""
+    """The schedule of a forward kernel (heaviest first) whose k blocks start at each document
+    with `documents`, and its q tiles too with `query_documents` (`document_tiles`); the one the
+    forward strategy pass built and kept, if it did (`maskc.ir.strategy.select_forward`)."""
     kept = _kept(mask, *forward_key(tile_m, tile_n, documents, query_documents))
     if kept is not None:
         return kept
-    rows, cols = forward_starts(mask, tile_m, tile_n, documents, query_documents)
-    return build_schedule(mask, tile_m, tile_n, row_starts=rows, col_starts=cols)
+    if not documents:
+        return build_schedule(mask, tile_m, tile_n)
+    q_starts, k_starts = document_starts(mask)
+    sq, sk = mask.shape
+    rows = tile_starts(q_starts, sq, tile_m) if query_documents else None
+    return build_schedule(mask, tile_m, tile_n, row_starts=rows, col_starts=tile_starts(k_starts, sk, tile_n))
 
 
 def forward_key(tile_m: int, tile_n: int, documents: bool, query_documents: bool) -> tuple:

@@ -9,7 +9,7 @@ import numpy as np
 
 from maskc.artifact.families import pack_gqa_supported
 from maskc.ir.mask import Mask
-from maskc.ir.schedule import Schedule, build_schedule, forward_key, forward_starts, keep_schedule
+from maskc.ir.schedule import Schedule, build_forward_schedule, forward_key, keep_schedule
 
 #: Cost model of one work item, in units of one full (TILE_M x TILE_N) k block: a partial
 #: block also pays its line mask, and every item pays its Q load, pipeline fill and epilogue.
@@ -70,8 +70,7 @@ def _gqa_choice(
     g = num_heads_q // num_heads_kv
 
     def schedule(rows: int, packed: bool) -> Schedule:
-        starts = forward_starts(mask, rows, tile_n, documents, not packed)
-        return build_schedule(mask, rows, tile_n, row_starts=starts[0], col_starts=starts[1])
+        return build_forward_schedule(mask, rows, tile_n, documents, documents and not packed)
 
     if packs == (True,):
         packed_schedule = schedule(tile_m // g, True)
