@@ -145,9 +145,7 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
     dq_rows = dq_accum if accumulate and rows8 == tq else torch.zeros(rows8, hq, d, dtype=torch.float32, device=q.device)
     if accumulate and dq_rows is not dq_accum:
         dq_rows[:tq] = dq_accum
-    # Kernels whose k tiles start at each document add dK and dV (a short tile adds zeros past its end).
-    new = torch.zeros_like if entry.shape.document_tiles else torch.empty_like
-    dk, dv = new(k), new(v)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     # The preprocess kernel fills the statistics (head-major, padded to whole q blocks): lse_log2
     # from lse, or only its padding where the forward wrote the rest.
     delta = torch.empty(hq, padded, dtype=torch.float32, device=q.device)

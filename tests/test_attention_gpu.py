@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import zlib
+from unittest import mock
 from pathlib import Path
 from typing import Any
 
@@ -335,26 +336,48 @@ def test_automatic_gqa_strategy_matches_both_forced() -> None:
 # ---- gradients (the backward kernel) ------------------------------------------------------------
 
 
-def _grads(fn, q, k, v, sink, mask, dout, dlse, **kwargs):
+def _grads(fn, q, k, v, sink, mask, dout, dlse, poisoned: bool = False, **kwargs):
+    """The gradients of a loss of `fn`'s outputs; `poisoned`: every floating-point buffer the
+    backward takes from `torch.empty_like` (dK's and dV's among them) comes filled with NaN, so
+    that a row the kernels leave unwritten shows."""
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     sink_leaf = sink.detach().clone().requires_grad_() if sink is not None else None
     out, meta = fn(*leaves, mask, sink=sink_leaf, **kwargs)
     loss = (out.float() * dout).sum()
     if dlse is not None:  # else lse gets no gradient and the backward sees dlse = None
         loss = loss + (torch.where(torch.isfinite(meta.lse), meta.lse, 0.0) * dlse).sum()
-    loss.backward()
+    if not poisoned:
+        loss.backward()
+        return _leaf_grads(leaves, sink_leaf)
+    empty_like, poison = torch.empty_like, set()
+
+    def nan_like(x: torch.Tensor, **kw: Any) -> torch.Tensor:
+        out = empty_like(x, **kw)
+        if out.is_floating_point():
+            out.fill_(math.nan)
+            poison.add(out.data_ptr())
+        return out
+
+    with mock.patch.object(torch, "empty_like", nan_like):
+        loss.backward()
+    assert {x.grad.data_ptr() for x in leaves[1:]} <= poison, "dK and dV did not come from the poisoned buffers"
+    return _leaf_grads(leaves, sink_leaf)
+
+
+def _leaf_grads(leaves: list[torch.Tensor], sink_leaf: torch.Tensor | None) -> list[torch.Tensor]:
     return [x.grad.float() for x in leaves] + ([sink_leaf.grad.float()] if sink_leaf is not None else [])
 
 
 def _grad_errors(
     mask: Mask, hq: int, hkv: int, d: int, dtype: str, *, softcap: float = 0.0, sink: bool = False, seed: int = 0,
     deterministic: bool = False, lse_grad: bool = True, portable: bool | None = None, softmax_scale: float | None = None,
+    poisoned: bool = False,
 ) -> dict[str, tuple[float, float]]:
     """Per gradient, maskc's error against a float64 reference and what the issue's rule allows
     it: twice the error of the reference run in the low precision, plus a floor of 1e-3 of the
     largest exact value, or what storing the exact gradient in its leaf's dtype already costs if
     that is more (its largest rounding error in bf16/fp16: no kernel returning that dtype can do
-    better). No NaN anywhere."""
+    better). No NaN anywhere (with `poisoned`, in dK and dV written over NaN: `_grads`)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     tq, tk = mask.shape
     dims = _dims(d)
@@ -371,7 +394,8 @@ def _grad_errors(
     )
     low = _grads(maskc.reference_attention, q, k, v, sinks, mask, dout, dlse, **options)
     ours = _grads(
-        maskc.attention, q, k, v, sinks, mask, dout, dlse, deterministic=deterministic, portable=portable, **options
+        maskc.attention, q, k, v, sinks, mask, dout, dlse, poisoned, deterministic=deterministic, portable=portable,
+        **options,
     )
     errors = {}
     for name, o, lo, ex in zip(("dq", "dk", "dv", "dsink"), ours, low, exact):
@@ -424,6 +448,21 @@ def test_gradients_head_dims_head_layouts_fp16_and_options(d: str, hq: int, hkv:
     _check_grads(MASKS["varlen_causal"](), hq, hkv, d, "fp16")
     _check_grads(MASKS["rows_without_keys"](), hq, hkv, d, "bf16", softcap=5.0, sink=True, deterministic=True)
     _check_grads(Mask.from_cu_seqlens([0, 1000]), hq, hkv, d, "bf16", lse_grad=False)  # the unmasked kernel
+
+
+@pytest.mark.parametrize("d", ["128", *BACKWARD_HEAD_DIMS])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_write_every_key_row(d: str, causal: bool) -> None:
+    """dK and dV are written over buffers nobody zeroes (poisoned here): every row, by k tiles
+    that start at each document (a document's short last tile writes only its own rows, the
+    rest of its box being the next tile's) and, as zeros, by the items of k tiles no query
+    sees; in the deterministic kernel too."""
+    docs = Mask.from_cu_seqlens(np.cumsum([0, *EDGE_DOCS]), causal=causal)
+    _check_grads(docs, 8, 2, d, "bf16", poisoned=True)
+    _check_grads(docs, 8, 2, d, "bf16", poisoned=True, deterministic=True)
+    kind = "causal" if causal else "full"
+    unseen = Mask([AttnSlice((0, 500), (0, 300)), AttnSlice((500, 1000), (700, 900), kind)], 1000, 1200)
+    _check_grads(unseen, 8, 2, d, "bf16", poisoned=True)
 
 
 @pytest.mark.parametrize("d", BACKWARD_HEAD_DIMS)

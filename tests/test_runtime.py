@@ -121,6 +121,9 @@ def test_abi_structs_hold_only_dynamic_extents() -> None:
     }
     backward = {a.name: a for a in BACKWARD_ABI if isinstance(a, TensorArg)}
     assert backward["lse_log2"].alignment == 16 and backward["dq_accum"].alignment == 16  # TMA operands
+    # What the caller zeroes is part of the interface: dK and dV are written, dQ added.
+    records = {r["name"]: r for r in abi_to_json(BACKWARD_ABI) if r["kind"] == "tensor"}
+    assert records["dq_accum"]["zeroed"] and "zeroed" not in records["dk"] and "zeroed" not in records["dv"]
     assert by_name["sink"].alignment == 4  # the caller's tensor: only element alignment is assumed
 
 

@@ -42,6 +42,9 @@ class TensorArg:
     doc: str = ""
     #: The KernelVariant flag without which the kernel never reads or writes it.
     used_when: str | None = None
+    #: The caller passes it zeroed (the kernel adds into it): part of the binary interface,
+    #: since a kernel that adds into a buffer the runtime does not zero writes garbage.
+    zeroed: bool = False
 
     @property
     def alignment(self) -> int:
@@ -58,7 +61,8 @@ class TensorArg:
     def comment(self, variant: KernelVariant) -> str:
         """The argument's comment in the signature of `variant`'s kernel."""
         shape = ", ".join(_SHOWN_DIMS.get(d, str(d)) for d in self.shape)
-        return _comment(f"[{shape}] {_SHOWN_DTYPES[self.dtype]}", self.doc, self.used_when, variant)
+        doc = f"{self.doc} (zero)" if self.zeroed else self.doc
+        return _comment(f"[{shape}] {_SHOWN_DTYPES[self.dtype]}", doc, self.used_when, variant)
 
 
 @dataclass(frozen=True)
@@ -159,20 +163,20 @@ BACKWARD_ABI: tuple[Arg, ...] = (
               doc="lse * log2(e) per head (SM90: - log2(scale)), padded (+inf: P = 0); the preprocess writes it"),
     TensorArg("delta", "float32", ("QP",), align=16, param="mDelta",
               doc="written by the preprocess: rowsum(dO * O) - dlse per head, padded to q blocks"),
-    TensorArg("dq_accum", "float32", ("Tq8", "Hq", "D"), align=16, param="mdQ",
-              doc="scale * dS K added (zeroed by the caller)"),
-    TensorArg("dk", "input", ("Tk", "Hkv", "D"), param="mdK", doc="written (document_tiles: added; zeroed by the caller)"),
-    TensorArg("dv", "input", ("Tk", "Hkv", "Dv"), param="mdV", doc="written (document_tiles: added; zeroed by the caller)"),
+    TensorArg("dq_accum", "float32", ("Tq8", "Hq", "D"), align=16, param="mdQ", doc="scale * dS K added",
+              zeroed=True),
+    TensorArg("dk", "input", ("Tk", "Hkv", "D"), param="mdK", doc="written"),
+    TensorArg("dv", "input", ("Tk", "Hkv", "Dv"), param="mdV", doc="written"),
     TensorArg("dq_semaphore", "int32", ("QS",), param="mSemaphore",
-              doc="dQ additions landed per (head, q block, warpgroup)", used_when="deterministic"),
+              doc="dQ additions landed per (head, q block, warpgroup)", used_when="deterministic", zeroed=True),
     TensorArg("work_blocks", "int32", ("WB",), param="mWorkBlocks", doc="CSR offsets into mBlockRank",
               used_when="deterministic"),
     TensorArg("block_rank", "int32", ("B",), param="mBlockRank", doc="lower k tiles adding to the same q block",
               used_when="deterministic"),
     TensorArg("dkv_accum", "float32", ("KA",), align=16, param="mdKVAccum",
-              doc="per split slot, TILE_K x (HEAD_DIM + HEAD_DIM_V) dK / dV sums by warpgroup (zero)"),
+              doc="per split slot, TILE_K x (HEAD_DIM + HEAD_DIM_V) dK / dV sums by warpgroup", zeroed=True),
     TensorArg("dkv_count", "int32", ("KC",), param="mdKVCount",
-              doc="the CTAs' pace (PACE_COUNTERS), then pieces done per split slot and warpgroup (zero)"),
+              doc="the CTAs' pace (PACE_COUNTERS), then pieces done per split slot and warpgroup", zeroed=True),
     TensorArg("query_bounds", "int32", ("NQ1",), param="mQueryBounds", used_when="document_tiles",
               doc="q block m is queries [query_bounds[m], query_bounds[m + 1])"),
     TensorArg("items", "int32", ("I", 6), param="mItems",
@@ -193,9 +197,8 @@ rowsum(dO * O) - dlse in float32, 0 for padding. With `lse` empty (no rows), `ls
 holds the forward's rows below Tq already (its FORWARD_ABI output) and the preprocess writes
 only the padding. dK/dV are owned per (k tile, kv head) and
 summed over the kv head's query heads (with `document_tiles`, SM90: k tile n is keys
-[key_bounds[n], key_bounds[n + 1]), a document's last tile shorter than tile_n, and dK/dV are
-added into `dk` / `dv`, which the caller zeroes: a short tile's box reaches into the next
-tile's rows, to which it adds zeros; q block m is queries [query_bounds[m], query_bounds[m +
+[key_bounds[n], key_bounds[n + 1]), a document's last tile shorter than tile_n, whose own rows
+of dK/dV alone are written; q block m is queries [query_bounds[m], query_bounds[m +
 1]), its box the tile_m queries from the first, so a document's last block adds zeros to the
 next one's rows); dQ (times the softmax scale) is added to `dq_accum` in fp32 by TMA
 reductions (zeroed by the caller; Tq8 = Tq rounded up to a multiple of 8, rows >= Tq unused:
@@ -232,14 +235,14 @@ ENTRY_POINTS: dict[str, EntryPoint] = {"fwd": EntryPoint("attn_fwd", FORWARD_ABI
 
 
 def abi_to_json(abi: tuple[Arg, ...]) -> list[dict]:
-    """The manifest's record of an ABI (names, kinds, dtypes, shapes, alignments: what the
-    binary interface is made of), so a runtime can refuse objects built for another."""
+    """The manifest's record of an ABI (names, kinds, dtypes, shapes, alignments, the buffers
+    passed zeroed: what the binary interface is made of), so a runtime can refuse objects built
+    for another."""
     out = []
     for arg in abi:
         if isinstance(arg, TensorArg):
-            out.append(
-                {"kind": "tensor", "name": arg.name, "dtype": arg.dtype, "shape": list(arg.shape), "align": arg.alignment}
-            )
+            record = {"kind": "tensor", "name": arg.name, "dtype": arg.dtype, "shape": list(arg.shape), "align": arg.alignment}
+            out.append({**record, "zeroed": True} if arg.zeroed else record)
         elif isinstance(arg, ScalarArg):
             out.append({"kind": "scalar", "name": arg.name, "dtype": arg.dtype})
         else:

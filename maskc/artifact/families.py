@@ -185,9 +185,8 @@ class KernelFamily:
     #: The forward takes k blocks and the backward k tiles at any key, and the backward q
     #: blocks at any query but in the deterministic kernel (`maskc.ir.schedule.document_tiles`:
     #: each document's tokens in tiles of their own; the schedules' `key_bounds` and
-    #: `query_bounds`); the backward adds dK and dV into buffers the caller zeroes (a document's
-    #: last tile reaches into the next one's rows, to which it adds zeros); else all on the
-    #: grid, dK and dV written.
+    #: `query_bounds`; a document's last tile writes only its own rows of O, dK and dV); else
+    #: all on the grid.
     document_tiles: bool = False
     dtypes: tuple[str, ...] = DTYPE_NAMES
 
