@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 import os
 import zlib
-from unittest import mock
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
