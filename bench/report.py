@@ -174,10 +174,17 @@ What holds these back, as measured so far:
   d=128, FA4's own sliding window runs at 0.66-0.79 of its full mask, maskc's at 0.74-0.77
   at 64:8. Whole tiles also bound these masks: of
   the elements in the tiles a mask touches (the forward's chosen tile, 16 tokens a tile under
-  PackGQA; the backward's) it keeps 91-93% for global + window (96% in the 64-key backward of
-  d=256), 92-97% for varlen block causal and shared question at 16k (90% in d=64's 128 x 128
-  backward) and 95-99% at 64k; the full mask 99-100% (`bench/fill.py`). Where that
-  share is near 92%, the target asks partial blocks to cost no more than full ones.
+  PackGQA; the backward's) it keeps 91-96% for global + window, 93-97% for the shared question
+  and 98-99% for varlen block causal at 16k, 98-99% for both at 64k; the full mask 99-100%
+  (`bench/fill.py`). Where that share is near 92%, the target asks partial blocks to cost no
+  more than full ones.
+- Packed documents at 16k, beyond what the tiles keep: a document's q tiles walk few k blocks,
+  so each tile's fixed costs (its Q load, the first and last blocks' waits, the output's store)
+  weigh more, and every library pays that. In the runs above at 16k and d=128, FA4's own varlen
+  full runs at 0.91 / 0.95 of its full mask (forward / backward) and its varlen causal at 0.82
+  / 0.80 (maskc's tiles keep 99% and 96% of these masks' elements); maskc's varlen block
+  causal (99% kept) runs at 0.88 / 0.89, beside its varlen full at 0.90 / 0.93. At 64k, where
+  documents hold more tiles, the same masks run at 0.95-1.01 of the full mask.
 - Other head counts (`docs/design/head-counts.md`): with one query head a K/V head (64:64) the
   forward has no heads to pack; its q tiles start at each document (varlen full 0.81 of FA4's
   forward before, 0.94 since; varlen block causal 0.77 of the full mask's before, 0.84 since);
