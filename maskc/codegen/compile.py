@@ -116,11 +116,13 @@ def require_dsl() -> None:
         )
 
 
-def compile_variant(variant: KernelVariant, out_dir: str | Path, *, keep_ptx: bool = True) -> CompiledObject:
+def compile_variant(variant: KernelVariant, out_dir: str | Path, *, keep_ptx: bool = True,
+                    keep_cubin: bool = False) -> CompiledObject:  # fmt: skip
     """Render, compile for `variant.arch` and export `<key>.o` + `<key>.h` into `out_dir`.
 
     The rendered source is written to `<key>.py` next to the object (the DSL needs a real
-    file); PTX is kept in `<key>.dump/` when `keep_ptx`.
+    file); PTX is kept in `<key>.dump/` when `keep_ptx`, and so is the cubin when `keep_cubin`
+    (for its SASS: bench/sass.py).
     """
     require_dsl()
     import cutlass.cute as cute
@@ -136,9 +138,10 @@ def compile_variant(variant: KernelVariant, out_dir: str | Path, *, keep_ptx: bo
     remarks = ptxas.remarks_file()
     options = f"--gpu-arch {variant.arch} {ptxas.OPTIONS.format(path=remarks)}"
     dump_dir = out / f"{key}.dump"
-    if keep_ptx:
+    if keep_ptx or keep_cubin:
         dump_dir.mkdir(exist_ok=True)
-        options += f" --keep-ptx --dump-dir={dump_dir}"
+        options += "".join(flag for flag, kept in ((" --keep-ptx", keep_ptx), (" --keep-cubin", keep_cubin)) if kept)
+        options += f" --dump-dir={dump_dir}"
     try:
         prefix = ENTRY_POINTS[variant.direction].name
         compiled = cute.compile(getattr(module, prefix), *fake_arguments(variant), options=options)
