@@ -16,7 +16,7 @@ import torch
 
 import maskc
 from maskc.artifact import source, toolchain
-from maskc.artifact.abi import BACKWARD_ABI, FORWARD_ABI, TensorArg, abi_to_json
+from maskc.artifact.abi import BACKWARD_ABI, FORWARD_ABI, ScalarArg, TensorArg, abi_to_json
 from maskc.artifact.families import HeadDim
 from maskc.artifact.manifest import write_manifest
 from maskc.codegen import LoweredMask, write_artifact
@@ -128,43 +128,54 @@ def test_abi_structs_hold_only_dynamic_extents() -> None:
 
 
 class _RecordingRuntime:
-    """A runtime whose kernel records, at each launch, the address and leading extent each
-    tensor argument's slot holds (what the kernel would read)."""
+    """A runtime whose kernel records, at each launch, what the argument array points the kernel
+    at: each tensor's data pointer and first dynamic extent, the stream and the scalars."""
 
-    def __init__(self) -> None:
-        self.launches: list[dict[str, tuple[int, int]]] = []
+    def __init__(self, abi: tuple) -> None:
+        self.abi = abi
+        self.launches: list[dict[str, tuple | float | int]] = []
         self.lib = type("Lib", (), {"CuteDSLRT_Function_Run": self._run})()
-        self.slots: list = []
 
     def function(self, object_bytes: bytes, prefix: str) -> None:
         return None
 
     def _run(self, fn, args, nargs) -> int:
-        self.launches.append({name: (slot.data or 0, slot.dynamic_shapes[0] if dims else -1)
-                              for name, slot, dims, _ in self.slots})  # fmt: skip
+        assert nargs == len(self.abi) + 1
+        seen = {}
+        for arg, address in zip(self.abi, args):
+            if isinstance(arg, TensorArg):
+                extent = ctypes.c_int32.from_address(address + 8).value if arg.dynamic_dims() else -1
+                seen[arg.name] = (ctypes.c_uint64.from_address(address).value, extent)
+            elif isinstance(arg, ScalarArg):
+                seen[arg.name] = (ctypes.c_float if arg.dtype == "float32" else ctypes.c_int32).from_address(address).value
+            else:
+                seen[arg.name] = ctypes.c_uint64.from_address(address).value
+        self.launches.append(seen)
         return 0
 
 
 def test_a_launch_reads_the_schedule_it_was_given_also_after_another() -> None:
     """The launcher fills a schedule's slots only when the schedule changes (layers with one
-    mask share it): alternating two schedules, every launch still sees its own arrays, and the
-    call's tensors anew each time."""
-    runtime = _RecordingRuntime()
+    mask share it): alternating schedules, also one with an array fewer (which then comes with
+    the call), every launch still sees its own arrays, and the call's tensors, stream and
+    scalars anew each time."""
+    runtime = _RecordingRuntime(FORWARD_ABI)
     kernel = launch.Kernel(runtime, b"", "attn_fwd", FORWARD_ABI)
-    runtime.slots = kernel._tensors
     names = [a.name for a in FORWARD_ABI if isinstance(a, TensorArg)]
     forward_schedule = plan.SCHEDULE_ARGS[:6]  # the forward's arrays (work_tile .. key_bounds)
     schedules = [{a.name: torch.zeros(rows, *a.shape[1:], dtype=torch.int32) for a in forward_schedule} for rows in (3, 7)]
-    scalars = {"softmax_scale": 1.0, "softcap": 0.0, "num_ctas": 1}
-    for i, which in enumerate((0, 1, 1, 0)):
+    schedules.append({name: t for name, t in schedules[0].items() if name != "key_bounds"})
+    for i, which in enumerate((0, 1, 1, 0, 2, 2, 1)):
         call = {n: torch.zeros(4 + i, 2, 8, dtype=torch.bfloat16) for n in names if n not in schedules[which]}
-        kernel(call, schedules[which], scalars, 0)
+        scalars = {"softmax_scale": 0.5 + i, "softcap": 0.25 * i, "num_ctas": 1 + i}
+        kernel(call, schedules[which], scalars, 1000 + i)
         seen = runtime.launches[-1]
         for n in names:
             t = schedules[which][n] if n in schedules[which] else call[n]
             assert seen[n][0] == t.data_ptr(), (i, n)
             if seen[n][1] >= 0:
                 assert seen[n][1] == t.shape[0], (i, n)
+        assert {n: seen[n] for n in scalars} == scalars and seen["stream"] == 1000 + i
 
 
 def test_artifact_without_kernels_registers_nothing(tmp_path: Path) -> None:
