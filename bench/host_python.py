@@ -24,8 +24,10 @@ import cProfile
 import io
 import pstats
 import statistics
+import sys
 import time
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any, Callable, Mapping
 from unittest import mock
 
@@ -35,6 +37,10 @@ import maskc
 from maskc.artifact.abi import ENTRY_POINTS
 from maskc.artifact.variant import variant_for
 from maskc.runtime import launch, ops, plan, registry
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import markdown_table  # noqa: E402
 
 TOKENS, HQ, HKV, D = 8, 8, 1, 128
 SM90 = ((9, 0), 132)
@@ -134,11 +140,11 @@ def median_us(fn: Callable[[], object], calls: int, rounds: int) -> float:
 
 def host_python(calls: int, rounds: int, profile: str | None = None) -> list[str]:
     """The table of every library and pass (and a cProfile of maskc's `profile` pass)."""
-    lines = ["| library | forward, no_grad (us) | forward, with gradients (us) | forward + backward (us) |", "|---|---:|---:|---:|"]
+    header = ["library", "forward, no_grad (us)", "forward, with gradients (us)", "forward + backward (us)"]
     with stubbed_gpu():
         runs = passes()
-        for impl, by_pass in runs.items():
-            lines.append(f"| {impl} | " + " | ".join(f"{median_us(fn, calls, rounds):.1f}" for fn in by_pass.values()) + " |")
+        rows = [[impl, *(f"{median_us(fn, calls, rounds):.1f}" for fn in by_pass.values())] for impl, by_pass in runs.items()]
+        lines = markdown_table(header, rows, [1, 2, 3])
         if profile is not None:
             profiler = cProfile.Profile()
             profiler.enable()

@@ -164,7 +164,8 @@ def main() -> None:
     for window in windows:
         means = window_means(samples, window.start, window.end)
         mhz, watts = means if means is not None else (float("nan"), float("nan"))
-        lines.append([*window.case, f"{window.tflops:.0f}", f"{mhz:.0f}", f"{watts:.0f}", f"{window.tflops / mhz * 1e3:.0f}"])
+        per_ghz = window.tflops / mhz * 1e3
+        lines.append([*window.case, f"{window.tflops:.0f}", f"{mhz:.0f}", f"{watts:.0f}", f"{per_ghz:.0f}"])
     header = ["mask", "direction", "impl", "TFLOP/s", "SM MHz", "W", "TFLOP/s per GHz"]
     print("\n".join(markdown_table(header, lines, [3, 4, 5, 6])))
 
