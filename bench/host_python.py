@@ -10,6 +10,8 @@ returns at once (on the GPU machine the runtime library's call, which encodes th
 and launches, adds about 5 us a kernel; `bench/host_profile.py` measures that there). Beside it, a
 trivial `torch.autograd.Function` with maskc's signature that only allocates its outputs and
 gradients: what autograd's own plumbing costs any Python op, the floor under maskc's figure.
+maskc is also timed inside a function compiled by `torch.compile` (fullgraph, the aot_eager
+backend): the path of a compiled model, through the custom ops and the dispatcher.
 
 It prints the median microseconds a call over `--rounds` batches of `--calls`, for the forward
 under no_grad, the forward with inputs that need gradients, and a forward + backward (the
@@ -103,13 +105,17 @@ class _Trivial(torch.autograd.Function):
 
 
 def passes() -> dict[str, dict[str, Callable[[], None]]]:
-    """Per library (maskc, the trivial Function), its three passes on the same leaves."""
+    """Per library (maskc eager; maskc in a function compiled by torch.compile, fullgraph, with
+    the aot_eager backend, which calls the custom ops; the trivial Function), its three passes
+    on the same leaves."""
     mask = maskc.Mask.from_cu_seqlens([0, TOKENS], causal=True)
     q, k, v = (torch.randn(TOKENS, h, D, dtype=torch.bfloat16, requires_grad=True) for h in (HQ, HKV, HKV))
     grad = torch.randn(TOKENS, HQ, D, dtype=torch.bfloat16)
     scale = D**-0.5
+    compiled = torch.compile(lambda q, k, v, mask: maskc.attention(q, k, v, mask)[0], backend="aot_eager", fullgraph=True)
     calls = {
         "maskc": lambda: maskc.attention(q, k, v, mask)[0],
+        "maskc, torch.compile": lambda: compiled(q, k, v, mask),
         "trivial Function": lambda: _Trivial.apply(q, k, v, None, mask.table, None, None, scale, 0.0, False, True, [])[0],
     }
 

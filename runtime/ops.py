@@ -342,10 +342,25 @@ def attn_fwd_impl(
     return impl(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, for_backward, options)
 
 
-_attn_fwd = torch.library.custom_op("maskc::attn_fwd", attn_fwd_impl, mutates_args=(), device_types=("cuda", "cpu"))
+#: The ops' library. They are declared with `torch.library.Library` rather than
+#: `torch.library.custom_op`, whose Python layers around the kernel (an autograd kernel on every
+#: op, output alias checks, a dynamo guard) cost a compiled forward + backward about 45 us more
+#: (`docs/design/host-time.md`); `test_the_ops_pass_torch_library_opcheck` checks their schemas,
+#: fake implementations and autograd against the kernels.
+_LIB = torch.library.Library("maskc", "DEF")
 
 
-@_attn_fwd.register_fake
+def _define(name: str, impl: Callable) -> None:
+    """Declare maskc::`name` with the schema of `impl`'s signature and run `impl` on CPU and CUDA."""
+    _LIB.define(name + torch.library.infer_schema(impl, mutates_args=()))
+    for key in ("CPU", "CUDA"):
+        _LIB.impl(name, impl, key)
+
+
+_define("attn_fwd", attn_fwd_impl)
+
+
+@torch.library.register_fake("maskc::attn_fwd", lib=_LIB)
 def _attn_fwd_fake(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap, return_max_logits, for_backward,
                    options):  # fmt: skip
     rows = 0
@@ -378,10 +393,10 @@ def attn_bwd_impl(
     return impl(q, k, v, out, lse, lse_log2, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap, options)
 
 
-_attn_bwd = torch.library.custom_op("maskc::attn_bwd", attn_bwd_impl, mutates_args=(), device_types=("cuda", "cpu"))
+_define("attn_bwd", attn_bwd_impl)
 
 
-@_attn_bwd.register_fake
+@torch.library.register_fake("maskc::attn_bwd", lib=_LIB)
 def _attn_bwd_fake(q, k, v, out, lse, lse_log2, sink, dout, dlse, mask, prepared, padding, softmax_scale, softcap,
                    options):  # fmt: skip
     dsink = torch.empty_like(sink) if sink is not None else q.new_empty(0, dtype=torch.float32)
@@ -414,12 +429,13 @@ def _attn_fwd_backward(
     return (dq, dk, dv, dsink if sink is not None else None) + (None,) * 8
 
 
-_attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_setup_context)
+torch.library.register_autograd("maskc::attn_fwd", _attn_fwd_backward, setup_context=_setup_context, lib=_LIB)
 
 
 class EagerAttention(torch.autograd.Function):
-    """Eager mode: the ops' own implementations and autograd wiring, minus the dispatcher, which
-    costs a custom op 25-60 us of host time per call; torch.compile traces the ops instead."""
+    """Eager mode: the ops' own implementations and autograd wiring, minus the dispatcher and
+    torch.library's autograd layer, which add about 95 us to a forward + backward through the
+    ops (`bench/host_python.py`'s CPU); torch.compile traces the ops instead."""
 
     @staticmethod
     def forward(ctx: Any, *inputs: Any) -> tuple[torch.Tensor, ...]:  # type: ignore[override]

@@ -631,3 +631,16 @@ def test_split_workspaces_are_kept_per_stream_grown_and_bounded(monkeypatch) -> 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     captured, _ = ops._split_sums(1, 8, 2, cpu, stream=2)
     assert all(captured.data_ptr() != w.data_ptr() for w in ops._SPLIT_WORKSPACES.values())  # a graph's own zeros
+
+
+def test_the_ops_pass_torch_library_opcheck() -> None:
+    """Schema, fake implementations, autograd registration and AOT dispatch agree with the
+    kernels (the CPU's), for the forward with inputs that need gradients and its backward."""
+    options = ops.Options(None, False, None).encode()
+    q, k, v = (torch.randn(129, h, D, dtype=torch.float32, requires_grad=True) for h in (HQ, HKV, HKV))
+    forward = (q, k, v, None, MASK.table, None, None, D**-0.5, 0.0, False, True, options)
+    torch.library.opcheck(torch.ops.maskc.attn_fwd.default, forward)
+    out, lse, _, lse_log2 = torch.ops.maskc.attn_fwd(*(x.detach() if isinstance(x, torch.Tensor) else x for x in forward))
+    plain = [x.detach() for x in (q, k, v)]
+    backward = (*plain, out, lse, lse_log2, None, torch.randn_like(out), None, MASK.table, None, None, D**-0.5, 0.0, options)
+    torch.library.opcheck(torch.ops.maskc.attn_bwd.default, backward)
