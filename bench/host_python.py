@@ -78,9 +78,10 @@ def stubbed_gpu() -> ExitStack:
         (ops, "attn_fwd_cpu", ops.attn_fwd_cuda),
         (ops, "attn_bwd_cpu", ops.attn_bwd_cuda),
         (registry, "find_kernel", _stub_kernel),
+        (registry, "LOADED", []),
     ):
         stack.enter_context(mock.patch.object(target, name, value))
-    stack.enter_context(mock.patch.dict(registry.KERNELS))
+    stack.enter_context(mock.patch.dict(registry.KERNELS, clear=True))  # only the stubs, none registered before
     return stack
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -182,13 +182,22 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
     return dq_accum, dk, dv, dsink
 
 
+class _Workspace(NamedTuple):
+    """A stream's zeroed buffer of split sums and counters, and the views of it calls took (by
+    sums and size): the same view objects every call, since making them costs a backward
+    15 us of host time (`docs/design/host-time.md`)."""
+
+    buffer: torch.Tensor
+    views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
 #: Per (device, stream): the zeroed workspace of the split items' sums and counters. The
 #: kernels leave it zeroed (each item's last piece clears its slot), so a backward costs no fill
 #: and no allocation unless it needs more than the largest before it; launches on one stream
 #: never overlap, and each stream has its own. The SPLIT_WORKSPACE_STREAMS streams used last
 #: keep theirs (a program that makes new streams must not pile workspaces up); an evicted one
 #: goes back to the allocator, which reuses it only on its own stream, after its kernels.
-_SPLIT_WORKSPACES: OrderedDict[tuple[torch.device, int], torch.Tensor] = OrderedDict()
+_SPLIT_WORKSPACES: OrderedDict[tuple[torch.device, int], _Workspace] = OrderedDict()
 SPLIT_WORKSPACE_STREAMS = 4
 
 
@@ -199,16 +208,23 @@ def _split_sums(slots: int, sums_per_slot: int, counters_per_slot: int, device: 
     sums = slots * sums_per_slot
     size = sums + PACE_COUNTERS + slots * counters_per_slot
     if torch.cuda.is_current_stream_capturing():
-        split = torch.zeros(size, dtype=torch.float32, device=device)
-    else:
-        key = (device, stream)
-        split = _SPLIT_WORKSPACES.get(key)
-        if split is None or split.numel() < size:
-            split = _SPLIT_WORKSPACES[key] = torch.zeros(size, dtype=torch.float32, device=device)
-        _SPLIT_WORKSPACES.move_to_end(key)
-        while len(_SPLIT_WORKSPACES) > SPLIT_WORKSPACE_STREAMS:
-            _SPLIT_WORKSPACES.popitem(last=False)
-    return split[:sums], split[sums:size].view(torch.int32)
+        return _views(torch.zeros(size, dtype=torch.float32, device=device), sums, size)
+    key = (device, stream)
+    workspace = _SPLIT_WORKSPACES.get(key)
+    if workspace is None or workspace.buffer.numel() < size:
+        workspace = _SPLIT_WORKSPACES[key] = _Workspace(torch.zeros(size, dtype=torch.float32, device=device), {})
+    _SPLIT_WORKSPACES.move_to_end(key)
+    while len(_SPLIT_WORKSPACES) > SPLIT_WORKSPACE_STREAMS:
+        _SPLIT_WORKSPACES.popitem(last=False)
+    views = workspace.views.get((sums, size))
+    if views is None:
+        views = workspace.views[(sums, size)] = _views(workspace.buffer, sums, size)
+    return views
+
+
+def _views(buffer: torch.Tensor, sums: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sums (the first `sums` floats) and the counters (int32, up to `size`) of a workspace."""
+    return buffer[:sums], buffer[sums:size].view(torch.int32)
 
 
 #: From this many bytes of float32 dQ on, backward_cuda casts it over the accumulator's own memory

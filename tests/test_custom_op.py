@@ -619,10 +619,13 @@ def test_split_workspaces_are_kept_per_stream_grown_and_bounded(monkeypatch) -> 
     assert (sums.numel(), counts.numel(), counts.dtype) == (16, PACE_COUNTERS + 4, torch.int32)
     assert not sums.any() and not counts.any()
     assert counts.data_ptr() == sums.data_ptr() + 16 * 4  # one buffer: the counters after the sums
+    same = ops._split_sums(2, 8, 2, cpu, stream=1)
+    assert same[0] is sums and same[1] is counts  # the same views: no new tensors a call
     again, _ = ops._split_sums(1, 8, 2, cpu, stream=1)
     assert again.data_ptr() == sums.data_ptr()  # big enough: the same memory
     grown, _ = ops._split_sums(4, 8, 2, cpu, stream=1)
     assert grown.numel() == 32 and grown.data_ptr() != sums.data_ptr()
+    assert ops._split_sums(2, 8, 2, cpu, stream=1)[0].data_ptr() == grown.data_ptr()  # the grown buffer's views
     no_split, pace = ops._split_sums(0, 8, 2, cpu, stream=1)
     assert (no_split.numel(), pace.numel()) == (0, PACE_COUNTERS)
     for stream in range(2, 2 + ops.SPLIT_WORKSPACE_STREAMS):
@@ -630,7 +633,7 @@ def test_split_workspaces_are_kept_per_stream_grown_and_bounded(monkeypatch) -> 
     assert len(ops._SPLIT_WORKSPACES) == ops.SPLIT_WORKSPACE_STREAMS and (cpu, 1) not in ops._SPLIT_WORKSPACES
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     captured, _ = ops._split_sums(1, 8, 2, cpu, stream=2)
-    assert all(captured.data_ptr() != w.data_ptr() for w in ops._SPLIT_WORKSPACES.values())  # a graph's own zeros
+    assert all(captured.data_ptr() != w.buffer.data_ptr() for w in ops._SPLIT_WORKSPACES.values())  # a graph's own zeros
 
 
 def test_the_ops_pass_torch_library_opcheck() -> None:
