@@ -183,9 +183,10 @@ def backward_cuda(q, k, v, out, lse, sink, dout, dlse, launch: Launch, scale: fl
 
 
 class _Workspace(NamedTuple):
-    """A stream's zeroed buffer of split sums and counters, and the views of it calls took (by
-    sums and size): the same view objects every call, since making them costs a backward
-    15 us of host time (`docs/design/host-time.md`)."""
+    """A stream's zeroed buffer of split sums and counters, and the views of it the last call
+    took (by sums and size: the layers of a step share one schedule): handed out again while
+    calls ask for the same, since making them costs a backward 10-15 us of host time
+    (`docs/design/host-time.md`). One entry at most: a new mask every step asks for others."""
 
     buffer: torch.Tensor
     views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
@@ -218,6 +219,7 @@ def _split_sums(slots: int, sums_per_slot: int, counters_per_slot: int, device: 
         _SPLIT_WORKSPACES.popitem(last=False)
     views = workspace.views.get((sums, size))
     if views is None:
+        workspace.views.clear()
         views = workspace.views[(sums, size)] = _views(workspace.buffer, sums, size)
     return views
 

@@ -626,6 +626,7 @@ def test_split_workspaces_are_kept_per_stream_grown_and_bounded(monkeypatch) -> 
     grown, _ = ops._split_sums(4, 8, 2, cpu, stream=1)
     assert grown.numel() == 32 and grown.data_ptr() != sums.data_ptr()
     assert ops._split_sums(2, 8, 2, cpu, stream=1)[0].data_ptr() == grown.data_ptr()  # the grown buffer's views
+    assert len(ops._SPLIT_WORKSPACES[(cpu, 1)].views) == 1  # only the last call's: masks change every step
     no_split, pace = ops._split_sums(0, 8, 2, cpu, stream=1)
     assert (no_split.numel(), pace.numel()) == (0, PACE_COUNTERS)
     for stream in range(2, 2 + ops.SPLIT_WORKSPACE_STREAMS):
