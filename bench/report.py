@@ -204,8 +204,7 @@ What holds these back, as measured so far:
   engine (15%), allocations and fills (16%) and a dozen pieces of 2-9%; reaching cuDNN needs
   them in C++ together (`docs/design/host-time.md`). Measured with no GPU
   (`bench/host_python.py`), maskc's own Python is about 15 us of a forward (30 with gradients)
-  and 85 of a backward,
-  on top of the 57 autograd costs any Python op for a forward + backward.
+  and 85 of a backward, on top of the 57 autograd costs any Python op for a forward + backward.
 """
 
 HOST = """\
