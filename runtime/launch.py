@@ -121,15 +121,17 @@ class Kernel:
         self._args = (ctypes.c_void_p * (len(abi) + 1))(
             *(ctypes.addressof(s) for s in self._slots), ctypes.addressof(self._ret)
         )
-        # Per-call work split by argument kind up front, so a call is plain loops of stores.
-        self._tensors = [
-            (arg.name, slot, arg.dynamic_dims(), arg.alignment)
+        # Per-call work split by argument kind up front, so a call is plain loops of stores: per
+        # tensor its name, struct, the struct's extents array (held: ctypes makes a new array
+        # object at every read of the field), the dims whose extents it takes, and its alignment.
+        self._entries = [
+            (arg.name, slot, slot.dynamic_shapes if arg.dynamic_dims() else None, arg.dynamic_dims(), arg.alignment)
             for arg, slot in zip(abi, self._slots)
             if isinstance(arg, TensorArg)
         ]
         self._scalars = [(arg.name, slot) for arg, slot in zip(abi, self._slots) if isinstance(arg, ScalarArg)]
         self._schedule: Mapping[str, torch.Tensor] | None = None
-        self._call_tensors = self._tensors
+        self._call_entries = self._entries
         self._stream = next(slot for arg, slot in zip(abi, self._slots) if isinstance(arg, StreamArg))
         self._run = runtime.lib.CuteDSLRT_Function_Run
         self._nargs = len(abi) + 1
@@ -140,19 +142,10 @@ class Kernel:
         mapping for every call with one mask: its slots are filled when it changes, which saves
         the host a few microseconds in every layer after the first)."""
         if schedule is not self._schedule:
-            for name, slot, dims, _ in self._tensors:
-                if name in schedule:
-                    self._fill(slot, dims, schedule[name], schedule[name].data_ptr())
-            self._call_tensors = [entry for entry in self._tensors if entry[0] not in schedule]
+            self._fill([entry for entry in self._entries if entry[0] in schedule], schedule)
+            self._call_entries = [entry for entry in self._entries if entry[0] not in schedule]
             self._schedule = schedule
-        for name, slot, dims, align in self._call_tensors:
-            t = tensors[name]
-            address = t.data_ptr()  # 0 for an empty tensor (an empty dlse): ctypes reads it back as None
-            if address % align:
-                raise ValueError(f"{self.prefix}: tensor {name!r} must be {align}-byte aligned (got address {address:#x})")
-            if not t.is_contiguous():  # the kernels index every tensor densely from its address
-                raise ValueError(f"{self.prefix}: tensor {name!r} must be contiguous (strides {t.stride()})")
-            self._fill(slot, dims, t, address)
+        self._fill(self._call_entries, tensors)
         for name, slot in self._scalars:
             slot.value = scalars[name]
         self._stream.value = stream
@@ -162,8 +155,17 @@ class Kernel:
         if self._ret.value != 0:
             raise RuntimeError(f"kernel {self.prefix} returned error code {self._ret.value}")
 
-    @staticmethod
-    def _fill(slot: ctypes.Structure, dims: tuple[int, ...], t: torch.Tensor, address: int) -> None:
-        slot.data = address
-        for i, d in enumerate(dims):
-            slot.dynamic_shapes[i] = t.shape[d]
+    def _fill(self, entries: list, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Point the structs of `entries` (see __init__) at their tensors in `tensors`."""
+        for name, slot, extents, dims, align in entries:
+            t = tensors[name]
+            address = t.data_ptr()  # 0 for an empty tensor (an empty dlse): ctypes reads it back as None
+            if address % align:
+                raise ValueError(f"{self.prefix}: tensor {name!r} must be {align}-byte aligned (got address {address:#x})")
+            if not t.is_contiguous():  # the kernels index every tensor densely from its address
+                raise ValueError(f"{self.prefix}: tensor {name!r} must be contiguous (strides {t.stride()})")
+            slot.data = address
+            if extents is not None:
+                shape = t.shape
+                for i, d in enumerate(dims):
+                    extents[i] = shape[d]
