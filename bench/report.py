@@ -190,9 +190,10 @@ What holds these back, as measured so far:
   forward before, 0.94 since; varlen block causal 0.77 of the full mask's before, 0.84 since);
   its backward writes dK and dV instead of adding them into zeroed buffers, which took 1-8%
   off the short masks' backward (`docs/design/document-tiles.md`); what keeps the rest below
-  FA4 is not measured (MHA's varlen causal backward moves by up to 20% from run to run; by the
-  deal's model its items, one query head's k tile each, are short: their boundaries cost 7% of
-  varlen causal's steps at 64:64, under 1% at 64:8); with one K/V head (64:1) a 16k mask has about one backward item per CTA, so the deal cuts
+  FA4 is not measured (MHA's varlen causal backward moves by up to 20% from run to run; its
+  items, one query head's k tile each, are short, and the deal prices their boundaries per query
+  head walked, 8 times lower than 64:8's: dealt with a boundary of fixed time its busiest CTA
+  would carry 1-5% less on the short masks, by the model); with one K/V head (64:1) a 16k mask has about one backward item per CTA, so the deal cuts
   every item into pieces of 8 or 32 query heads, dealt and paired as the items of more K/V
   heads would be (backward 0.90-0.96 of FA4, varlen causal from 0.59 with one-head pieces;
   what holds the rest is not measured).
