@@ -124,11 +124,11 @@ class Kernel:
         # Per-call work split by argument kind up front, so a call is plain loops of stores: per
         # tensor its name, struct, the struct's extents array (held: ctypes makes a new array
         # object at every read of the field), the dims whose extents it takes, and its alignment.
-        self._entries = [
-            (arg.name, slot, slot.dynamic_shapes if arg.dynamic_dims() else None, arg.dynamic_dims(), arg.alignment)
-            for arg, slot in zip(abi, self._slots)
-            if isinstance(arg, TensorArg)
-        ]
+        self._entries = []
+        for arg, slot in zip(abi, self._slots):
+            if isinstance(arg, TensorArg):
+                dims = arg.dynamic_dims()
+                self._entries.append((arg.name, slot, slot.dynamic_shapes if dims else None, dims, arg.alignment))
         self._scalars = [(arg.name, slot) for arg, slot in zip(abi, self._slots) if isinstance(arg, ScalarArg)]
         self._schedule: Mapping[str, torch.Tensor] | None = None
         self._call_entries = self._entries
