@@ -25,9 +25,7 @@ import argparse
 import cProfile
 import io
 import pstats
-import statistics
 import sys
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -42,6 +40,7 @@ from maskc.runtime import launch, ops, plan, registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import timed  # noqa: E402
 from report import markdown_table  # noqa: E402
 
 TOKENS, HQ, HKV, D = 8, 8, 1, 128
@@ -133,16 +132,14 @@ def passes() -> dict[str, dict[str, Callable[[], None]]]:
 
 
 def median_us(fn: Callable[[], object], calls: int, rounds: int) -> float:
-    """Median microseconds a call over `rounds` batches of `calls`, after a warm-up."""
-    for _ in range(min(calls, 200)):
-        fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
+    """Median microseconds a call over `rounds` batches of `calls`, after a batch of warm-up."""
+
+    def batch() -> None:
         for _ in range(calls):
             fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
+
+    median_ms, _, _ = timed(batch, rounds)
+    return median_ms * 1e3 / calls
 
 
 def host_python(calls: int, rounds: int, profile: str | None = None) -> list[str]:
