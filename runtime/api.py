@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from maskc.artifact.families import HEAD_DIMS, HeadDim
-from maskc.errors import MaskcError
+from maskc.errors import MaskcError, MaskError
 from maskc.ir import Mask
 from maskc.reference import AttentionMeta, check_attention_tensors, check_mask_lengths
 from maskc.runtime import ops
@@ -80,6 +80,16 @@ def _check_inputs(
     return scale
 
 
+def _check_padding(attention_mask: object) -> None:
+    """What a padding mask must be before its values are read (in the op, once per content)."""
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a [B, S] tensor, got {type(attention_mask).__name__}")
+    if attention_mask.device.type not in ("cpu", "cuda"):
+        raise MaskError(f"attention_mask must be a CPU or CUDA tensor, got one on {attention_mask.device}")
+    if attention_mask.is_complex():
+        raise MaskError(f"attention_mask must be bools or 0 / 1 (1 on real tokens), got dtype {attention_mask.dtype}")
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -125,8 +135,8 @@ def attention(
     if not isinstance(return_max_logits, bool):
         raise TypeError(f"return_max_logits must be True or False, got {return_max_logits!r}")
     options = chosen.encode()
-    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(f"attention_mask must be a [B, S] tensor, got {type(attention_mask).__name__}")
+    if attention_mask is not None:
+        _check_padding(attention_mask)
     for_backward = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sink))
     inputs = (q, k, v, sink, table, prepared, attention_mask, scale, float(softcap), return_max_logits, for_backward, options)
     if torch.compiler.is_compiling():

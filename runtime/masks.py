@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from maskc.derived import derived
 from maskc.errors import MaskcError, MaskError
 from maskc.ir import Mask
 from maskc.ir.mask import window_band
@@ -34,7 +35,9 @@ def mask_of(table: torch.Tensor, prepared: torch.Tensor | None = None) -> Mask:
     """The Mask a table stands for: the one that holds it, else one with the same content, else
     a new one; a prepared plan (`maskc.prepare`) is handed to its memo."""
     mask = getattr(table, "_maskc_mask", None)
-    if mask is None:
+    if mask is not None:
+        mask.check_table(table)
+    else:
         if table.device.type != "cpu":
             raise MaskcError(f"a mask table lives on the CPU (Mask.table), got one on {table.device}")
         key = table.numpy().tobytes()
@@ -66,6 +69,8 @@ class PositionMask:
     def __post_init__(self) -> None:
         if not isinstance(self.position_ids, torch.Tensor) or self.position_ids.is_floating_point():
             raise MaskError(f"position_ids must be an integer tensor, got {self.position_ids!r:.60}")
+        if self.position_ids.device.type not in ("cpu", "cuda"):
+            raise MaskError(f"position_ids must be a CPU or CUDA tensor, got one on {self.position_ids.device}")
         window_band(self.causal, self.window)  # the document constructors' checks of causal and window
 
     def options(self) -> tuple[int, int, int]:
@@ -76,23 +81,20 @@ class PositionMask:
 
 def positions_mask(position_ids: torch.Tensor, causal: bool, left: int, right: int) -> Mask:
     """The mask of a `PositionMask`: over one row when every row of position_ids is alike,
-    else `Mask.stack` of the rows; kept on the tensor per (causal, window), read from it once."""
+    else `Mask.stack` of the rows; kept on the tensor per (causal, window) while it holds the
+    same positions (`maskc.derived`)."""
     window = None if left < 0 else (left, right)
-    key = (causal, window)
-    cached = getattr(position_ids, "_maskc_positions", None)
-    if cached is None or cached[0] != position_ids._version:  # new, or changed in place
-        cached = position_ids._maskc_positions = (position_ids._version, {})
-    cache = cached[1]
-    if key not in cache:
+
+    def build() -> Mask:
         rows = position_ids.detach().cpu().numpy()
         rows = rows.reshape(1, -1) if rows.ndim == 1 else rows
         if rows.ndim != 2:
             raise MaskError(f"position_ids are [S] or [B, S], got shape {tuple(position_ids.shape)}")
         if (rows == rows[:1]).all():
-            cache[key] = Mask.from_position_ids(rows[0], causal=causal, window=window)
-        else:
-            cache[key] = Mask.stack([Mask.from_position_ids(row, causal=causal, window=window) for row in rows])
-    return cache[key]
+            return Mask.from_position_ids(rows[0], causal=causal, window=window)
+        return Mask.stack([Mask.from_position_ids(row, causal=causal, window=window) for row in rows])
+
+    return derived([position_ids], ("positions", causal, window), build)
 
 
 def call_mask(mask: Mask, q_shape: Sequence[int], k_shape: Sequence[int], padding: torch.Tensor | None = None) -> Mask:
@@ -113,21 +115,43 @@ def call_mask(mask: Mask, q_shape: Sequence[int], k_shape: Sequence[int], paddin
             f"({s}, {sk}) or the whole batch ({b * s}, {b * sk}); got {mask.shape}"
         )
     if padding is None:
-        return mask if mask.shape == (b * s, b * sk) else memoized(mask, ("batch", b), lambda: Mask.stack([mask] * b))
+        if mask.shape == (s, sk):
+            return memoized(mask, ("batch", b), lambda: Mask.stack([mask] * b))
+        memoized(mask, ("rows", b), lambda: _check_rows(mask, b))
+        return mask
     if sk != s or tuple(padding.shape) != (b, s):
         raise MaskError(f"attention_mask is [B, S] = [{b}, {s}] for self-attention (Sk = S); got {list(padding.shape)} "
                         f"with Sk = {sk}")  # fmt: skip
     # Kept on the padding tensor, which every layer and the backward pass (it may live on the
     # GPU: read once), and which goes with its step; a mask's memo would keep every step's.
-    cached = getattr(padding, "_maskc_mask", None)
-    if cached is None or cached[0] != padding._version or cached[1] is not mask:
-        cached = padding._maskc_mask = (padding._version, mask, _without_padding(mask, _token_runs(padding), s, sk))
-    return cached[2]
+    # The entry holds `mask`, so no other mask takes its id while it lives.
+    return derived([padding], ("padding", id(mask)), lambda: (mask, _without_padding(mask, _token_runs(padding), s, sk)))[1]
+
+
+def _check_rows(mask: Mask, b: int) -> bool:
+    """Whether a mask over a whole batch of `b` rows (`Mask.stack`) keeps each row to its own
+    keys; a MaskError naming a slice that crosses rows otherwise. Slices within one row's
+    queries and keys pass at once; only a slice whose ranges cross rows has its area counted."""
+    s, sk = mask.seqlen_q // b, mask.seqlen_k // b
+    q, k = mask.q_ranges, mask.k_ranges
+    live = (q[:, 1] > q[:, 0]) & (k[:, 1] > k[:, 0])
+    row = q[:, 0] // s
+    crosses = live & ((row != (q[:, 1] - 1) // s) | (row != k[:, 0] // sk) | (row != (k[:, 1] - 1) // sk))
+    if crosses.any():
+        blocks = [((i * s, (i + 1) * s), (i * sk, (i + 1) * sk)) for i in range(b)]
+        if sum(mask.crop(*block).area() for block in blocks) != mask.area():
+            i = int(np.flatnonzero(crosses)[0])
+            raise MaskError(
+                f"the batch mask {mask.shape} lets a batch row attend another row's tokens: slice {i} (q {tuple(q[i])}, k "
+                f"{tuple(k[i])}) crosses rows of {s} queries and {sk} keys; stack one mask per row (Mask.stack of {b} "
+                f"masks of shape ({s}, {sk}))"
+            )  # fmt: skip
+    return True
 
 
 def _token_runs(padding: torch.Tensor) -> np.ndarray:
     """[B, 2]: where each row's real tokens begin and end (one run: right or left padding)."""
-    keep = padding.detach().cpu().numpy() != 0
+    keep = _real_tokens(padding)
     count = keep.sum(1)
     start = np.where(count > 0, keep.argmax(1), 0)
     position = np.arange(keep.shape[1])
@@ -139,14 +163,31 @@ def _token_runs(padding: torch.Tensor) -> np.ndarray:
     return np.stack([start, start + count], 1)
 
 
+def _real_tokens(padding: torch.Tensor) -> np.ndarray:
+    """[B, S] bools, true on real tokens, from a padding mask of bools or of 0 / 1 (Hugging
+    Face's convention); an additive mask (0 to keep, -inf to drop: SDPA's) or any other value
+    would flip its meaning, so it is refused."""
+    values = padding.detach().cpu()
+    if values.dtype == torch.bool:
+        return values.numpy()
+    values = values.to(torch.float64).numpy()
+    bad = (values != 0) & (values != 1)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise MaskError(
+            f"attention_mask must be 1 (or True) on real tokens and 0 (or False) on padding, as Hugging Face's [B, S] "
+            f"attention_mask; got {values[at]} at {list(at)}. An additive mask (0 to keep, -inf to drop, as SDPA takes) "
+            f"is not one: pass (mask == 0) instead"
+        )
+    return values == 1
+
+
 def _without_padding(mask: Mask, runs: np.ndarray, s: int, sk: int) -> Mask:
     """The batch mask of `mask` (over one row, s x sk, or over the whole batch) with each row
     cropped to its run of tokens."""
     if mask.shape == (s, sk):
         return Mask.stack([mask.crop((a, e), (a, e)) for a, e in runs.tolist()])
-    blocks = [((i * s, (i + 1) * s), (i * sk, (i + 1) * sk)) for i in range(len(runs))]
-    if sum(mask.crop(*block).area() for block in blocks) != mask.area():
-        raise MaskError("attention_mask (padding) needs a batch mask whose rows attend only their own keys (Mask.stack)")
+    memoized(mask, ("rows", len(runs)), lambda: _check_rows(mask, len(runs)))
     rows = [mask.crop((i * s + a, i * s + e), (i * sk + a, i * sk + e)) for i, (a, e) in enumerate(runs.tolist())]
     return functools.reduce(operator.or_, rows)
 

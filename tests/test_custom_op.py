@@ -195,6 +195,99 @@ def test_padding_is_left_out_of_a_batch(stacked: bool) -> None:
         maskc.attention(q[0], k[0], v[0], row, attention_mask=padding[0])
 
 
+def test_a_padding_mask_is_ones_on_real_tokens_and_nothing_else() -> None:
+    """bool, integer or float 0 / 1 give one answer; an additive mask (0 keep, -inf drop) and any
+    other value are refused, since taking them as 'non-zero is real' inverts or blurs them."""
+    row = Mask.from_cu_seqlens([0, 30, 48], causal=True)
+    q, k, v = _inputs(row, dtype=torch.float32, batch=(2,))
+    padding = torch.ones(2, 48, dtype=torch.bool)
+    padding[1, 40:] = False
+    with torch.no_grad():
+        outs = [maskc.attention(q, k, v, row, attention_mask=padding.to(dtype))[0]
+                for dtype in (torch.bool, torch.long, torch.int8, torch.float32, torch.bfloat16)]  # fmt: skip
+        for out in outs[1:]:
+            torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
+        additive = torch.zeros(2, 48).masked_fill(~padding, -math.inf)
+        with pytest.raises(maskc.MaskError, match=r"got -inf at \[1, 40\]\. An additive mask .* is not one"):
+            maskc.attention(q, k, v, row, attention_mask=additive)
+        for value in (2, -1, 0.5):
+            with pytest.raises(maskc.MaskError, match=f"1 \\(or True\\) on real tokens .*got {value}"):
+                maskc.attention(q, k, v, row, attention_mask=padding.float().index_fill(1, torch.tensor([3]), value))
+        with pytest.raises(maskc.MaskError, match="attention_mask must be a CPU or CUDA tensor, got one on meta"):
+            maskc.attention(q, k, v, row, attention_mask=padding.to("meta"))
+        with pytest.raises(maskc.MaskError, match="position_ids must be a CPU or CUDA tensor"):
+            maskc.PositionMask(torch.zeros(48, dtype=torch.long, device="meta"), True)
+
+
+def test_a_batch_mask_keeps_each_row_to_its_own_keys() -> None:
+    """A mask over a whole batch whose rows are not each [S, S] (12 + 20 tokens for B=2, S=16)
+    would let row 1 attend row 0's keys: refused, with or without padding."""
+    q, k, v = _inputs(Mask.from_cu_seqlens([0, 16]), dtype=torch.float32, batch=(2,))
+    leaky = Mask.stack([Mask.from_cu_seqlens([0, 12], causal=True), Mask.from_cu_seqlens([0, 20], causal=True)])
+    with torch.no_grad():
+        with pytest.raises(maskc.MaskError, match="lets a batch row attend another row's tokens: slice 1"):
+            maskc.attention(q, k, v, leaky)
+        with pytest.raises(maskc.MaskError, match="lets a batch row attend another row's tokens"):
+            maskc.attention(q, k, v, leaky, attention_mask=torch.ones(2, 16))
+        # A slice whose ranges cross rows but whose keys stay in its own row is fine.
+        inv = Mask([AttnSlice((0, 16), (0, 16), "causal"), AttnSlice((16, 32), (0, 32), "causal")], 32, 32)
+        crossing = Mask.stack([Mask.from_cu_seqlens([0, 16], causal=True)] * 2)
+        assert not inv.equivalent(crossing)
+        with pytest.raises(maskc.MaskError, match="another row's tokens"):
+            maskc.attention(q, k, v, inv)
+        bottom_right = Mask([AttnSlice((0, 16), (0, 16), "causal"), AttnSlice((0, 32), (16, 32), "causal")], 32, 32)
+        out, _ = maskc.attention(q, k, v, bottom_right)  # its rows 0..15 see nothing of the second slice
+        torch.testing.assert_close(out, maskc.attention(q, k, v, crossing)[0])
+
+
+def _written_without_a_version_bump(tensor: torch.Tensor, how: str, index: tuple, value: int) -> None:
+    version = tensor._version
+    if how == "numpy":
+        tensor.numpy()[index] = value
+    else:
+        tensor.data[index] = value
+    assert tensor._version == version
+
+
+@pytest.mark.parametrize("how", ["numpy", "data"])
+def test_cached_masks_follow_writes_torch_does_not_count(how: str) -> None:
+    """Position ids and padding written through a numpy view or `.data` (no version bump): the
+    next call sees the new content, not the mask kept from the old."""
+    rng = np.random.default_rng(3)
+    positions = torch.stack([_positions(rng, 64) for _ in range(2)])
+    q, k, v = _inputs(Mask.from_cu_seqlens([0, 64]), dtype=torch.float32, batch=(2,))
+
+    def expected(rows: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
+        mask = Mask.stack([Mask.from_position_ids(r, causal=True) for r in rows])
+        return maskc.attention(q, k, v, mask, attention_mask=padding)[0]
+
+    with torch.no_grad():
+        maskc.attention(q, k, v, maskc.PositionMask(positions, True))
+        _written_without_a_version_bump(positions, how, (1, slice(10, 40)), 0)
+        torch.testing.assert_close(maskc.attention(q, k, v, maskc.PositionMask(positions, True))[0], expected(positions))
+        padding = torch.ones(2, 64, dtype=torch.long)
+        row = Mask.from_cu_seqlens([0, 64], causal=True)
+        maskc.attention(q, k, v, row, attention_mask=padding)
+        _written_without_a_version_bump(padding, how, (0, slice(50, None)), 0)
+        out = maskc.attention(q, k, v, row, attention_mask=padding)[0]
+        assert (out[0, 50:] == 0).all()
+        torch.testing.assert_close(out[0], maskc.reference_attention(q[0], k[0], v[0], row.crop((0, 50), (0, 50)))[0])
+
+
+def test_a_write_to_a_masks_table_is_refused_not_ignored() -> None:
+    mask = Mask.from_cu_seqlens([0, 20, 48], causal=True)
+    q, k, v = _inputs(mask, dtype=torch.float32)
+    with torch.no_grad():
+        maskc.attention(q, k, v, mask)
+        mask.table[1, 1] = 10
+        with pytest.raises(maskc.MaskError, match=r"table \(Mask.table\) was written to"):
+            maskc.attention(q, k, v, mask)
+        edited = Mask.from_table(mask.table)
+        assert edited.q_ranges[0].tolist() == [0, 10]
+        out, _ = maskc.attention(q, k, v, edited)
+        torch.testing.assert_close(out, maskc.reference_attention(q, k, v, edited)[0])
+
+
 def _recording_backend() -> tuple[Any, dict[str, list[torch.fx.GraphModule]]]:
     """aot_eager that keeps every forward and backward graph it compiles."""
     graphs: dict[str, list[torch.fx.GraphModule]] = {"dynamo": [], "fw": [], "bw": []}

@@ -198,6 +198,12 @@ def test_padding_ends_a_document_and_the_next_token_begins_one() -> None:
         (lambda: Mask.from_position_ids([0, -1, 0], causal=True, attention_mask=[1, 1, 0]), "position_ids must be >= 0, got -1 at token 1"),
         (lambda: Mask.sliding_window([0, 4, 8], 2, cu_seqlens_k=[0, 8]), "cu_seqlens and cu_seqlens_k hold 3 and 2 boundaries"),
         (lambda: Mask.sliding_window([0, 4], 2, cu_seqlens_k=[0, 5, 3]), "cu_seqlens_k must be non-decreasing"),
+        (lambda: Mask.from_position_ids(np.array([0, 2**63], np.uint64), causal=True),
+         "position_ids holds 9,223,372,036,854,775,808, more than any token count or position can be"),
+        (lambda: Mask.from_cu_seqlens(torch.tensor([0, 4], device="meta")), "cu_seqlens_q is on the meta device"),
+        (lambda: Mask.from_position_ids(torch.zeros(4, dtype=torch.long, device="meta"), causal=True),
+         "position_ids is on the meta device"),
+        (lambda: Mask.from_table(torch.zeros(1, 5, dtype=torch.int32, device="meta")), "a mask table is on the meta device"),
     ],
 )
 def test_bad_input_is_a_mask_error_naming_the_problem(build, message: str) -> None:

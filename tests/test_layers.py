@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Where each package's source lives (pyproject.toml's package-dir).
 PACKAGE_DIRS = {"maskc": ROOT / "maskc", "maskc.runtime": ROOT / "runtime", "maskc.templates": ROOT / "templates"}
 
-#: Modules of maskc/ that import no other layer: errors, limits, file writing, lazy imports, the version.
-BASE = ("maskc.errors", "maskc.limits", "maskc.files", "maskc.lazy", "maskc.version")
+#: Modules of maskc/ that import no other layer: errors, limits, file writing, lazy imports, the version,
+#: values kept on tensors.
+BASE = ("maskc.errors", "maskc.limits", "maskc.files", "maskc.lazy", "maskc.version", "maskc.derived")
 
 #: The layers each layer may import, besides its own modules: only layers below it. The build
 #: side runs frontend -> ir -> codegen -> artifact directories; the run side reads them through

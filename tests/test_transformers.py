@@ -5,10 +5,12 @@ and sinks give what Transformers' own eager attention gives each document alone.
 from __future__ import annotations
 
 import copy
+import gc
 import importlib.util
 import subprocess
 import sys
 import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -185,6 +187,9 @@ def test_an_explicit_mask_wins() -> None:
     close(padded[1, :20], documents[0, :20])
     with pytest.raises(hf.TransformersAttentionError, match=r"must be \(28, 28\) .* or \(56, 56\)"):
         ours(two, maskc_mask=maskc.Mask.from_cu_seqlens([0, 10], causal=True))
+    leaky = maskc.Mask.stack([maskc.Mask.from_cu_seqlens([0, n], causal=True) for n in (20, 36)])  # 56 tokens, not 28 + 28
+    with pytest.raises(maskc.MaskError, match="lets a batch row attend another row's tokens"):
+        ours(two, maskc_mask=leaky)
 
 
 def test_the_mask_is_built_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -207,15 +212,25 @@ def test_the_mask_is_built_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> 
     assert len(builds) == 5
 
 
-def test_cu_seq_lens_masks_die_with_their_tensors() -> None:
-    ours, _ = twins(llama_config())
-    before = len(hf._CACHE._masks)
+def test_cu_seq_lens_masks_are_kept_while_their_tensors_hold_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[weakref.ref] = []
+    build = hf._build
+    monkeypatch.setattr(hf, "_build", lambda *a: built.append(weakref.ref(mask := build(*a))) or mask)
+    ours, _ = twins(llama_config(num_hidden_layers=2))
     cu = torch.cumsum(torch.tensor([0, *DOCS], dtype=torch.int32), 0)
     tokens, _ = packed(DOCS)
-    ours(tokens, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(DOCS), max_length_k=max(DOCS))
-    assert len(hf._CACHE._masks) == before + 1
-    del cu
-    assert len(hf._CACHE._masks) == before
+
+    def forward() -> torch.Tensor:
+        return ours(tokens, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(DOCS), max_length_k=max(DOCS)).logits
+
+    first = forward()
+    assert len(built) == 1  # two layers, one mask
+    cu.numpy()[1:] += 1  # a write torch does not count: the lengths are compared, not the version
+    cu.numpy()[-1] = sum(DOCS)
+    assert not torch.equal(forward(), first) and len(built) == 2
+    del cu, first  # the first output's graph holds its mask too
+    gc.collect()
+    assert [ref() for ref in built] == [None, None]  # the masks went with their tensor
 
 
 def test_dropout_is_a_clear_error() -> None:

@@ -19,7 +19,6 @@ under torch.compile takes new documents every step without recompiling.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -28,6 +27,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 import maskc
+from maskc.derived import derived
 from maskc.errors import MaskcError
 
 NAME = "maskc"
@@ -203,31 +203,11 @@ def _documents(
     return maskc.PositionMask(position_ids, causal, window)
 
 
-class _MaskCache:
-    """Masks by the cu_seq_lens tensors they were built from: the layers of one forward share
-    those tensors, so only the first layer plans. An entry lives as long as its tensors, and a
-    tensor changed in place (its `_version`) misses."""
-
-    def __init__(self) -> None:
-        self._masks: dict[tuple, tuple[list[weakref.ref], maskc.Mask]] = {}
-
-    def get(self, causal: bool, window: tuple[int, int] | None, cu_q: torch.Tensor, cu_k: torch.Tensor) -> maskc.Mask:
-        key = (causal, window, *((id(t), t._version) for t in (cu_q, cu_k)))
-        hit = self._masks.get(key)
-        if hit is not None:
-            return hit[1]
-        mask = _build(causal, window, cu_q, cu_k)
-        refs = [weakref.ref(t, lambda _, key=key: self._masks.pop(key, None)) for t in (cu_q, cu_k)]
-        self._masks[key] = (refs, mask)
-        return mask
-
-
-_CACHE = _MaskCache()
-
-
 @torch.compiler.disable  # host work: inside a compiled model it runs eagerly, a graph break (position_ids are data)
 def _cu_seq_lens_mask(causal: bool, window: tuple[int, int] | None, cu_q: torch.Tensor, cu_k: torch.Tensor) -> maskc.Mask:
-    return _CACHE.get(causal, window, cu_q, cu_k)
+    """The mask of cu_seq_lens, kept on the tensors while they hold the same lengths
+    (`maskc.derived`): the layers of one forward share them, so only the first layer plans."""
+    return derived([cu_q, cu_k], ("cu_seq_lens", causal, window), lambda: _build(causal, window, cu_q, cu_k))
 
 
 def _build(causal: bool, window: tuple[int, int] | None, cu_q: torch.Tensor, cu_k: torch.Tensor) -> maskc.Mask:

@@ -29,7 +29,7 @@ JSON_FORMAT = "maskc.mask/1"
 def _int_array(value: Any, what: str, *, bools: bool = False) -> np.ndarray:
     """`value` as int64 numpy (bools as 0 and 1 where `bools`), or a MaskError naming `what`."""
     if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().numpy()
+        value = host_values(value, what)
     try:
         arr = np.asarray(value)
     except (ValueError, TypeError, OverflowError):
@@ -38,7 +38,16 @@ def _int_array(value: Any, what: str, *, bools: bool = False) -> np.ndarray:
         arr = arr.astype(np.int64)
     if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
         raise MaskError(f"{what} must be {'bools or ' if bools else ''}integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and (arr > np.iinfo(np.int64).max).any():
+        raise MaskError(f"{what} holds {int(arr.max()):,}, more than any token count or position can be")
     return arr.astype(np.int64, copy=False)
+
+
+def host_values(tensor: torch.Tensor, what: str) -> np.ndarray:
+    """A tensor's values on the host; a MaskError for a tensor that holds none (the meta device)."""
+    if tensor.device.type == "meta":
+        raise MaskError(f"{what} is on the meta device, which holds no values: pass a CPU or GPU tensor")
+    return tensor.detach().cpu().numpy()
 
 
 def _seqlen(value: Any, what: str) -> int:
@@ -79,9 +88,12 @@ class Mask:
         _validate(q, k, t, self._sq, self._sk)
         self._q, self._k, self._t = _frozen(q), _frozen(k), _frozen(t)
         header = np.array([[self._sq, self._sk, 0, 0, 0]], np.int32)
-        self.table = torch.from_numpy(np.concatenate([header, np.c_[q, k, t].astype(np.int32)]))
+        self._rows = _frozen(np.concatenate([header, np.c_[q, k, t].astype(np.int32)]))
+        self.table = torch.from_numpy(self._rows.copy())
         """The mask as one int32 CPU tensor `[N + 1, 5]`: row 0 holds (seqlen_q, seqlen_k, 0, 0,
-        0), row i + 1 slice i as (q start, q end, k start, k end, type id) (`from_table`)."""
+        0), row i + 1 slice i as (q start, q end, k start, k end, type id) (`from_table`). Read
+        only: a Mask never changes, and the ops refuse a Mask whose table was written to
+        (`check_table`)."""
         self.table._maskc_mask = self  # the ops find this Mask, and the plans in its memo, again
 
     # ---- construction -------------------------------------------------------------------
@@ -105,18 +117,23 @@ class Mask:
 
     @classmethod
     def from_table(cls, table: torch.Tensor) -> Mask:
-        """The Mask a `Mask.table` tensor holds (validated), on any device; the new Mask keeps
-        `table` itself as its table when it is an int32 CPU tensor."""
+        """The Mask a `Mask.table` tensor holds (validated), on any device; the new Mask has a
+        table of its own, so later writes to `table` change nothing."""
         if not isinstance(table, torch.Tensor) or table.dtype != torch.int32 or table.ndim != 2 or table.shape[1:] != (5,) \
                 or table.shape[0] < 1:  # fmt: skip
             what = f"{table.dtype} tensor of shape {tuple(table.shape)}" if isinstance(table, torch.Tensor) else type(table).__name__
             raise MaskError(f"a mask table is an int32 tensor [N + 1, 5] (Mask.table), got a {what}")
-        rows = table.detach().cpu().numpy().astype(np.int64)
-        mask = cls.from_arrays(rows[1:, 0:2], rows[1:, 2:4], rows[1:, 4], int(rows[0, 0]), int(rows[0, 1]))
-        if table.device.type == "cpu":
-            mask.table = table
-            table._maskc_mask = mask
-        return mask
+        rows = host_values(table, "a mask table").astype(np.int64)
+        return cls.from_arrays(rows[1:, 0:2], rows[1:, 2:4], rows[1:, 4], int(rows[0, 0]), int(rows[0, 1]))
+
+    def check_table(self, table: torch.Tensor) -> None:
+        """Refuse `table` (one this Mask holds) if it no longer holds this Mask: a write to a
+        Mask's table would otherwise be ignored, its plans made for the mask it held before."""
+        if not np.array_equal(table.numpy(), self._rows):
+            raise MaskError(
+                "a Mask's table (Mask.table) was written to; a Mask never changes, so the write would be ignored: "
+                "build a new Mask (Mask.from_table(table) reads the edited table)"
+            )
 
     @classmethod
     def from_magi(
