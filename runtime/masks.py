@@ -22,7 +22,8 @@ from maskc.derived import derived
 from maskc.errors import MaskcError, MaskError
 from maskc.ir import Mask
 from maskc.ir.mask import window_band
-from maskc.runtime import prepared as preparing
+from maskc.runtime import plan_records
+from maskc.runtime.prepared import PreparedMask
 from maskc.runtime.plan import memoized
 
 _BY_CONTENT: OrderedDict[bytes, Mask] = OrderedDict()
@@ -48,7 +49,7 @@ def mask_of(table: torch.Tensor, prepared: torch.Tensor | None = None) -> Mask:
                 _BY_CONTENT.popitem(last=False)
         _BY_CONTENT.move_to_end(key)
     if prepared is not None and getattr(prepared, "_maskc_seeded", None) is not mask:
-        for key, value in preparing.decode(prepared, mask.table):
+        for key, value in plan_records.decode(prepared, mask):  # every entry checked before any joins the memo
             mask.memo.setdefault(key, value)
         prepared._maskc_seeded = mask
     return mask
@@ -192,9 +193,9 @@ def _without_padding(mask: Mask, runs: np.ndarray, s: int, sk: int) -> Mask:
     return functools.reduce(operator.or_, rows)
 
 
-def as_mask(mask: Mask | preparing.PreparedMask) -> Mask:
+def as_mask(mask: Mask | PreparedMask) -> Mask:
     """The Mask of a Mask or a PreparedMask (its prepared plan handed to its memo)."""
-    if isinstance(mask, preparing.PreparedMask):
+    if isinstance(mask, PreparedMask):
         return mask_of(mask.table, mask.plan)
     if isinstance(mask, Mask):
         return mask

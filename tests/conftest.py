@@ -3,8 +3,14 @@ compile kernels join the `slow` tier) and the compile helper of the codegen test
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Prepared plans are signed with a key (maskc.runtime.signing); the suite's own, so that no test
+# makes a key file in the home directory (the tests of the key file point it elsewhere).
+os.environ["MASKC_PLAN_KEY"] = "5eed" * 16
 
 
 #: Fixtures that compile kernels: every test using one is in the slow tier.

@@ -479,21 +479,24 @@ def build_deterministic_backward_schedule(
     the dQ ranks. With `documents` its k tiles start at each document; its q blocks stay on the
     grid, which the kernel's semaphores (one per q block and head) count."""
     s = transposed_schedule(mask, tile_m, tile_n, heaviest_first=False, key_documents=documents)
-    lengths = (s.ranges[:, 1] - s.ranges[:, 0]).astype(np.int64)
-    run_work = np.repeat(np.arange(s.num_work), np.diff(s.work_ranges))
-    _, q_block = expand_spans(s.ranges[:, 0].astype(np.int64), s.ranges[:, 1].astype(np.int64) - 1)
-    k_tile = np.repeat(s.work_tile[run_work], lengths)
+    work_blocks, rank = dq_order(s.work_tile, s.work_ranges, s.ranges)
+    items = whole(section_order(_last_blocks(s), num_heads_kv))
+    lists = deal(items, _item_cost(s)[items[:, 0]], num_ctas)
+    return DeterministicBackwardSchedule(**_with_items(s, lists), work_blocks=work_blocks, block_rank=rank)
+
+
+def dq_order(work_tile: np.ndarray, work_ranges: np.ndarray, ranges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`work_blocks` and `block_rank` (`DeterministicBackwardSchedule`) of a transposed schedule's
+    work items and runs."""
+    lengths = (ranges[:, 1] - ranges[:, 0]).astype(np.int64)
+    run_work = np.repeat(np.arange(work_tile.size), np.diff(work_ranges))
+    _, q_block = expand_spans(ranges[:, 0].astype(np.int64), ranges[:, 1].astype(np.int64) - 1)
+    k_tile = np.repeat(work_tile[run_work], lengths)
     order = np.lexsort((k_tile, q_block))  # by q block, then k tile
     sorted_block = q_block[order]
     group_start = np.r_[0, np.flatnonzero(sorted_block[1:] != sorted_block[:-1]) + 1]
     first_of_group = np.repeat(group_start, np.diff(np.r_[group_start, sorted_block.size]))
     rank = np.empty(order.size, np.int64)
     rank[order] = np.arange(order.size) - first_of_group
-    work_blocks = np.r_[0, np.cumsum(np.bincount(run_work, weights=lengths, minlength=s.num_work))]
-    items = whole(section_order(_last_blocks(s), num_heads_kv))
-    lists = deal(items, _item_cost(s)[items[:, 0]], num_ctas)
-    return DeterministicBackwardSchedule(
-        **_with_items(s, lists),
-        work_blocks=_as32(work_blocks),
-        block_rank=_as32(rank),
-    )
+    work_blocks = np.r_[0, np.cumsum(np.bincount(run_work, weights=lengths, minlength=work_tile.size))]
+    return _as32(work_blocks), _as32(rank)
