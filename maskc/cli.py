@@ -212,9 +212,8 @@ def _compile(args: argparse.Namespace) -> int:
             item.name: make_plan(item.mask, args.cp, args.chunk_size, algorithm=args.algorithm).to_json()
             for item in lowered
         }
-    manifest = write_artifact(
-        args.output, lowered, source=Path(args.file), kernels=kernels, runtime_library=library, plans=plans
-    )
+    manifest = write_artifact(args.output, lowered, source=Path(args.file), kernels=kernels, runtime_library=library,
+                              plans=plans, overwrite=args.overwrite)  # fmt: skip
     for item in lowered:
         print(f"{item.name}: {len(item.mask)} slices, {item.mask.seqlen_q} x {item.mask.seqlen_k}, area {item.mask.area()}")
     print(f"{len(kernels)} kernel variant(s); wrote {manifest}")
@@ -283,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compile", help="lower masks and write an artifact directory (IR + manifest)")
     common(comp)
     comp.add_argument("-o", "--output", required=True, metavar="DIR", help="artifact directory to write")
+    comp.add_argument(
+        "--overwrite", action="store_true",
+        help="replace the artifact DIR already holds, removing the files of its manifest that the new one does not list "
+        "(without it, a DIR holding another artifact is refused)",
+    )  # fmt: skip
     kernel = comp.add_argument_group("kernels (compiled ahead of time; no GPU needed)")
     kernel.add_argument("--arch", type=_csv(str, "archs", families.ARCH_NAMES), default=["sm_90a"], help=_arch_help())
     head_dims, dtypes = ",".join(map(str, families.HEAD_DIMS)), ",".join(families.DTYPE_NAMES)

@@ -5,11 +5,14 @@ renamed over the target), so a reader never sees half of one and concurrent writ
 same content cannot corrupt it. Temporary files and directories are created with the modes
 the umask gives any new file (0644 and 0755 under the usual 022), not the owner-only 0600 /
 0700 of `tempfile`, so a directory compiled by one user can be read by a team, a shared
-file system or a model repository.
+file system or a model repository. A lock file (`locked`) lets one writer at a time fill a
+directory or a cache entry.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import secrets
 from pathlib import Path
@@ -45,13 +48,39 @@ def write_atomic(path: str | Path, data: bytes | str) -> Path:
     return path
 
 
-def copy_atomic(source: str | Path, target: str | Path) -> Path:
-    """Copy the bytes of `source` to `target` atomically; modes follow the umask, not `source`."""
-    return write_atomic(target, Path(source).read_bytes())
-
-
 def make_temporary_dir(parent: Path, name: str) -> Path:
     """A new directory in `parent` with the umask's mode, to fill and then rename into place as `name`."""
     path = _temporary_name(parent, name)
     path.mkdir(0o777)  # the umask applies
     return path
+
+
+@contextlib.contextmanager
+def locked(path: Path, wait: bool = True, remove: bool = False) -> Iterator[bool]:
+    """Hold the lock file `path` (created where absent) for the block; without `wait`, yield
+    False at once where another process holds it. With `remove`, the file is removed before it
+    is released, so it leaves nothing behind: a process that waited for a file removed meanwhile
+    takes the lock of the file now at `path` instead."""
+    while True:
+        with open(path, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            if remove and not _is_at(lock.fileno(), path):
+                continue
+            try:
+                yield True
+            finally:
+                if remove:
+                    path.unlink(missing_ok=True)
+            return
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether the open file `fd` is the one at `path`."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False

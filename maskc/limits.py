@@ -21,6 +21,13 @@ MAX_INT = 2**62 - 1
 MAX_CP = 4096
 #: Nesting depth of a mask program (blocks and expressions), within Python's recursion limit.
 MAX_NESTING = 100
+#: Bytes of one file an artifact directory lists, its manifest included. The largest maskc
+#: writes is the CuTe-DSL runtime library (43 MB; 13 MB as shipped, xz-compressed); a kernel
+#: object is under 1 MB and a mask's IR about 52 bytes a slice (5 million slices in the limit).
+MAX_ARTIFACT_FILE_BYTES = 256 * 2**20
+#: Bytes of all the files of one artifact directory: verifying it keeps them in memory, and a
+#: kernel's files (object, header, source, PTX) are under 1 MB, so this holds a thousand kernels.
+MAX_ARTIFACT_BYTES = 2**30
 
 
 def check_count(count: int, limit: int, what: str, error: type[Exception] = MaskError) -> None:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from maskc.artifact.abi import FORWARD_ABI, abi_to_json
 from maskc.artifact.manifest import sha256_of, write_manifest
 from maskc.codegen import LoweredMask, write_artifact
 from maskc.errors import ArtifactError
@@ -21,9 +20,7 @@ from maskc.files import write_atomic
 from maskc.ir import Mask
 from maskc.runtime import FORMAT_VERSION, load_artifact, open_manifest, read_manifest, register_artifact
 
-
-FIELDS = {"arch": "sm_90a", "direction": "fwd", "head_dim": 128, "dtype": "bf16", "num_heads_q": 8, "num_heads_kv": 8,
-          "tile_m": 128, "tile_n": 128}  # fmt: skip
+from fake_kernels import FIELDS, KEY, fake_kernel
 
 
 @pytest.fixture
@@ -103,11 +100,12 @@ def _fake_cache_entry(directory: Path) -> Path:
     """A cache entry as an older maskc left it (owner-only modes), with a file its manifest does not list."""
     directory.mkdir(mode=0o700)
     (directory / "dump").mkdir(mode=0o700)
-    for name in ("k.o", "dump/k.ptx", "stray.so"):
+    variant = fake_kernel(directory)
+    for name in ("dump/k.ptx", "stray.so"):
         (directory / name).write_bytes(name.encode())
+    for name in (variant["object"], "dump/k.ptx", "stray.so"):
         (directory / name).chmod(0o600)
-    variant = {"key": "k", "object": "k.o", "function": "attn_fwd", "abi": abi_to_json(FORWARD_ABI), "fields": FIELDS}
-    write_manifest(directory, {"variants": [variant], "files": ["k.o", "dump/k.ptx"]})
+    write_manifest(directory, {"variants": [variant], "files": [variant["object"], "dump/k.ptx"]})
     return directory
 
 
@@ -129,7 +127,7 @@ def test_artifact_directories_are_written_with_the_umask_modes(tmp_path: Path, u
     modes = {p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in [out, *out.rglob("*")]}
     expected = {".": dir_mode, "kernels": dir_mode, "kernels/entry": dir_mode, "kernels/entry/dump": dir_mode}
     expected |= {name: file_mode for name in ("manifest.json", "m.ir.json", "m.plan.json", "source.mask",
-                                               "kernels/entry/k.o", "kernels/entry/dump/k.ptx")}  # fmt: skip
+                                               f"kernels/entry/{KEY}.o", "kernels/entry/dump/k.ptx")}  # fmt: skip
     assert modes == expected
     assert set(read_manifest(out)["files"]) == set(expected) - {".", "kernels", "kernels/entry", "kernels/entry/dump", "manifest.json"}
 

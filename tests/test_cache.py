@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from maskc.artifact.variant import variant_for
+from maskc.artifact.manifest import exported_symbol
+from maskc.artifact.variant import KernelVariant, variant_for
 from maskc.codegen import cache
 from maskc.files import make_temporary_dir
 from maskc.runtime import read_manifest
@@ -91,9 +92,10 @@ def test_a_compile_sweeps_what_killed_compiles_left_behind(tmp_path: Path, monke
     held belongs to a compile still running and stays."""
     monkeypatch.setenv(cache.ENV_CACHE, str(tmp_path))
 
-    def fake_compile(variant: object, out: Path) -> SimpleNamespace:
-        (out / "k.o").write_bytes(b"object")
-        return SimpleNamespace(seconds=0.0, object_path=out / "k.o", function_prefix="attn_fwd")
+    def fake_compile(variant: KernelVariant, out: Path) -> SimpleNamespace:
+        obj = out / f"{variant.key()}.o"
+        obj.write_bytes(b"object" + exported_symbol("attn_fwd"))
+        return SimpleNamespace(seconds=0.0, object_path=obj, function_prefix="attn_fwd")
 
     monkeypatch.setattr("maskc.codegen.compile.compile_variant", fake_compile)
     dead = [make_temporary_dir(tmp_path, name) for name in ("0123456789abcdef01234567", cache.entry_address(variant_for(REQUEST)))]
@@ -107,4 +109,4 @@ def test_a_compile_sweeps_what_killed_compiles_left_behind(tmp_path: Path, monke
         fcntl.flock(lock, fcntl.LOCK_EX)  # as a running compile of that entry holds it
         entry = cache.cached_kernel(variant_for(REQUEST))
     assert not any(d.exists() for d in dead) and live.is_dir() and recent.is_dir()
-    assert read_manifest(entry)["files"].keys() == {"k.o"}
+    assert read_manifest(entry)["files"].keys() == {f"{variant_for(REQUEST).key()}.o"}

@@ -135,7 +135,7 @@ def test_syntax_error_names_file_line_and_column(tmp_path: Path) -> None:
 def test_help_documents_every_option() -> None:
     for command, options in {
         "show": ["--mask", "--param", "--png-dir", "--no-png", "--size"],
-        "compile": ["--mask", "--param", "--output"],
+        "compile": ["--mask", "--param", "--output", "--overwrite"],
     }.items():
         result = maskc(command, "--help")
         assert result.returncode == 0

@@ -24,19 +24,16 @@ from maskc.errors import ArtifactError
 from maskc.ir import Mask
 from maskc.runtime import launch, plan, register_artifact, registry
 
-
-FIELDS = {"arch": "sm_90a", "direction": "fwd", "head_dim": 128, "dtype": "bf16", "num_heads_q": 8, "num_heads_kv": 8,
-          "has_softcap": False, "has_sink": False, "has_max_logits": False, "tile_m": 128, "tile_n": 128}  # fmt: skip
+from fake_kernels import FIELDS, KEY, fake_kernel
 
 
 def kernel_artifact(directory: Path, extra: dict[str, bytes] | None = None, toolchain: dict | None = None) -> Path:
     """An artifact directory holding one (fake) forward kernel object and the `extra` files, all hashed."""
     directory.mkdir(exist_ok=True)
-    (directory / "k.o").write_bytes(b"object bytes")
+    variant = fake_kernel(directory)
     for name, data in (extra or {}).items():
         (directory / name).write_bytes(data)
-    variant = {"key": "k", "object": "k.o", "function": "attn_fwd", "abi": abi_to_json(FORWARD_ABI), "fields": FIELDS}
-    write_manifest(directory, {"toolchain": toolchain or {}, "variants": [variant], "files": ["k.o", *(extra or {})]})
+    write_manifest(directory, {"toolchain": toolchain or {}, "variants": [variant], "files": [variant["object"], *(extra or {})]})
     return directory
 
 
@@ -67,7 +64,7 @@ def test_a_library_the_manifest_does_not_hash_is_never_loaded(tmp_path: Path, ru
     art = kernel_artifact(tmp_path / "art")
     (art / toolchain.LIBRARY).write_bytes(b"\x7fELF dropped in")
     (art / (toolchain.LIBRARY + ".xz")).write_bytes(lzma.compress(b"\x7fELF dropped in"))
-    assert register_artifact(art) == ["k"]
+    assert register_artifact(art) == [KEY]
     assert runtimes == [("installed", Path("/installed/libcute_dsl_runtime.so"))]
 
 
@@ -76,10 +73,11 @@ def test_kernel_objects_run_as_the_bytes_that_were_verified(tmp_path: Path, runt
     built = []
     monkeypatch.setattr(registry, "Kernel", lambda runtime, data, function, abi: built.append(data))
     art = kernel_artifact(tmp_path / "art")
+    verified = (art / f"{KEY}.o").read_bytes()
     register_artifact(art)
-    (art / "k.o").write_bytes(b"swapped in later")
+    (art / f"{KEY}.o").write_bytes(b"swapped in later")
     registry.KERNELS[registry.request_key(FIELDS)].kernel
-    assert built == [b"object bytes"]
+    assert built == [verified]
 
 
 def test_library_missing_everywhere_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -184,9 +182,8 @@ def test_artifact_without_kernels_registers_nothing(tmp_path: Path) -> None:
 
 
 def test_artifact_for_another_abi_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "k.o").write_bytes(b"object")
-    variant = {"key": "k", "object": "k.o", "function": "k", "abi": [{"kind": "stream", "name": "stream"}], "fields": FIELDS}
-    write_manifest(tmp_path, {"variants": [variant], "files": ["k.o"]})
+    variant = {**fake_kernel(tmp_path), "abi": [{"kind": "stream", "name": "stream"}]}
+    write_manifest(tmp_path, {"variants": [variant], "files": [variant["object"]]})
     with pytest.raises(ArtifactError, match="another argument ABI"):
         register_artifact(tmp_path)
 
@@ -415,11 +412,10 @@ def test_a_read_only_artifact_directory_registers_without_a_write(tmp_path: Path
     pytest.importorskip("nvidia_cutlass_dsl", reason="registering needs the runtime library of the DSL wheel")
     art = tmp_path / "art"
     write_artifact(art, [LoweredMask("docs", {}, Mask.from_cu_seqlens([0, 8, 20], causal=True))])
-    (art / "k.o").write_bytes(b"object bytes, loaded on first use")
     body = json.loads((art / "manifest.json").read_text())
-    body["variants"] = [{"key": "k", "object": "k.o", "function": "attn_fwd", "abi": abi_to_json(FORWARD_ABI), "fields": FIELDS}]
+    body["variants"] = [fake_kernel(art, data=b"object bytes, loaded on first use")]
     body["toolchain"]["nvidia-cutlass-dsl"] = toolchain.installed_dsl_version()
-    write_manifest(art, {**body, "files": [*body["files"], "k.o"]})
+    write_manifest(art, {**body, "files": [*body["files"], f"{KEY}.o"]})
     for path in [art, *art.iterdir()]:
         path.chmod(stat.S_IMODE(path.stat().st_mode) & ~0o222)
     try:
@@ -428,4 +424,4 @@ def test_a_read_only_artifact_directory_registers_without_a_write(tmp_path: Path
     finally:
         art.chmod(0o755)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "['k'] ['docs']"
+    assert result.stdout.strip() == f"[{KEY!r}] ['docs']"

@@ -13,9 +13,7 @@ reader never sees a half-written entry. Entries are written with the umask's mod
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import functools
 import hashlib
 import json
@@ -25,7 +23,6 @@ import shutil
 import time
 from importlib import resources
 from pathlib import Path
-from typing import Iterator
 
 import maskc.artifact.abi
 import maskc.artifact.families
@@ -34,7 +31,7 @@ from maskc.artifact.abi import ENTRY_POINTS, abi_to_json
 from maskc.artifact.manifest import MANIFEST_NAME, write_manifest
 from maskc.artifact.toolchain import LIBRARY, find_runtime_library, library_bytes, toolchain
 from maskc.artifact.variant import KernelVariant
-from maskc.files import make_temporary_dir, temporaries, write_atomic
+from maskc.files import locked, make_temporary_dir, temporaries, write_atomic
 
 ENV_CACHE = "MASKC_CACHE"
 
@@ -88,7 +85,7 @@ def cached_kernel(variant: KernelVariant) -> Path:
     final = root / entry_address(variant)
     if (final / MANIFEST_NAME).is_file():
         return final
-    with _entry_lock(root, final.name, wait=True):
+    with locked(_lock_path(root, final.name)):
         if (final / MANIFEST_NAME).is_file():
             return final
         from maskc.codegen.compile import compile_variant
@@ -114,17 +111,9 @@ def cached_kernel(variant: KernelVariant) -> Path:
     return final
 
 
-@contextlib.contextmanager
-def _entry_lock(root: Path, entry: str, wait: bool) -> Iterator[bool]:
-    """Hold the lock of one cache entry (whoever holds it may build the entry) for the block;
-    without `wait`, yield False at once where another process holds it."""
-    with open(root / f"{entry}.lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        yield True
+def _lock_path(root: Path, entry: str) -> Path:
+    """The lock of one cache entry: whoever holds it may build the entry."""
+    return root / f"{entry}.lock"
 
 
 def _sweep_dead_builds(root: Path, held: str) -> None:
@@ -134,7 +123,7 @@ def _sweep_dead_builds(root: Path, held: str) -> None:
         if entry == held:
             shutil.rmtree(staging, ignore_errors=True)
             continue
-        with _entry_lock(root, entry, wait=False) as free:
+        with locked(_lock_path(root, entry), wait=False) as free:
             if free:
                 shutil.rmtree(staging, ignore_errors=True)
     # maskc 0.1.0 before this sweep named its staging `.build-*`, tied to no lock: an hour old is dead.

@@ -1,20 +1,32 @@
-"""Write an artifact directory: the source, each mask's lowered IR, and the manifest."""
+"""Write an artifact directory: the source, each mask's lowered IR, the kernels and the manifest.
+
+A directory holds one artifact. Writing into one that holds another (a manifest other than the
+one this write makes) is refused unless asked to replace it; a replacement removes the files of
+the old manifest that the new one does not list, so nothing stale stays behind. Writers of one
+directory take turns through a lock file, so two never interleave their files, and the second
+finds the first's artifact.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from maskc.artifact.manifest import open_manifest, write_manifest
+from maskc.artifact.manifest import MANIFEST_NAME, listed_names, manifest_bytes, manifest_text, open_manifest
 from maskc.artifact.toolchain import toolchain
 from maskc.errors import ArtifactError
-from maskc.files import copy_atomic, write_atomic
+from maskc.files import locked, write_atomic
 from maskc.ir import Mask
 from maskc.version import __version__
+
+#: The lock file of the writers of an artifact directory, removed when released.
+LOCK_NAME = ".maskc.lock"
 
 
 @dataclass(frozen=True)
@@ -38,18 +50,14 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _gather_kernels(out: Path, kernels: Sequence[Path]) -> tuple[list[dict], list[str]]:
-    """Write the hashed files of verified cache entries, as verified, under `out/kernels/<entry>/`;
-    their variant records and files."""
-    variants, files = [], []
+def _gather_kernels(kernels: Sequence[Path]) -> tuple[list[dict], dict[str, bytes]]:
+    """The variant records of verified cache entries and their hashed files, as verified, by
+    their names under `kernels/<entry>/`."""
+    variants, files = [], {}
     for entry in kernels:
         manifest = open_manifest(entry)
         prefix = f"kernels/{entry.name}/"
-        for name, data in manifest.files.items():
-            target = out / prefix / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(target, data)
-        files += [prefix + name for name in manifest.files]
+        files.update({prefix + name: data for name, data in manifest.files.items()})
         variants += [{**v, "object": prefix + v["object"]} for v in manifest.body["variants"]]
     return variants, files
 
@@ -61,27 +69,24 @@ def write_artifact(
     kernels: Sequence[Path] = (),
     runtime_library: Path | None = None,
     plans: Mapping[str, str] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write `out_dir/manifest.json`, `<name>.ir.json` per mask, a copy of the source, the
     kernels of the given cache entries, optionally the runtime library and, per mask name in
     `plans`, its context-parallel plan (`Plan.to_json()`) as `<name>.plan.json`; return the
-    manifest path."""
+    manifest path. A directory holding another artifact is replaced only with `overwrite`."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"cannot write an artifact directory at {out}: a file of that name exists")
-    out.mkdir(parents=True, exist_ok=True)
-    variants, files = _gather_kernels(out, kernels)
+    variants, files = _gather_kernels(kernels)
     if runtime_library is not None:
-        copy_atomic(runtime_library, out / runtime_library.name)
-        files.append(runtime_library.name)
+        files[runtime_library.name] = runtime_library.read_bytes()
     if source is not None:
-        copy_atomic(source, out / f"source{source.suffix}")
-        files.append(f"source{source.suffix}")
+        files[f"source{source.suffix}"] = source.read_bytes()
     masks = {}
     for item in lowered:
         ir_name = f"{item.name}.ir.json"
-        write_atomic(out / ir_name, item.mask.to_json())
-        files.append(ir_name)
+        files[ir_name] = item.mask.to_json().encode()
         masks[item.name] = {
             "ir": ir_name,
             "params": {k: _jsonable(v) for k, v in item.params.items()},
@@ -92,8 +97,7 @@ def write_artifact(
         }
         if plans and item.name in plans:
             plan_name = f"{item.name}.plan.json"
-            write_atomic(out / plan_name, plans[item.name])
-            files.append(plan_name)
+            files[plan_name] = plans[item.name].encode()
             masks[item.name]["plan"] = plan_name
     body = {
         "maskc_version": __version__,
@@ -102,6 +106,52 @@ def write_artifact(
         "masks": masks,
         "archs": sorted({v["fields"]["arch"] for v in variants}),
         "variants": variants,
-        "files": files,
     }
-    return write_manifest(out, body)
+    manifest = manifest_text(body, {name: hashlib.sha256(data).hexdigest() for name, data in files.items()})
+    out.mkdir(parents=True, exist_ok=True)
+    with locked(out / LOCK_NAME, remove=True):
+        replaced = _replaced(out, manifest.encode(), overwrite)
+        for name, data in files.items():
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(out / name, data)
+        path = write_atomic(out / MANIFEST_NAME, manifest)
+        _remove(out, replaced, files)
+    return path
+
+
+def _replaced(out: Path, manifest: bytes, overwrite: bool) -> list[str]:
+    """The files of the artifact in `out` that writing `manifest` replaces: none where `out`
+    holds no artifact or this very one; where it holds another, its files with `overwrite`, else
+    an error (the other artifact's kernels and masks would be lost without a word)."""
+    previous = manifest_bytes(out)
+    if previous is None or previous == manifest:
+        return []
+    if not overwrite:
+        raise ArtifactError(
+            f"{out} already holds another artifact (its {MANIFEST_NAME} is not the one this compile writes): replace it "
+            "with `maskc compile --overwrite` (write_artifact(..., overwrite=True)), or write to another directory"
+        )
+    return listed_names(out, previous)
+
+
+def _remove(out: Path, names: Iterable[str], kept: Iterable[str]) -> None:
+    """Remove the files `names` of a replaced artifact from `out`, but those the new one
+    `kept`, and the folders they leave empty. Only regular files and links inside `out` go:
+    a name whose folder leads out of `out` (through a symbolic link) is left alone."""
+    root = out.resolve()
+    keep = {_entry(root, name) for name in (*kept, MANIFEST_NAME, LOCK_NAME)}
+    for name in sorted(names):
+        target = _entry(root, name)
+        if target in keep or not target.parent.is_relative_to(root) or not (target.is_symlink() or target.is_file()):
+            continue
+        target.unlink()
+        folder = target.parent
+        while folder != root and not any(folder.iterdir()):
+            folder.rmdir()
+            folder = folder.parent
+
+
+def _entry(root: Path, name: str) -> Path:
+    """The directory entry `name` of `root`, with the symbolic links of its folders resolved."""
+    rel = PurePosixPath(name)
+    return Path(os.path.realpath(root / rel.parent)) / rel.name
