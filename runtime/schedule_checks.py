@@ -130,5 +130,7 @@ def _items(items: np.ndarray, offsets: np.ndarray, num_ctas: int, num_work: int,
 
 
 def _once(values: np.ndarray, count: int) -> bool:
-    """Whether `values` (each in [0, count)) hold each of 0..count-1 once."""
-    return values.size == count and bool((np.bincount(values, minlength=count) == 1).all())
+    """Whether `values` are each of 0..count-1 once."""
+    if values.size != count or not ((0 <= values) & (values < count)).all():
+        return False
+    return bool((np.bincount(values, minlength=count) == 1).all())

@@ -1,24 +1,29 @@
 """Property-based fuzzing of everything a user or a downloaded file feeds maskc: mask
-programs (random, generated and mutated), the Python API that builds masks, and artifact
-manifests. Each input either works (and a mask that lowers is exact against its dense form)
+programs (random, generated and mutated), the Python API that builds masks, batches of masks
+with padding (against dense attention), prepared plans and artifact manifests. Each input either works (and a mask that lowers is exact against its dense form)
 or raises maskc's own error; any other exception is a bug. Bounded so that CI stays fast."""
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import maskc
+from maskc.artifact.families import HeadDim
 from maskc.artifact.manifest import write_manifest
 from maskc.codegen import LoweredMask, write_artifact
-from maskc.errors import ArtifactError, MaskcError
+from maskc.errors import ArtifactError, MaskcError, MaskError
 from maskc.frontend import load
 from maskc.ir import AttnSlice, Mask
-from maskc.runtime import load_artifact, open_manifest, register_artifact
+from maskc.runtime import load_artifact, open_manifest, plan, plan_records, register_artifact, signing
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,3 +243,167 @@ def test_corrupted_manifests_are_artifact_errors(manifest_dir: Path, data: st.Da
     finally:
         write_manifest(manifest_dir, {k: v for k, v in original.items() if k != "format_version"})
     assert load_artifact(manifest_dir).masks["docs"] == Mask.from_cu_seqlens([0, 3, 8], causal=True)
+
+
+# ---- batches: q [B, S, H, D], one mask a row or a stacked one, padding -------------------------
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """float64 attention of one row over a dense [S, S] mask, GQA by repeating K/V heads; a query
+    that sees no key gives 0."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.double().repeat_interleave(group, dim=1) for x in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * q.shape[-1] ** -0.5
+    weights = torch.softmax(scores.masked_fill(~allowed, -torch.inf), dim=-1).nan_to_num(0.0)
+    return torch.einsum("hqk,khd->qhd", weights, v)
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> tuple[list[Mask], bool, list[tuple[int, int]] | None, torch.dtype]:
+    """Per batch row a mask of random documents (causal or not), shared or stacked, and maybe a
+    run of real tokens per row as an attention_mask of some dtype."""
+    b, s = draw(st.integers(1, 3)), draw(st.integers(1, 40))
+    shared = draw(st.booleans())
+
+    def row() -> Mask:
+        cuts = sorted(draw(st.lists(st.integers(0, s), max_size=4)))
+        return Mask.from_cu_seqlens([0, *cuts, s], causal=draw(st.booleans()))
+
+    rows = [row()] * b if shared else [row() for _ in range(b)]
+    runs = None
+    if draw(st.booleans()):
+        runs = [tuple(sorted(draw(st.tuples(st.integers(0, s), st.integers(0, s))))) for _ in range(b)]
+    return rows, shared, runs, draw(st.sampled_from([torch.bool, torch.int64, torch.float32]))
+
+
+@FUZZ
+@given(batches(), st.sampled_from([(2, 1), (4, 2), (2, 2)]))
+def test_random_batches_match_dense_attention(batch: tuple, heads: tuple[int, int]) -> None:
+    rows, shared, runs, dtype = batch
+    b, s = len(rows), rows[0].seqlen_q
+    g = torch.Generator().manual_seed(b * 1000 + s)
+    q, k, v = (torch.randn(b, s, h, 16, generator=g) for h in (heads[0], heads[1], heads[1]))
+    real = torch.ones(b, s, dtype=torch.bool)
+    if runs is not None:
+        real = torch.tensor([[a <= i < e for i in range(s)] for a, e in runs]).reshape(b, s)
+    padding = None if runs is None else real.to(dtype)
+    out, meta = maskc.attention(q, k, v, rows[0] if shared else Mask.stack(rows), attention_mask=padding)
+    for i, mask in enumerate(rows):
+        allowed = mask.to_dense() & real[i][:, None] & real[i][None, :]
+        torch.testing.assert_close(out[i].double(), dense_attention(q[i], k[i], v[i], allowed), atol=1e-5, rtol=1e-5)
+        assert torch.isneginf(meta.lse[i][~allowed.any(1)]).all()
+
+
+@FUZZ
+@given(st.integers(1, 3), st.integers(1, 12), st.sampled_from([2.0, -1.0, 0.5, -torch.inf, torch.nan, 1e-9]), st.data())
+def test_padding_values_other_than_zero_and_one_are_refused(b: int, s: int, value: float, data: st.DataObject) -> None:
+    padding = torch.ones(b, s)
+    padding[data.draw(st.integers(0, b - 1)), data.draw(st.integers(0, s - 1))] = value
+    q = torch.randn(b, s, 2, 16)
+    with pytest.raises(MaskError, match="1 \\(or True\\) on real tokens and 0 \\(or False\\) on padding"):
+        maskc.attention(q, q, q, Mask.from_cu_seqlens([0, s]), attention_mask=padding)
+
+
+# ---- prepared plans ------------------------------------------------------------------------------
+
+PLAN_TARGETS = [
+    plan.make_target((9, 0), 132, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, deterministic)
+    for deterministic in (False, True)
+] + [
+    plan.make_target((9, 0), 132, torch.bfloat16, 64, 1, HeadDim(64, 64), False, False, False, True, False),
+    plan.make_target((8, 0), 108, torch.bfloat16, 4, 4, HeadDim(64, 64), False, False, False, None, False),
+    plan.make_target((10, 0), 148, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, False, 0, False),
+]
+"""Planning targets: SM90 (GQA, deterministic, MQA with PackGQA), portable, SM100 (experimental)."""
+
+
+@st.composite
+def prepared_masks(draw: st.DrawFn) -> tuple[Mask, plan.Target]:
+    total = draw(st.integers(1, 3000))
+    cuts = sorted(draw(st.lists(st.integers(0, total), max_size=6)))
+    return Mask.from_cu_seqlens([0, *cuts, total], causal=draw(st.booleans())), draw(st.sampled_from(PLAN_TARGETS))
+
+
+def plan_entries(data: torch.Tensor, table: torch.Tensor) -> dict | None:
+    """The entries decoding takes from a plan, or None where it takes none: refused (a
+    MaskcError), ignored (with a PerformanceWarning) or empty (a plan for no GPU, as a plan cut
+    to nothing is); any other exception propagates."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            entries = dict(plan_records.decode(data, Mask.from_table(table)))
+        except MaskcError:
+            return None
+    assert not (entries and caught), "a plan that warns is ignored"
+    return entries or None
+
+
+def corrupt(words: np.ndarray, data: st.DataObject) -> np.ndarray:
+    """The plan's words with a random corruption: bits flipped, words overwritten (with edge
+    values), cut short, extended or swapped."""
+    words = words.copy()
+    kind = data.draw(st.sampled_from(["flip", "set", "cut", "append", "swap"]))
+    at = data.draw(st.integers(0, words.size - 1))
+    if kind == "flip":
+        words.view(np.uint32)[at] ^= np.uint32(1 << data.draw(st.integers(0, 31)))
+    elif kind == "set":
+        words[at] = data.draw(st.sampled_from([0, 1, -1, 2, 7, 2**30, 2**31 - 1, -(2**31)]) | st.integers(-50, 50))
+    elif kind == "cut":
+        words = words[:at]
+    elif kind == "append":
+        words = np.r_[words, data.draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=8))]
+    else:
+        other = data.draw(st.integers(0, words.size - 1))
+        words[[at, other]] = words[[other, at]]
+    return words.astype(np.int32)
+
+
+@FUZZ
+@given(prepared_masks(), st.booleans(), st.data())
+def test_corrupted_plans_are_refused_ignored_or_the_honest_plan(case: tuple, resign: bool, data: st.DataObject) -> None:
+    """A corruption that keeps the signature is refused or ignored, else it changed nothing; one
+    signed again (what only a key holder can make) is refused or passes every bounds check, and
+    never raises anything but a MaskcError."""
+    mask, target = case
+    honest_data = maskc.prepare(Mask.from_table(mask.table), target).plan
+    honest = plan_entries(honest_data, mask.table)
+    assert honest, "an honest plan is taken"
+    words = corrupt(honest_data.numpy(), data)
+    if resign and words.size >= 10:
+        mac = signing.signature(signing.plan_key(), words[:6].tobytes(), mask.table.numpy().tobytes(), words[10:].tobytes())
+        words[6:10] = np.frombuffer(mac, np.int32)
+    got = plan_entries(torch.from_numpy(words), mask.table)
+    if got is not None and not resign:
+        assert got.keys() == honest.keys()
+        for key, value in got.items():
+            theirs = honest[key]
+            assert (torch.equal(value.flat, theirs.flat) and value[1:] == theirs[1:]) if isinstance(value, plan.HostSchedule) \
+                else value == theirs  # fmt: skip
+
+
+@st.composite
+def irregular_masks(draw: st.DrawFn) -> Mask:
+    """Documents with a window, a prefix, global tokens or one mask a row: what the schedules'
+    checks must accept whenever the planner made them."""
+    total = draw(st.integers(1, 20000))
+    cuts = sorted(draw(st.lists(st.integers(0, total), max_size=8)))
+    cu = [0, *cuts, total]
+    kind = draw(st.sampled_from(["window", "prefix", "global", "stack", "block"]))
+    if kind == "window":
+        return Mask.sliding_window(cu, draw(st.integers(0, 3000)), draw(st.integers(0, 300)))
+    if kind == "prefix":
+        return Mask.from_cu_seqlens(cu, causal=True, prefix=draw(st.integers(0, 500)))
+    if kind == "global":
+        return Mask.from_cu_seqlens(cu, causal=True).with_global_tokens(min(total, draw(st.integers(0, 200))))
+    if kind == "stack":
+        return Mask.stack([Mask.from_cu_seqlens(cu, causal=draw(st.booleans()))] * draw(st.integers(1, 3)))
+    block = draw(st.integers(1, 2048))
+    return load(ROOT / "examples" / "varlen_block_causal.mask")["varlen_block_causal"].lower(docs=np.diff(cu).tolist(), block=block)
+
+
+@FUZZ
+@given(irregular_masks(), st.sampled_from(PLAN_TARGETS))
+def test_every_plan_the_planner_makes_passes_its_checks(mask: Mask, target: plan.Target) -> None:
+    fresh = Mask.from_table(mask.table)
+    taken = dict(plan_records.decode(maskc.prepare(fresh, target).plan, Mask.from_table(mask.table)))
+    assert taken and all(key in fresh.memo for key in taken)
