@@ -88,8 +88,9 @@ class Mask:
         _validate(q, k, t, self._sq, self._sk)
         self._q, self._k, self._t = _frozen(q), _frozen(k), _frozen(t)
         header = np.array([[self._sq, self._sk, 0, 0, 0]], np.int32)
-        self._rows = _frozen(np.concatenate([header, np.c_[q, k, t].astype(np.int32)]))
-        self.table = torch.from_numpy(self._rows.copy())
+        rows = np.concatenate([header, np.c_[q, k, t].astype(np.int32)])
+        self._table_bytes = rows.tobytes()
+        self.table = torch.from_numpy(rows)
         """The mask as one int32 CPU tensor `[N + 1, 5]`: row 0 holds (seqlen_q, seqlen_k, 0, 0,
         0), row i + 1 slice i as (q start, q end, k start, k end, type id) (`from_table`). Read
         only: a Mask never changes, and the ops refuse a Mask whose table was written to
@@ -129,7 +130,7 @@ class Mask:
     def check_table(self, table: torch.Tensor) -> None:
         """Refuse `table` (one this Mask holds) if it no longer holds this Mask: a write to a
         Mask's table would otherwise be ignored, its plans made for the mask it held before."""
-        if not np.array_equal(table.numpy(), self._rows):
+        if table.numpy().tobytes() != self._table_bytes:  # a microsecond for a table of a few slices
             raise MaskError(
                 "a Mask's table (Mask.table) was written to; a Mask never changes, so the write would be ignored: "
                 "build a new Mask (Mask.from_table(table) reads the edited table)"
