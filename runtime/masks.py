@@ -49,7 +49,7 @@ def mask_of(table: torch.Tensor, prepared: torch.Tensor | None = None) -> Mask:
                 _BY_CONTENT.popitem(last=False)
         _BY_CONTENT.move_to_end(key)
     if prepared is not None and getattr(prepared, "_maskc_seeded", None) is not mask:
-        for key, value in plan_records.decode(prepared, mask):  # every entry checked before any joins the memo
+        for key, value in plan_records.decode(prepared, mask.table):  # the whole plan verified before any entry joins
             mask.memo.setdefault(key, value)
         prepared._maskc_seeded = mask
     return mask

@@ -1,17 +1,24 @@
 """A prepared plan as one int32 tensor (`PreparedMask.plan`): the entries of a mask's memo that
 `maskc.prepare` computed (the forward's GQA and tile choice, the backward kernel's, the host
-schedules), signed, and taken back into a mask's memo only once every entry is checked.
+schedules), checked and then signed where they are made, and taken back into a mask's memo
+where the signature holds.
 
 A plan is a header, then records `[length, name, key length, *key, kind, *value]`; a schedule's
 value is `[slots, num_ctas, arrays, *rows, *flat]`. The header holds the record format, which
 key signed the plan (`maskc.runtime.signing`), a digest of the mask's table, and the signature
-of all of it with the table. What a call does with a plan:
+of all of it with the table.
+
+Where a plan is made, before it is signed, each decision must be one the call could make and
+each schedule must fit the mask and its key's tiles (`maskc.runtime.schedule_checks`: no index
+out of range, no wait that cannot end). So the signature vouches for the checks too, and the
+step, which pays for every millisecond, only checks the signature (half a millisecond at 128k
+tokens; a DataLoader with `pin_memory=True` checks it in its pin-memory thread instead,
+`PreparedMask.pin_memory`). What a call does with a plan:
 
 - made by another release's planner (another format), or signed with another key: ignored,
   with a PerformanceWarning; the call plans itself (slower, never wrong);
-- made for another mask, or corrupted (its signature, or an entry, wrong): a MaskcError;
-- else its entries join the mask's memo: each decision one the call could make itself, each
-  schedule in bounds for the mask and the key's tiles (`maskc.runtime.schedule_checks`).
+- made for another mask, or corrupted (its signature, or a record, wrong): a MaskcError;
+- else its entries join the mask's memo (copies: later writes to the plan change nothing).
 """
 
 from __future__ import annotations
@@ -25,7 +32,6 @@ import numpy as np
 import torch
 
 from maskc.errors import MaskcError, PerformanceWarning
-from maskc.ir import Mask
 from maskc.ir.schedule import build_backward_schedule, build_deterministic_backward_schedule, build_forward_schedule
 from maskc.runtime import plan, signing
 from maskc.runtime.schedule_checks import ScheduleError, check_schedule
@@ -46,7 +52,8 @@ _KINDS = {"forward": _INT, "partial": _BOOL, **dict.fromkeys(_SCHEDULES, _SCHEDU
 
 
 def encode(table: torch.Tensor, memo: dict[Any, Any]) -> torch.Tensor:
-    """The memo entries a plan carries, signed with this user's key, as one int32 tensor."""
+    """The memo entries a plan carries, checked, then signed with this user's key, as one int32
+    tensor."""
     records: list[np.ndarray] = []
     for key, value in memo.items():
         if not (isinstance(key, tuple) and key and key[0] in _NAMES and all(isinstance(x, int) for x in key[1:])):
@@ -59,18 +66,33 @@ def encode(table: torch.Tensor, memo: dict[Any, Any]) -> torch.Tensor:
         head = [_NAMES.index(key[0]), len(key) - 1, *key[1:], *body]
         records.append(np.r_[len(head) + tail.size + 1, head, tail].astype(np.int32))
     body = np.concatenate(records or [np.zeros(0, np.int32)]).astype(np.int32)
+    try:
+        _entries(torch.from_numpy(body), _shape(table), check=True)
+    except ScheduleError as exc:
+        raise MaskcError(f"maskc.prepare made a schedule its own checks refuse ({exc}): a maskc bug, please report it") from None
     key = signing.plan_key()
     header = np.r_[_MAGIC, FORMAT, _words(signing.key_id(key)), _words(_table_digest(table))].astype(np.int32)
     mac = signing.signature(key, header.tobytes(), table.numpy().tobytes(), body.tobytes())
     return torch.from_numpy(np.r_[header, _words(mac), body].astype(np.int32))
 
 
-def decode(data: torch.Tensor, mask: Mask) -> list[tuple[tuple, Any]]:
-    """The (key, value) memo entries of a plan for `mask`, each checked (none for an empty plan,
-    or one to ignore: see the module docstring)."""
+def decode(data: torch.Tensor, table: torch.Tensor) -> list[tuple[tuple, Any]]:
+    """The (key, value) memo entries of a plan for the mask `table` holds (none for an empty
+    plan, or one to ignore: see the module docstring); kept on `data` for the next call with
+    the same table (`PreparedMask.pin_memory` decodes ahead of the step)."""
     if not isinstance(data, torch.Tensor) or data.dtype != torch.int32 or data.ndim != 1 or data.device.type != "cpu":
         what = f"{data.dtype} tensor {tuple(data.shape)} on {data.device}" if isinstance(data, torch.Tensor) else type(data).__name__
         raise MaskcError(f"a prepared plan is a 1-D int32 CPU tensor (maskc.prepare), got a {what}")
+    rows = table.numpy().tobytes()
+    kept = getattr(data, "_maskc_entries", None)
+    if kept is not None and kept[0] == rows:
+        return kept[1]
+    entries = _verified(data, table, rows)
+    data._maskc_entries = (rows, entries)
+    return entries
+
+
+def _verified(data: torch.Tensor, table: torch.Tensor, rows: bytes) -> list[tuple[tuple, Any]]:
     if data.numel() == 0:
         return []
     values = data.numpy()
@@ -78,22 +100,20 @@ def decode(data: torch.Tensor, mask: Mask) -> list[tuple[tuple, Any]]:
         raise _corrupted("it has no plan header")
     if values[1] != FORMAT:
         return _ignored(f"it was made by another release of maskc (plan format {values[1]}, this one reads {FORMAT})")
-    if values[4:6].tobytes() != _table_digest(mask.table):
+    if values[4:6].tobytes() != _table_digest(table):
         raise MaskcError("this prepared plan was made for another mask: prepare each mask with maskc.prepare")
     key = signing.plan_key()
     if values[2:4].tobytes() != signing.key_id(key):
         return _ignored(f"it was signed with another plan key than this process's (set ${signing.KEY_ENV} alike "
                         "where plans are made and used)")  # fmt: skip
     body = values[_HEADER:]
-    if values[6:10].tobytes() != signing.signature(key, values[:6].tobytes(), mask.table.numpy().tobytes(), body.tobytes()):
+    if values[6:10].tobytes() != signing.signature(key, values[:6].tobytes(), rows, body.tobytes()):
         raise _corrupted("its signature does not match its contents")
-    try:
-        return _entries(data[_HEADER:], mask)
-    except ScheduleError as exc:
-        raise _corrupted(f"a schedule is unfit to launch: {exc}") from None
+    return list(_entries(data[_HEADER:], _shape(table), check=False).items())
 
 
-def _entries(data: torch.Tensor, mask: Mask) -> list[tuple[tuple, Any]]:
+def _entries(data: torch.Tensor, shape: tuple[int, int], check: bool) -> dict[tuple, Any]:
+    """The records of a plan's body; with `check`, each schedule checked for its kernel."""
     values, entries, at = data.numpy(), {}, 0
     while at < values.size:
         length, name, key_length = (int(x) for x in values[at : at + 3]) if at + 3 <= values.size else (0, -1, 0)
@@ -103,9 +123,12 @@ def _entries(data: torch.Tensor, mask: Mask) -> list[tuple[tuple, Any]]:
         key = (_NAMES[name], *values[at + 3 : body].tolist())
         if values[body] != _KINDS[key[0]] or key in entries:
             raise _corrupted(f"its record at {at} ({key[0]}) is of the wrong kind or repeated")
-        entries[key] = _schedule(key, data[body + 1 : end], mask) if key[0] in _SCHEDULES else _decision(key, values[body + 1 : end])
+        if key[0] in _SCHEDULES:
+            entries[key] = _schedule(key, values[body + 1 : end], shape, check)
+        else:
+            entries[key] = _decision(key, values[body + 1 : end])
         at = end
-    return list(entries.items())
+    return entries
 
 
 def _decision(key: tuple, value: np.ndarray) -> int | bool:
@@ -126,18 +149,24 @@ def _decision(key: tuple, value: np.ndarray) -> int | bool:
     return code
 
 
-def _schedule(key: tuple, value: torch.Tensor, mask: Mask) -> plan.HostSchedule:
-    """A schedule record's HostSchedule, a copy (so later writes to the plan change nothing), checked."""
+def _schedule(key: tuple, value: np.ndarray, shape: tuple[int, int], check: bool) -> plan.HostSchedule:
+    """A schedule record's HostSchedule, a copy of the plan's words; with `check`, checked."""
     arrays, params = _SCHEDULES[key[0]]
-    slots, num_ctas, count = (int(x) for x in value[:3]) if value.numel() >= 3 else (-1, 0, 0)
+    slots, num_ctas, count = (int(x) for x in value[:3]) if value.size >= 3 else (-1, 0, 0)
     rows = tuple(value[3 : 3 + arrays].tolist())
     sizes = [r * math.prod(a.shape[1:]) for r, a in zip(rows, plan.SCHEDULE_ARGS)]
     if len(key) - 1 != params or count != arrays or slots < 0 or len(rows) != arrays or min(rows) < 1 \
-            or value.numel() != 3 + arrays + sum(sizes):  # fmt: skip
+            or value.size != 3 + arrays + sum(sizes):  # fmt: skip
         raise _corrupted(f"its {key[0]} record is malformed")
-    host = plan.HostSchedule(value[3 + arrays :].clone(), rows, slots, num_ctas)
-    check_schedule(key[0], key[1:], host, mask.shape)
+    host = plan.HostSchedule(torch.from_numpy(value[3 + arrays :].copy()), rows, slots, num_ctas)
+    if check:
+        check_schedule(key[0], key[1:], host, shape)
     return host
+
+
+def _shape(table: torch.Tensor) -> tuple[int, int]:
+    """(seqlen_q, seqlen_k) of a mask table (`Mask.table`)."""
+    return int(table[0, 0]), int(table[0, 1])
 
 
 def _table_digest(table: torch.Tensor) -> bytes:

@@ -50,7 +50,11 @@ class PreparedMask:
             raise MaskcError(f"PreparedMask.table is a mask table [N + 1, 5] (Mask.table), got {tuple(self.table.shape)}")
 
     def pin_memory(self) -> PreparedMask:
-        return PreparedMask(self.table.pin_memory(), self.plan.pin_memory())
+        """Pinned copies, with the plan verified now (`maskc.runtime.plan_records.decode`): a
+        DataLoader with `pin_memory=True` calls this in its pin-memory thread, beside the step."""
+        pinned = PreparedMask(self.table.pin_memory(), self.plan.pin_memory())
+        plan_records.decode(pinned.plan, pinned.table)
+        return pinned
 
     def __reduce__(self) -> tuple:
         """The tensors alone: a table carries its Mask as an attribute (`maskc.runtime.masks`),

@@ -1,10 +1,10 @@
-"""Checks of a schedule that did not come from this process's planner (a prepared plan), before
-any kernel is launched with it: every index a kernel follows stays inside the tensors it
-indexes, every tile is computed once, every (k tile, K/V head) of a backward is owned once, a
-split item's pieces add up to its query heads (else the fp32 slots they add into would stay
-dirty for the next call), and a deterministic backward waits only for additions that come
-(else it would wait forever). What a schedule cannot show (whether its runs and lines are the
-mask's) is the plan's signature's to vouch for (`maskc.runtime.signing`).
+"""Checks of a schedule before a prepared plan carries it out of the process that planned it
+(`maskc.runtime.plan_records` signs only what passes): every index a kernel follows stays inside
+the tensors it indexes, every tile is computed once, every (k tile, K/V head) of a backward is
+owned once, a split item's pieces add up to its query heads (else the fp32 slots they add into
+would stay dirty for the next call), and a deterministic backward waits only for additions
+that come (else it would wait forever). Whether its runs and lines are the mask's is the
+planner's to get right: a schedule cannot show it.
 
 The arrays are those of `maskc.ir.schedule` (its docstring says what each holds), flattened by
 `maskc.runtime.plan`; an empty array is stored as one zero row.

@@ -664,10 +664,10 @@ def test_a_prepared_plan_is_only_used_with_its_own_mask() -> None:
     mask, other = Mask.from_cu_seqlens([0, 700], causal=True), Mask.from_cu_seqlens([0, 699, 700], causal=True)
     plan_data = prepared.prepare(mask, _target()).plan
     with pytest.raises(maskc.MaskcError, match="made for another mask"):
-        plan_records.decode(plan_data, other)
+        plan_records.decode(plan_data, other.table)
     with pytest.raises(maskc.MaskcError, match="1-D int32 CPU tensor"):
-        plan_records.decode(plan_data.float(), mask)
-    assert plan_records.decode(prepared.prepare(mask, None).plan, mask) == []
+        plan_records.decode(plan_data.float(), mask.table)
+    assert plan_records.decode(prepared.prepare(mask, None).plan, mask.table) == []
 
 
 def test_a_mask_table_is_found_again_by_content_when_its_tensor_is_another() -> None:

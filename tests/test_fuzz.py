@@ -13,7 +13,7 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import maskc
@@ -331,7 +331,7 @@ def plan_entries(data: torch.Tensor, table: torch.Tensor) -> dict | None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            entries = dict(plan_records.decode(data, Mask.from_table(table)))
+            entries = dict(plan_records.decode(data, table))
         except MaskcError:
             return None
     assert not (entries and caught), "a plan that warns is ignored"
@@ -361,12 +361,12 @@ def corrupt(words: np.ndarray, data: st.DataObject) -> np.ndarray:
 @FUZZ
 @given(prepared_masks(), st.booleans(), st.data())
 def test_corrupted_plans_are_refused_ignored_or_the_honest_plan(case: tuple, resign: bool, data: st.DataObject) -> None:
-    """A corruption that keeps the signature is refused or ignored, else it changed nothing; one
-    signed again (what only a key holder can make) is refused or passes every bounds check, and
-    never raises anything but a MaskcError."""
+    """A corruption of a plan is refused or ignored, else it changed nothing; one signed again
+    (what only a holder of the key can make) is refused or taken, never anything but a
+    MaskcError."""
     mask, target = case
     honest_data = maskc.prepare(Mask.from_table(mask.table), target).plan
-    honest = plan_entries(honest_data, mask.table)
+    honest = plan_entries(honest_data.clone(), mask.table)
     assert honest, "an honest plan is taken"
     words = corrupt(honest_data.numpy(), data)
     if resign and words.size >= 10:
@@ -379,6 +379,26 @@ def test_corrupted_plans_are_refused_ignored_or_the_honest_plan(case: tuple, res
             theirs = honest[key]
             assert (torch.equal(value.flat, theirs.flat) and value[1:] == theirs[1:]) if isinstance(value, plan.HostSchedule) \
                 else value == theirs  # fmt: skip
+
+
+@FUZZ
+@given(prepared_masks(), st.data())
+def test_a_schedule_corrupted_before_it_is_signed_is_refused_or_still_fits(case: tuple, data: st.DataObject) -> None:
+    """The checks that run before a plan is signed (`maskc.runtime.schedule_checks`) refuse a
+    schedule with a MaskcError, or sign one whose every index fits: never another exception."""
+    mask, target = case
+    fresh = Mask.from_table(mask.table)
+    maskc.prepare(fresh, target)
+    hosts = [v for k, v in fresh.memo.items() if isinstance(v, plan.HostSchedule) and k[0] in plan_records._SCHEDULES]
+    host = data.draw(st.sampled_from(hosts))
+    words = corrupt(host.flat.numpy(), data)
+    assume(words.size == host.flat.numel())  # the arrays keep their lengths; their values are anything
+    host.flat.numpy()[:] = words
+    try:
+        signed = plan_records.encode(fresh.table, fresh.memo)
+    except MaskcError:
+        return
+    assert plan_entries(signed, fresh.table)
 
 
 @st.composite
@@ -405,5 +425,5 @@ def irregular_masks(draw: st.DrawFn) -> Mask:
 @given(irregular_masks(), st.sampled_from(PLAN_TARGETS))
 def test_every_plan_the_planner_makes_passes_its_checks(mask: Mask, target: plan.Target) -> None:
     fresh = Mask.from_table(mask.table)
-    taken = dict(plan_records.decode(maskc.prepare(fresh, target).plan, Mask.from_table(mask.table)))
+    taken = dict(plan_records.decode(maskc.prepare(fresh, target).plan, mask.table))
     assert taken and all(key in fresh.memo for key in taken)

@@ -1,7 +1,8 @@
-"""Prepared plans (`maskc.prepare`) as data from outside the step: signed, checked before any of
-them joins a mask's memo, and loadable from a file without running code from it. A plan that is
-corrupted, edited, made for another mask or by another key is a clear error or is ignored (the
-call plans itself): never a wrong kernel, an out-of-range tile or a poisoned cache."""
+"""Prepared plans (`maskc.prepare`) as data from outside the step: checked and signed where they
+are made, verified before any of them joins a mask's memo, and loadable from a file without
+running code from it. A plan that is corrupted, edited, made for another mask or by another key
+is a clear error or is ignored (the call plans itself): never a wrong kernel, an out-of-range
+tile or a poisoned cache."""
 
 from __future__ import annotations
 
@@ -32,9 +33,13 @@ CAUSAL = Mask.from_cu_seqlens([0, 300, 1000, 1500], causal=True)
 
 def entries(mask: Mask, target: plan.Target = TARGET) -> tuple[torch.Tensor, dict]:
     """A fresh copy of `mask` prepared for `target`: its plan, and the memo entries it carries."""
-    fresh = Mask.from_table(mask.table)
-    data = maskc.prepare(fresh, target).plan
-    return data, dict(plan_records.decode(data, fresh))
+    data = maskc.prepare(Mask.from_table(mask.table), target).plan
+    return data, dict(plan_records.decode(data.clone(), mask.table))
+
+
+def decode(data: torch.Tensor, mask: Mask) -> dict:
+    """What a call takes from `data` for `mask` (a copy of `data`: decoding keeps what it took on the tensor)."""
+    return dict(plan_records.decode(data.clone(), mask.table))
 
 
 def resigned(values: np.ndarray, table: torch.Tensor) -> torch.Tensor:
@@ -74,7 +79,7 @@ def same(a: dict, b: dict) -> bool:
 def test_a_plan_carries_the_memo_entries_it_was_made_from(mask: Mask, target: plan.Target) -> None:
     fresh = Mask.from_table(mask.table)
     data = maskc.prepare(fresh, target).plan
-    carried = dict(plan_records.decode(data, Mask.from_table(mask.table)))
+    carried = decode(data, mask)
     assert carried and {k[0] for k in carried} >= {"build_forward_schedule"}
     assert same(carried, {k: fresh.memo[k] for k in carried})
 
@@ -92,7 +97,7 @@ def test_every_bit_flip_is_an_error_or_ignored_never_another_plan() -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                got = dict(plan_records.decode(flipped, Mask.from_table(CAUSAL.table)))
+                got = decode(flipped, CAUSAL)
             except maskc.MaskcError:
                 outcomes["error"] += 1
                 continue
@@ -109,11 +114,78 @@ def test_a_flipped_partial_record_is_refused() -> None:
     flipped = data.clone()
     flipped[at + 3 + key_length + 1] ^= 1
     with pytest.raises(maskc.MaskcError, match="signature does not match"):
-        plan_records.decode(flipped, Mask.from_table(CAUSAL.table))
+        decode(flipped, CAUSAL)
 
 
-def _schedule_at(data: torch.Tensor, builder: str) -> tuple[int, dict[str, int]]:
-    """Where each array of a plan's schedule record starts, by ABI name."""
+def _planned(mask: Mask, target: plan.Target, builder: str) -> tuple[Mask, dict[str, np.ndarray]]:
+    """A fresh copy of `mask` planned for `target`, and the arrays of its `builder` schedule (views
+    into the memo's schedule, to edit before the plan is made from the memo)."""
+    fresh = Mask.from_table(mask.table)
+    maskc.prepare(fresh, target)
+    (host,) = [v for k, v in fresh.memo.items() if isinstance(v, plan.HostSchedule) and k[0] == builder]
+    return fresh, {name: view.numpy() for name, view in plan.schedule_views(host.flat, host.rows).items()}
+
+
+def _refused_at_encode(mask: Mask, why: str) -> None:
+    with pytest.raises(maskc.MaskcError, match=f"own checks refuse \\(.*{why}"):
+        plan_records.encode(mask.table, mask.memo)
+
+
+@pytest.mark.parametrize(
+    "builder,array,at,value,why",
+    [
+        ("build_forward_schedule", "work_tile", (0,), 2**30, "each tile once"),
+        ("build_forward_schedule", "ranges", (0, 1), 2**30, "blocks are out of range"),
+        ("build_forward_schedule", "ranges", (0, 2), 7, "unknown mask kind"),
+        ("build_forward_schedule", "ranges", (0, 3), 5, "first column"),
+        ("build_forward_schedule", "work_ranges", (1,), -3, "offsets into ranges"),
+        ("build_forward_schedule", "lines", (0, 1), 2**30, "line's rows"),
+        ("build_forward_schedule", "query_bounds", (1,), 2**30, "work tiles do not cover"),
+        ("build_backward_schedule", "items", (0, 0), 2**30, "item is out of range"),
+        ("build_backward_schedule", "items", (0, 1), 5, "item is out of range"),
+        ("build_backward_schedule", "items", (0, 4), 10**6, "query heads or slot"),
+        ("build_backward_schedule", "cta_items", (1,), 10**6, "offsets into items"),
+        ("build_backward_schedule", "key_bounds", (1,), 7, "do not cover"),
+    ],
+)
+def test_a_schedule_out_of_bounds_is_never_signed(builder: str, array: str, at: tuple, value: int, why: str) -> None:
+    """Where a plan is made, before it is signed: no entry a kernel follows may leave its tensors."""
+    mask, arrays = _planned(CAUSAL, TARGET, builder)
+    arrays[array][at] = value
+    _refused_at_encode(mask, why)
+
+
+def test_a_split_items_pieces_must_cover_its_query_heads() -> None:
+    """A piece that adds into a slot must be met by the pieces that complete it: else the slot is
+    never stored and stays dirty for the next call."""
+    mask, arrays = _planned(Mask.from_cu_seqlens([0, 2048]), TARGET, "build_backward_schedule")  # every item split
+    rows = arrays["items"]
+    pieces = np.flatnonzero(rows[:, 5] == np.bincount(rows[rows[:, 5] >= 0, 5]).argmax())
+    assert len(pieces) >= 2
+    rows[pieces[0], 3] = rows[pieces[1], 3]  # one piece's query heads twice, another's never
+    _refused_at_encode(mask, "miss or repeat query heads")
+
+
+def test_a_deterministic_schedules_ranks_are_its_own() -> None:
+    """A dQ rank too high would make the deterministic backward wait forever."""
+    mask, arrays = _planned(CAUSAL, DETERMINISTIC, "build_deterministic_backward_schedule")
+    arrays["block_rank"][0] += 1
+    _refused_at_encode(mask, "dQ ranks")
+
+
+def test_a_signed_plan_is_taken_as_checked_where_it_was_made() -> None:
+    """The step checks the signature only: what a holder of the key signs is taken (the trust
+    model: the key is the user's, like their home directory)."""
+    data, honest = entries(CAUSAL)
+    _, starts = _schedule_words(data, "build_forward_schedule")
+    values = data.numpy().copy()
+    values[starts["lines"] + 2] += 1  # a line's first key: a wrong mask, in bounds
+    taken = decode(resigned(values, CAUSAL.table), CAUSAL)
+    assert taken.keys() == honest.keys() and not same(taken, honest)
+
+
+def _schedule_words(data: torch.Tensor, builder: str) -> tuple[int, dict[str, int]]:
+    """Where each array of a plan's schedule record starts in the plan, by ABI name."""
     (at, _, key_length), = [r for r in records(data) if r[1] == builder]
     value = at + 3 + key_length + 1
     arrays = int(data[value + 2])
@@ -123,60 +195,6 @@ def _schedule_at(data: torch.Tensor, builder: str) -> tuple[int, dict[str, int]]
         starts[arg.name] = offset
         offset += r * math.prod(arg.shape[1:])
     return at, starts
-
-
-@pytest.mark.parametrize(
-    "builder,array,column,value,why",
-    [
-        ("build_forward_schedule", "work_tile", 0, 2**30, "each tile once"),
-        ("build_forward_schedule", "ranges", 1, 2**30, "blocks are out of range"),
-        ("build_forward_schedule", "ranges", 2, 7, "unknown mask kind"),
-        ("build_forward_schedule", "ranges", 3, 5, "first column"),
-        ("build_forward_schedule", "work_ranges", 1, -3, "offsets into ranges"),
-        ("build_forward_schedule", "lines", 1, 2**30, "line's rows"),
-        ("build_forward_schedule", "query_bounds", 1, 2**30, "work tiles do not cover"),
-        ("build_backward_schedule", "items", 0, 2**30, "item is out of range"),
-        ("build_backward_schedule", "items", 1, 5, "item is out of range"),
-        ("build_backward_schedule", "items", 4, 10**6, "query heads or slot"),
-        ("build_backward_schedule", "cta_items", 1, 10**6, "offsets into items"),
-        ("build_backward_schedule", "key_bounds", 1, 7, "do not cover"),
-    ],
-)
-def test_a_signed_schedule_out_of_bounds_is_refused(builder: str, array: str, column: int, value: int, why: str) -> None:
-    """Even with a valid signature (a key holder's bug), no entry a kernel follows leaves its tensors."""
-    data, _ = entries(CAUSAL)
-    _, starts = _schedule_at(data, builder)
-    values = data.numpy().copy()
-    values[starts[array] + column] = value
-    with pytest.raises(maskc.MaskcError, match=f"unfit to launch: .*{why}"):
-        plan_records.decode(resigned(values, CAUSAL.table), Mask.from_table(CAUSAL.table))
-
-
-def test_a_split_items_pieces_must_cover_its_query_heads() -> None:
-    """A piece that adds into a slot must be met by the pieces that complete it: else the slot is
-    never stored and stays dirty for the next call."""
-    mask = Mask.from_cu_seqlens([0, 2048])  # about an item per CTA: every item is split
-    data, _ = entries(mask)
-    _, starts = _schedule_at(data, "build_backward_schedule")
-    values = data.numpy().copy()
-    rows = values[starts["items"] : starts["cta_items"]].reshape(-1, 6)
-    slot = rows[rows[:, 5] >= 0, 5]
-    pieces = np.flatnonzero(rows[:, 5] == np.bincount(slot).argmax())
-    assert len(pieces) >= 2
-    rows[pieces[0], 3] = rows[pieces[1], 3]  # one piece's query heads twice, another's never
-    values[starts["items"] : starts["cta_items"]] = rows.ravel()
-    with pytest.raises(maskc.MaskcError, match="miss or repeat query heads"):
-        plan_records.decode(resigned(values, mask.table), Mask.from_table(mask.table))
-
-
-def test_a_deterministic_schedules_ranks_are_its_own() -> None:
-    """A dQ rank too high would make the deterministic backward wait forever."""
-    data, _ = entries(CAUSAL, DETERMINISTIC)
-    _, starts = _schedule_at(data, "build_deterministic_backward_schedule")
-    values = data.numpy().copy()
-    values[starts["block_rank"]] += 1
-    with pytest.raises(maskc.MaskcError, match="dQ ranks"):
-        plan_records.decode(resigned(values, CAUSAL.table), Mask.from_table(CAUSAL.table))
 
 
 @pytest.mark.parametrize("edit,why", [
@@ -192,7 +210,7 @@ def test_a_signed_record_that_is_malformed_is_refused(edit, why: str) -> None:
     values = data.numpy().copy()
     edit(values, at)
     with pytest.raises(maskc.MaskcError, match=why):
-        plan_records.decode(resigned(values, CAUSAL.table), Mask.from_table(CAUSAL.table))
+        decode(resigned(values, CAUSAL.table), CAUSAL)
 
 
 def test_a_forward_choice_must_be_one_the_call_allows() -> None:
@@ -204,7 +222,7 @@ def test_a_forward_choice_must_be_one_the_call_allows() -> None:
     values = data.numpy().copy()
     values[at + 3 + key_length + 1] |= 1
     with pytest.raises(maskc.MaskcError, match="not one its key allows"):
-        plan_records.decode(resigned(values, mask.table), Mask.from_table(mask.table))
+        decode(resigned(values, mask.table), mask)
 
 
 def test_a_refused_plan_leaves_the_memo_alone_and_an_honest_one_is_then_used() -> None:
@@ -234,11 +252,11 @@ def test_a_plan_signed_with_another_key_or_format_is_ignored(monkeypatch: pytest
     signing.plan_key.cache_clear()
     try:
         with pytest.warns(PerformanceWarning, match="another plan key"):
-            assert plan_records.decode(data, Mask.from_table(CAUSAL.table)) == []
+            assert decode(data, CAUSAL) == {}
         stale = data.clone()
         stale[1] = plan_records.FORMAT - 1
         with pytest.warns(PerformanceWarning, match="another release of maskc"):
-            assert plan_records.decode(stale, Mask.from_table(CAUSAL.table)) == []
+            assert decode(stale, CAUSAL) == {}
     finally:
         monkeypatch.undo()
         signing.plan_key.cache_clear()
@@ -299,8 +317,7 @@ def test_a_saved_prepared_mask_loads_as_tensors_only(tmp_path: Path) -> None:
     with torch.serialization.safe_globals([PreparedMask]):
         batch = torch.load(tmp_path / "batch.pt", weights_only=True)
     assert torch.equal(batch["mask"].plan, ready.plan)
-    assert same(dict(plan_records.decode(loaded.plan, Mask.from_table(loaded.table))),
-                dict(plan_records.decode(ready.plan, Mask.from_table(ready.table))))  # fmt: skip
+    assert same(decode(loaded.plan, CAUSAL), decode(ready.plan, CAUSAL))
 
 
 class _Payload:
@@ -344,6 +361,21 @@ def test_plans_from_dataloader_workers_are_taken(context: str) -> None:
         mask = Mask.from_cu_seqlens([0, 100 + 50 * i, 900], causal=True)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            taken = dict(plan_records.decode(ready.plan, Mask.from_table(ready.table)))
+            taken = dict(plan_records.decode(ready.plan, ready.table))
         maskc.prepare(mask, TARGET)
         assert taken and same(taken, {k: mask.memo[k] for k in taken})
+
+
+def test_a_pinned_plan_is_verified_in_the_pin_memory_thread_not_in_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DataLoader with pin_memory=True pins each batch in its own thread: the plan's signature
+    is checked there, so the step only hands the entries to the memo."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", torch.Tensor.clone)  # no accelerator on this machine
+    signed = []
+    signature = signing.signature
+    monkeypatch.setattr(signing, "signature", lambda *a: signed.append(1) or signature(*a))
+    ready = maskc.prepare(Mask.from_table(CAUSAL.table), TARGET)
+    signed.clear()
+    pinned = ready.pin_memory()
+    assert signed == [1]
+    mask = masks.mask_of(pinned.table, pinned.plan)
+    assert signed == [1] and any(isinstance(v, plan.HostSchedule) for v in mask.memo.values())
