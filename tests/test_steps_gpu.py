@@ -120,3 +120,43 @@ def test_a_prepared_mask_gives_the_same_results_without_planning_in_the_step() -
             x.grad = None
     for ours, theirs in zip(*results):
         assert _rel(ours, theirs) < 1e-2
+
+
+def test_masks_kept_on_gpu_tensors_are_read_once_and_again_after_a_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Position ids and padding on the GPU: the mask built from them is kept for the next call
+    (reading them waits for the GPU), and built again after torch writes them in place; an
+    inference tensor, which counts no writes, is read at every call."""
+    reads = []
+    from_position_ids = Mask.from_position_ids
+    monkeypatch.setattr(Mask, "from_position_ids", lambda *a, **kw: reads.append(1) or from_position_ids(*a, **kw))
+    rng = np.random.default_rng(7)
+    s = 2000
+    positions = torch.tensor(np.concatenate([np.arange(n) for n in (700, 1300)]), device="cuda").repeat(2, 1)
+    positions[1, :900] = torch.arange(900, device="cuda")
+    q, k, v = _inputs((2, s, HQ, D), (2, s, HKV, D), seed=8)
+    padding = torch.ones(2, s, dtype=torch.long, device="cuda")
+
+    def attend() -> torch.Tensor:
+        with torch.no_grad():
+            return maskc.attention(q, k, v, maskc.PositionMask(positions, True), attention_mask=padding)[0]
+
+    def expected() -> torch.Tensor:
+        rows = [Mask.from_position_ids(r, causal=True) for r in positions.cpu()]
+        with torch.no_grad():
+            return maskc.attention(q, k, v, Mask.stack(rows), attention_mask=padding.cpu().bool().cuda())[0]
+
+    attend()
+    attend()
+    assert len(reads) == 2  # one per row, once
+    positions[0, 1000:] = torch.arange(s - 1000, device="cuda")  # a third document in row 0
+    padding[1, int(rng.integers(1500, s)) :] = 0
+    out = attend()
+    assert len(reads) == 4
+    assert _rel(out, expected()) < 1e-3
+    reads.clear()
+    with torch.inference_mode():
+        inference = positions.clone()
+    for _ in range(2):
+        with torch.no_grad():
+            maskc.attention(q, k, v, maskc.PositionMask(inference, True))
+    assert len(reads) == 4
