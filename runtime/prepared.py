@@ -6,7 +6,8 @@ takes as its mask.
 A prepared plan only fills the mask's memo (`maskc.runtime.plan` caches its decisions and
 host schedules there under keys of plain values): a plan made for another GPU or shape is
 never used, since the call looks its own keys up, and planning then happens in the call. A
-plan is signed and checked before it joins the memo (`maskc.runtime.plan_records`).
+plan is checked and signed where it is made, and its signature verified before any of it
+joins the memo (`maskc.runtime.plan_records`).
 """
 
 from __future__ import annotations
