@@ -171,6 +171,7 @@ SEMANTIC_ERRORS = [
     (H + "    for i in range(1, 2, 3, 4):\n        seqlen(i)\n", 3, 14, "range() takes 1 to 3 arguments (4 given)"),
     (H + "    if n:\n        seqlen(n)\n", 3, 8, "condition must be a bool, got an int"),
     (H + "    assert n, \"msg\"\n", 3, 12, "assert condition must be a bool"),
+    (H + "    assert n > 1, \"a\x00b\"\n", 3, 5, "is not a valid string: source code string cannot contain null bytes"),
     (H + "    x = docs + 1\n", 3, 14, "unsupported operand types for +: document list and int"),
     (H + "    x = -docs\n", 3, 10, "operand of unary - must be an int"),
     (H + "    x = not n\n", 3, 13, "operand of not must be a bool"),

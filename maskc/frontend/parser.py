@@ -182,8 +182,13 @@ class _ToAst(Transformer):
 
     def assert_stmt(self, meta, children):
         cond, message = children
-        text = None if message is None else pyast.literal_eval(str(message))
-        return s.Assert(s.Pos(meta.line, meta.column), cond, text)
+        pos = s.Pos(meta.line, meta.column)
+        try:
+            text = None if message is None else pyast.literal_eval(str(message))
+        except (SyntaxError, ValueError) as exc:  # a NUL byte, a bad escape
+            why = exc.msg if isinstance(exc, SyntaxError) else exc
+            raise self._error(f"the assert message {str(message)[:40]!r} is not a valid string: {why}", pos) from None
+        return s.Assert(pos, cond, text)
 
     def for_stmt(self, meta, children):
         var, it, body = children
