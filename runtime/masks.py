@@ -118,7 +118,7 @@ def call_mask(mask: Mask, q_shape: Sequence[int], k_shape: Sequence[int], paddin
     if padding is None:
         if mask.shape == (s, sk):
             return memoized(mask, ("batch", b), lambda: Mask.stack([mask] * b))
-        memoized(mask, ("rows", b), lambda: _check_rows(mask, b))
+        _check_rows(mask, b)
         return mask
     if sk != s or tuple(padding.shape) != (b, s):
         raise MaskError(f"attention_mask is [B, S] = [{b}, {s}] for self-attention (Sk = S); got {list(padding.shape)} "
@@ -129,10 +129,15 @@ def call_mask(mask: Mask, q_shape: Sequence[int], k_shape: Sequence[int], paddin
     return derived([padding], ("padding", id(mask)), lambda: (mask, _without_padding(mask, _token_runs(padding), s, sk)))[1]
 
 
-def _check_rows(mask: Mask, b: int) -> bool:
-    """Whether a mask over a whole batch of `b` rows (`Mask.stack`) keeps each row to its own
-    keys; a MaskError naming a slice that crosses rows otherwise. Slices within one row's
-    queries and keys pass at once; only a slice whose ranges cross rows has its area counted."""
+def _check_rows(mask: Mask, b: int) -> None:
+    """A MaskError naming a slice of a mask over a whole batch of `b` rows (`Mask.stack`) that
+    lets a row attend another row's keys; checked once per mask (`_rows_apart`)."""
+    memoized(mask, ("rows", b), lambda: _rows_apart(mask, b))
+
+
+def _rows_apart(mask: Mask, b: int) -> bool:
+    """`_check_rows`: slices within one row's queries and keys pass at once; only a slice whose
+    ranges cross rows has its area counted."""
     s, sk = mask.seqlen_q // b, mask.seqlen_k // b
     q, k = mask.q_ranges, mask.k_ranges
     live = (q[:, 1] > q[:, 0]) & (k[:, 1] > k[:, 0])
@@ -188,7 +193,7 @@ def _without_padding(mask: Mask, runs: np.ndarray, s: int, sk: int) -> Mask:
     cropped to its run of tokens."""
     if mask.shape == (s, sk):
         return Mask.stack([mask.crop((a, e), (a, e)) for a, e in runs.tolist()])
-    memoized(mask, ("rows", len(runs)), lambda: _check_rows(mask, len(runs)))
+    _check_rows(mask, len(runs))
     rows = [mask.crop((i * s + a, i * s + e), (i * sk + a, i * sk + e)) for i, (a, e) in enumerate(runs.tolist())]
     return functools.reduce(operator.or_, rows)
 

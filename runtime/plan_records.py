@@ -66,8 +66,10 @@ def encode(table: torch.Tensor, memo: dict[Any, Any]) -> torch.Tensor:
         head = [_NAMES.index(key[0]), len(key) - 1, *key[1:], *body]
         records.append(np.r_[len(head) + tail.size + 1, head, tail].astype(np.int32))
     body = np.concatenate(records or [np.zeros(0, np.int32)]).astype(np.int32)
-    try:
-        _entries(torch.from_numpy(body), _shape(table), check=True)
+    try:  # what is signed, as a call will read it
+        for key, value in _entries(body).items():
+            if key[0] in _SCHEDULES:
+                check_schedule(key[0], key[1:], value, _shape(table))
     except ScheduleError as exc:
         raise MaskcError(f"maskc.prepare made a schedule its own checks refuse ({exc}): a maskc bug, please report it") from None
     key = signing.plan_key()
@@ -109,12 +111,12 @@ def _verified(data: torch.Tensor, table: torch.Tensor, rows: bytes) -> list[tupl
     body = values[_HEADER:]
     if values[6:10].tobytes() != signing.signature(key, values[:6].tobytes(), rows, body.tobytes()):
         raise _corrupted("its signature does not match its contents")
-    return list(_entries(data[_HEADER:], _shape(table), check=False).items())
+    return list(_entries(body).items())
 
 
-def _entries(data: torch.Tensor, shape: tuple[int, int], check: bool) -> dict[tuple, Any]:
-    """The records of a plan's body; with `check`, each schedule checked for its kernel."""
-    values, entries, at = data.numpy(), {}, 0
+def _entries(values: np.ndarray) -> dict[tuple, Any]:
+    """The records of a plan's body, each well formed."""
+    entries, at = {}, 0
     while at < values.size:
         length, name, key_length = (int(x) for x in values[at : at + 3]) if at + 3 <= values.size else (0, -1, 0)
         end, body = at + length, at + 3 + max(key_length, 0)
@@ -124,7 +126,7 @@ def _entries(data: torch.Tensor, shape: tuple[int, int], check: bool) -> dict[tu
         if values[body] != _KINDS[key[0]] or key in entries:
             raise _corrupted(f"its record at {at} ({key[0]}) is of the wrong kind or repeated")
         if key[0] in _SCHEDULES:
-            entries[key] = _schedule(key, values[body + 1 : end], shape, check)
+            entries[key] = _schedule(key, values[body + 1 : end])
         else:
             entries[key] = _decision(key, values[body + 1 : end])
         at = end
@@ -149,8 +151,8 @@ def _decision(key: tuple, value: np.ndarray) -> int | bool:
     return code
 
 
-def _schedule(key: tuple, value: np.ndarray, shape: tuple[int, int], check: bool) -> plan.HostSchedule:
-    """A schedule record's HostSchedule, a copy of the plan's words; with `check`, checked."""
+def _schedule(key: tuple, value: np.ndarray) -> plan.HostSchedule:
+    """A schedule record's HostSchedule, a copy of the plan's words."""
     arrays, params = _SCHEDULES[key[0]]
     slots, num_ctas, count = (int(x) for x in value[:3]) if value.size >= 3 else (-1, 0, 0)
     rows = tuple(value[3 : 3 + arrays].tolist())
@@ -158,10 +160,7 @@ def _schedule(key: tuple, value: np.ndarray, shape: tuple[int, int], check: bool
     if len(key) - 1 != params or count != arrays or slots < 0 or len(rows) != arrays or min(rows) < 1 \
             or value.size != 3 + arrays + sum(sizes):  # fmt: skip
         raise _corrupted(f"its {key[0]} record is malformed")
-    host = plan.HostSchedule(torch.from_numpy(value[3 + arrays :].copy()), rows, slots, num_ctas)
-    if check:
-        check_schedule(key[0], key[1:], host, shape)
-    return host
+    return plan.HostSchedule(torch.from_numpy(value[3 + arrays :].copy()), rows, slots, num_ctas)
 
 
 def _shape(table: torch.Tensor) -> tuple[int, int]:
