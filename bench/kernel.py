@@ -3,7 +3,10 @@
 64:8,64:64,64:1 for GQA, MHA and MQA).
 
 maskc beside FlashAttention-4 (where it supports the mask natively), torch SDPA (cuDNN and
-flash backends, full/causal) and FlexAttention, in one run, forward TFLOP/s with the seeds'
+flash backends, full/causal) and the flexible-mask libraries (FlexAttention on its Triton and on
+FA4's backend, FA4's own mask_mod; one BlockMask per mask, built without the dense S x S step), in
+one run, each checked against maskc's output (and gradients) on the same inputs first (`max_err`),
+forward TFLOP/s with the seeds'
 formula, counting the q/k and v head dims apart: 2 * area * Hq * (Dqk + Dv) / time (4 * area *
 Hq * D where they are equal). Varlen documents come from the real length histogram
 (`common.pack_documents`). Masks are the shipped examples, lowered by maskc.
@@ -39,7 +42,7 @@ import itertools
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,15 +194,37 @@ def peak_memory_mib(fn: Callable[[], object], leaves: list[torch.Tensor]) -> flo
     return peak / 2**20
 
 
+@dataclass(frozen=True)
+class MaskTables:
+    """Per token of a benchmark sequence, what the mask_mods of the flexible-mask libraries read
+    (int32, on the device): its document, its block within the document (varlen block causal)
+    and its part of the shared-question mask (0: the question, i > 0: the i-th answer)."""
+
+    doc: torch.Tensor
+    block: torch.Tensor
+    asked: torch.Tensor
+
+    def aux(self) -> list[torch.Tensor]:
+        """FA4's aux tensors, in the order bench/fa4_masks.py reads them."""
+        return [self.doc, self.block, self.asked]
+
+
+def mask_tables(seqlen: int, lens: np.ndarray, device: torch.device | str) -> MaskTables:
+    """The MaskTables of the benchmark masks at `seqlen` with documents `lens`."""
+    def doc_ids(lens: np.ndarray) -> np.ndarray:
+        return np.repeat(np.arange(len(lens)), lens)
+
+    doc = doc_ids(lens)
+    start = np.r_[0, np.cumsum(lens)[:-1]][doc]
+    block = (np.arange(seqlen) - start) // BLOCK
+    return MaskTables(*(torch.as_tensor(x, dtype=torch.int32, device=device) for x in (doc, block, doc_ids(question_docs(seqlen)))))
+
+
 def flex_mask_mod(name: str, seqlen: int, lens: np.ndarray, device: torch.device, q_offset: int = 0) -> Callable | None:
     """FlexAttention's mask_mod of benchmark mask `name` (None: full), for query rows starting at
     global row `q_offset` (a rank's shard in bench/dist.py)."""
-    def doc_ids(lens: np.ndarray) -> torch.Tensor:
-        return torch.repeat_interleave(torch.arange(len(lens), device=device), torch.as_tensor(lens, device=device))
-
-    doc, asked = doc_ids(lens), doc_ids(question_docs(seqlen))
-    start = torch.as_tensor(np.r_[0, np.cumsum(lens)[:-1]], device=device)[doc]
-    block = (torch.arange(seqlen, device=device) - start) // BLOCK
+    t = mask_tables(seqlen, lens, device)
+    doc, block, asked = t.doc, t.block, t.asked
     o = q_offset
     mods = {
         "full": None,
@@ -215,21 +240,53 @@ def flex_mask_mod(name: str, seqlen: int, lens: np.ndarray, device: torch.device
 
 
 def compiled_flex() -> Callable:
-    """FlexAttention under torch.compile. It recompiles per shape, mask and grad mode; past
-    dynamo's default limits it would fall back to eager, which materialises every score (and
-    runs out of memory at long sequences), so the limits are raised."""
+    """FlexAttention under torch.compile. It recompiles per shape, mask, backend and grad mode;
+    past dynamo's default limits it would fall back to eager, which materialises every score
+    (and runs out of memory at long sequences), so the limits are raised. Its backward is timed
+    on one graph run again and again (retain_graph), which buffers donated to the backward
+    would forbid."""
+    import torch._functorch.config as functorch_config
     from torch.nn.attention.flex_attention import flex_attention
 
     torch._dynamo.config.cache_size_limit = 1000
     torch._dynamo.config.recompile_limit = 1000
+    functorch_config.donated_buffer = False
     return torch.compile(flex_attention, dynamic=False)
 
 
+def block_mask(mod: Callable | None, seqlen: int, device: torch.device) -> object | None:
+    """The FlexAttention BlockMask of `mod` (None for the full mask), built compiled: the
+    default builds the whole S x S mask first (32 GiB for global + window at 64k), the compiled
+    one only the blocks'."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return None if mod is None else create_block_mask(mod, 1, None, seqlen, seqlen, device=device, _compile=True)
+
+
+def fa4_mask_mod_call(name: str, tables: MaskTables, blocks: object, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> Callable[[], object]:  # fmt: skip
+    """FA4's own mask_mod + block-sparse path on mask `name`: the mask_mod of bench/fa4_masks.py
+    over `tables`, and `blocks` (the BlockMask FlexAttention gets) as its block-sparse tensors,
+    k blocks per q block for the forward and q blocks per k block for the backward."""
+    from fa4_masks import MASK_MODS
+    from flash_attn.cute import flash_attn_func
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    size = tuple(blocks.BLOCK_SIZE)
+    forward = BlockSparseTensorsTorch(blocks.kv_num_blocks, blocks.kv_indices, blocks.full_kv_num_blocks,
+                                      blocks.full_kv_indices, block_size=size)  # fmt: skip
+    backward = BlockSparseTensorsTorch(blocks.q_num_blocks, blocks.q_indices, blocks.full_q_num_blocks,
+                                       blocks.full_q_indices, block_size=size)  # fmt: skip
+    return lambda: flash_attn_func(q[None], k[None], v[None], mask_mod=MASK_MODS[name], aux_tensors=tables.aux(),
+                                   block_sparse_tensors=forward, block_sparse_tensors_bwd=backward)  # fmt: skip
+
+
 def baselines(name: str, seqlen: int, lens: np.ndarray, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable]:
-    """The baseline calls that express mask `name` natively (seqlen-first q/k/v)."""
+    """The baseline calls that express mask `name` natively (seqlen-first q/k/v): SDPA (full and
+    causal), FlexAttention on its Triton and its FA4 backend, and FA4 (its own masks, and every
+    other through its mask_mod) where flash_attn is installed."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.flex_attention import create_block_mask
 
     calls: dict[str, Callable] = {}
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
@@ -241,14 +298,14 @@ def baselines(name: str, seqlen: int, lens: np.ndarray, q: torch.Tensor, k: torc
                     return F.scaled_dot_product_attention(qt, kt, vt, is_causal=name == "causal", enable_gqa=True)
 
             calls[tag] = sdpa
-    mod = flex_mask_mod(name, seqlen, lens, q.device)
+    blocks = block_mask(flex_mask_mod(name, seqlen, lens, q.device), seqlen, q.device)
     flex = compiled_flex()
-    block_mask = None if mod is None else create_block_mask(mod, 1, None, seqlen, seqlen, device=q.device)
-    calls["flex"] = lambda: flex(qt, kt, vt, block_mask=block_mask, enable_gqa=True)
+    calls["flex"] = lambda: flex(qt, kt, vt, block_mask=blocks, enable_gqa=True)
     try:
         from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
     except ImportError:
         return calls
+    calls["flex_fa4"] = lambda: flex(qt, kt, vt, block_mask=blocks, enable_gqa=True, kernel_options={"BACKEND": "FLASH"})
     cu = torch.as_tensor(np.r_[0, np.cumsum(lens)], dtype=torch.int32, device=q.device)
     longest = int(lens.max())
     fa4 = {
@@ -260,6 +317,8 @@ def baselines(name: str, seqlen: int, lens: np.ndarray, q: torch.Tensor, k: torc
     }
     if name in fa4:
         calls["fa4"] = fa4[name]
+    if blocks is not None:
+        calls["fa4_mask_mod"] = fa4_mask_mod_call(name, mask_tables(seqlen, lens, q.device), blocks, q, k, v)
     return calls
 
 
@@ -278,22 +337,97 @@ def maskc_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, **
     return lambda: maskc.attention(q, k, v, mask, **options)[0]
 
 
-def measure(run: Run, case: dict, impl: str, call: Callable[[], object], leaves: list[torch.Tensor] | None) -> list[dict]:
+class BaselineMismatch(ValueError):
+    """A baseline computes other attention than maskc on the same inputs: its timing would
+    compare unlike work, so its rows record this instead."""
+
+
+#: The largest difference a baseline's output or gradients may have from maskc's on the same
+#: inputs, relative to the largest magnitude of maskc's: bf16 rounding and summation order differ
+#: by a few 1e-3; a mask that keeps other pairs, or a kernel that skips blocks, by far more.
+AGREEMENT = 0.05
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """One implementation's attention on a case, seqlen-first in float32: its output [S, Hq, Dv]
+    and, where its backward ran, the gradients of q, k and v."""
+
+    out: torch.Tensor
+    grads: tuple[torch.Tensor, ...] = ()
+
+
+def seqlen_first(out: object, seqlen: int) -> torch.Tensor:
+    """An implementation's output as [S, Hq, Dv]: maskc's as it is; FA4's ([1, S, H, D], first of
+    a tuple) and SDPA's or FlexAttention's ([1, H, S, D]) without their batch."""
+    out = out[0] if isinstance(out, tuple) else out
+    if out.dim() == 3:
+        return out
+    return out[0] if out.shape[1] == seqlen else out[0].transpose(0, 1)
+
+
+def outputs(call: Callable[[], object], seqlen: int, leaves: Sequence[torch.Tensor] = (), grad: torch.Tensor | None = None) -> Outputs:
+    """`call`'s Outputs: the output alone (under no_grad) without `leaves`; with them, also their
+    gradients against `grad` (an [S, Hq, Dv] gradient of the output)."""
+    if not leaves:
+        with torch.no_grad():
+            return Outputs(seqlen_first(call(), seqlen).float())
+    for x in leaves:
+        x.grad = None
+    out = seqlen_first(call(), seqlen)
+    out.backward(grad)
+    grads = tuple(x.grad.float() for x in leaves)
+    for x in leaves:
+        x.grad = None
+    return Outputs(out.detach().float(), grads)
+
+
+def agreement(theirs: Sequence[torch.Tensor], ours: Sequence[torch.Tensor], what: str) -> float:
+    """The largest difference of `theirs` from `ours` (tensor by tensor), relative to the largest
+    magnitude of ours; BaselineMismatch where over AGREEMENT (or not a number)."""
+    worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(theirs, ours, strict=True))
+    if not worst <= AGREEMENT:
+        raise BaselineMismatch(f"its {what} differ from maskc's by {worst:.3g} of their largest magnitude (at most {AGREEMENT} agree)")
+    return worst
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a baseline's rows are checked against: maskc's Outputs on the case, and the gradient
+    of the output its backward took."""
+
+    outputs: Outputs
+    grad: torch.Tensor | None = None
+
+
+def measure(run: Run, case: dict, impl: str, call: Callable[[], object], leaves: list[torch.Tensor] | None,
+            expected: Expected | None = None) -> list[dict]:  # fmt: skip
     """The rows of `impl` on `case` (whose head_dim gives the FLOPs): forward TFLOP/s; with
     `leaves` (the inputs whose gradients the backward computes) also backward TFLOP/s and the
-    peak memory of a forward + backward. Whatever raises (a library without a kernel for the
-    case, maskc without a backward at the head dim) is recorded as the rows' error."""
+    peak memory of a forward + backward. With `expected`, the output (and the gradients) must first
+    agree with maskc's, and the rows carry how closely they did (`max_err`). Whatever raises (a
+    library without a kernel for the case, maskc without a backward at the head dim, a baseline
+    that computes other attention) is recorded as the rows' error."""
     flops = forward_flops(case["area"], HeadDim.parse(str(case["head_dim"])), int(case["heads"].split(":")[0]))
 
     def forward() -> list[dict]:
+        checked = {}
+        if expected is not None:
+            checked["max_err"] = agreement([outputs(call, case["seqlen"]).out], [expected.outputs.out], "outputs")
         with torch.no_grad():
-            return [{"tflops": timed_tflops(call, flops)}]
+            return [{"tflops": timed_tflops(call, flops), **checked}]
+
+    def backward() -> list[dict]:
+        checked = {}
+        if expected is not None and expected.grad is not None:
+            theirs = outputs(call, case["seqlen"], leaves, expected.grad).grads
+            checked["max_err"] = agreement(theirs, expected.outputs.grads, "gradients")
+        return [{"tflops": timed_backward_tflops(call, flops, leaves), **checked}, {"peak_mib": peak_memory_mib(call, leaves)}]
 
     rows = run.write_measured([("kernel", {**case, "impl": impl, "direction": "fwd"})], forward)
     if leaves is not None:
         rows += run.write_measured(
-            [("kernel", {**case, "impl": impl, "direction": "bwd"}), ("memory", {**case, "impl": impl})],
-            lambda: [{"tflops": timed_backward_tflops(call, flops, leaves)}, {"peak_mib": peak_memory_mib(call, leaves)}],
+            [("kernel", {**case, "impl": impl, "direction": "bwd"}), ("memory", {**case, "impl": impl})], backward
         )
     return rows
 
@@ -512,6 +646,23 @@ def main() -> None:
     print("\n".join(out))
 
 
+def expectation(maskc_call: Callable[[], torch.Tensor], seqlen: int, leaves: list[torch.Tensor] | None) -> Expected | None:
+    """maskc's Outputs on a case, which the baselines' must agree with: with `leaves`, its
+    gradients too, against a random gradient of the output, where maskc has the backward. None
+    where maskc cannot run the case (its rows say why): the baselines go unchecked."""
+    try:
+        forward = outputs(maskc_call, seqlen)
+    except Exception:  # noqa: BLE001 (maskc's own rows record what failed)
+        return None
+    if leaves is None:
+        return Expected(forward)
+    grad = torch.randn_like(forward.out, dtype=leaves[0].dtype)
+    try:
+        return Expected(outputs(maskc_call, seqlen, leaves, grad), grad)
+    except Exception:  # noqa: BLE001
+        return Expected(forward)
+
+
 def measure_kernels(run: Run, args: argparse.Namespace) -> list[dict]:
     """The kernel and memory rows of every seqlen, head dim, dtype, head count, mask and
     implementation `args` name."""
@@ -531,8 +682,10 @@ def measure_kernels(run: Run, args: argparse.Namespace) -> list[dict]:
                     calls["maskc_portable"] = maskc_call(q, k, v, mask, portable=True)
                 if not args.no_baselines:
                     calls.update(baselines(name, seqlen, lens, q, k, v))
+                leaves = [q, k, v] if args.backward else None
+                expected = expectation(calls["maskc"], seqlen, leaves)
                 for impl, call in calls.items():
-                    for row in measure(run, case, impl, call, [q, k, v] if args.backward else None):
+                    for row in measure(run, case, impl, call, leaves, None if impl == "maskc" else expected):
                         rows.append(row)
                         value = row.get("tflops", row.get("peak_mib", row.get("error")))
                         print(f"{seqlen} d={head_dim} {dtype} {case['heads']} {name} {impl} {row['kind']} {row.get('direction', '')} {value}", flush=True)

@@ -57,7 +57,7 @@ class Kind:
 ATTENTION = {"mask": str, "seqlen": int, "heads": str, "head_dim": HEAD_DIM, "dtype": str}
 
 KINDS: dict[str, Kind] = {
-    "kernel": Kind({"impl": str, **ATTENTION, "direction": DIRECTIONS}, {"tflops": float}, {"docs": int, "area": int}),
+    "kernel": Kind({"impl": str, **ATTENTION, "direction": DIRECTIONS}, {"tflops": float}, {"docs": int, "area": int, "max_err": float}),
     "memory": Kind({"impl": str, **ATTENTION}, {"peak_mib": float}, {"docs": int, "area": int}),
     "dist": Kind(
         {"impl": str, "mask": str, "gpus": int, "tokens_per_gpu": int, "heads": str, "head_dim": int, "dtype": str,
@@ -79,6 +79,11 @@ KINDS: dict[str, Kind] = {
         {"model_fwd_ms": float, "model_bwd_ms": float},
         {"chosen": bool},
     ),
+    "train": Kind(
+        {"impl": str, "model": str, "tokens": int, "docs": int, "compiled": bool},
+        {"ms": float, "tokens_per_s": float},
+        {"peak_mib": float, "loss": float, "loss_diff": float, "hidden_diff": float},
+    ),
 }
 
 #: What one call of each implementation is, at the start of its host rows' steps (bench/kernel.py).
@@ -92,7 +97,7 @@ OPTIONAL_COMMON: dict[str, Check] = {"versions": str, "note": str}
 DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 COMMIT = re.compile(r"[0-9a-f]{7,40}(\+dirty)?")
 #: Distributions whose versions a run records when they are installed.
-PACKAGES = ("torch", "numpy", "nvidia-cutlass-dsl", "flash-attn-4")
+PACKAGES = ("torch", "numpy", "nvidia-cutlass-dsl", "flash-attn-4", "flash-attn", "transformers")
 
 
 class RowError(ValueError):

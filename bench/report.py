@@ -33,8 +33,13 @@ KERNEL_IMPLS = {
     "sdpa_cudnn": "cuDNN",
     "sdpa_flash": "SDPA flash",
     "flex": "FlexAttention",
+    "flex_fa4": "Flex on FA4",
+    "fa4_mask_mod": "FA4 mask_mod",
 }
 DIST_IMPLS = {"maskc": "maskc", "torch_ring": "PyTorch ring CP", "flex_allgather": "all-gather + FlexAttention"}
+#: The implementations of the training steps (Transformers' attn_implementation names).
+TRAIN_IMPLS = {"maskc": "maskc", "flash_attention_4": "FA4", "flash_attention_2": "FA2", "flex_attention": "FlexAttention",
+               "sdpa": "SDPA"}  # fmt: skip
 KERNEL_PLOT = "kernel.png"
 DIST_PLOT = "dist_scaling.png"
 PLOT_SEQLENS = (16384, 65536)
@@ -100,11 +105,16 @@ ONE_GPU = """\
 `bench/kernel.py`: maskc's kernels for Hopper (`maskc`; `maskc deterministic` with
 `deterministic=True`) and the portable kernels every NVIDIA GPU since Ampere runs (`maskc
 portable`, measured with `portable=True` on the same GPU), beside the libraries that express
-each mask natively. The backward is `out.backward` timed alone. `maskc / FA4` is maskc's
-TFLOP/s over FA4's on the same line (forward / backward), `maskc / full` over maskc's own on the
-full mask of the same length: below 1 in the first, FA4 is the faster there ("Short of the
-targets" below lists every such line and what holds maskc back); the second says what a mask's
-shape costs. A table of another dtype (fp16) or head count (64:64, MHA; 64:1, MQA) than the
+each mask natively, and the libraries that take any mask as a `mask_mod` over block-sparse
+tiles: FlexAttention under `torch.compile` on its Triton backend and on FA4's
+(`kernel_options={"BACKEND": "FLASH"}`), and FA4's own `mask_mod` with the same block-sparse
+tiles. Every library's output and gradients are checked against maskc's on the same inputs
+before it is timed (a library that computes other attention records that instead of a time).
+The backward is `out.backward` timed alone. `maskc / FA4` is maskc's TFLOP/s over FA4's on the
+same line (forward / backward), `maskc / flexible` over the fastest flexible-mask library's,
+`maskc / full` over maskc's own on the full mask of the same length: below 1 in the first, FA4
+is the faster there ("Short of the targets" below lists every line below its target and what
+holds maskc back); the last says what a mask's shape costs. A table of another dtype (fp16) or head count (64:64, MHA; 64:1, MQA) than the
 settings' names it in its heading; fp16 runs the bf16 kernels' code with the other element
 type, and measures as bf16 does.
 """
@@ -119,12 +129,33 @@ values before FlexAttention. Per-GPU TFLOP/s: the whole mask's FLOPs over the GP
 slowest rank's median time.
 """
 
-#: Where no peer (PEERS) has a kernel for a mask, maskc's target is this share of its own TFLOP/s
-#: on the full mask of the same length (where one has, the faster peer's TFLOP/s).
+TRAIN = """\
+## Training steps in Hugging Face Transformers
+
+`bench/train_step.py`: training steps (forward with labels, backward, fused AdamW) of a
+Llama-style model through Transformers' `attn_implementation`, on one packed row of documents
+with real lengths, each implementation given the documents the way it takes them: maskc, FA4 and
+FA2 the `position_ids` alone, FlexAttention a document BlockMask, SDPA a dense boolean S x S
+mask. Each cell: tokens per second, ms per step (median) and peak memory (weights, gradients and
+optimizer states included) of the newest run; "failed": the implementation could not run the row
+(out of memory, not installed) or its first forward differed from maskc's (the row's error says
+which).
+"""
+
+#: maskc's target on an irregular mask (every mask but STANDARD_MASKS), and on any mask no peer
+#: has a kernel for: this share of its own TFLOP/s on the full mask of the same length.
 OWN_FULL_TARGET = 0.92
+#: The masks every attention library has; the others are irregular.
+STANDARD_MASKS = ("full", "causal")
 #: The libraries whose kernels maskc's are held against, mask by mask: the faster of those that
 #: ran the mask sets the target (FA4 has every benchmark mask but three, SDPA cuDNN full and causal).
 PEERS = ("fa4", "sdpa_cudnn")
+#: The libraries that take any mask (as a mask_mod over block-sparse tiles): on an irregular
+#: mask, maskc's target is FLEXIBLE_TARGET times the fastest of those that ran it.
+FLEXIBLE_PEERS = ("flex", "flex_fa4", "fa4_mask_mod")
+FLEXIBLE_TARGET = 1.15
+#: What a ratio is held against (`ratios`): a peer's name, OWN_FULL or FLEXIBLE.
+OWN_FULL, FLEXIBLE = "full", "flexible"
 #: The sequence lengths the speed and memory targets are set at (the seeds' 16k and 64k).
 TARGET_SEQLENS = (16384, 65536)
 
@@ -132,8 +163,10 @@ SHORT = """\
 ## Short of the targets
 
 maskc's targets: at least the TFLOP/s of the faster of FA4 and cuDNN on every mask either has
-a kernel for, and at least 92% of its own full-mask TFLOP/s at the same length on the others;
-no more peak memory for a forward + backward, and no more host time per call, than the lowest
+a kernel for; on every mask but full and causal, and on any mask neither has, at least 92% of
+its own full-mask TFLOP/s at the same length; on every mask but full and causal, at least 1.15
+times the fastest flexible-mask library (FlexAttention on either backend, FA4's mask_mod); no
+more peak memory for a forward + backward, and no more host time per call, than the lowest
 of the other libraries in the same run; at 16k and 64k tokens. What falls short in the newest
 measurement of each head dim, mask and length beside FA4 or cuDNN (the runs named), and in
 the newest host-time run (maskc's figure over the target's, named by the faster library):
@@ -313,6 +346,15 @@ def ratio_cell(ours: Sequence[dict], theirs: Sequence[dict], directions: Sequenc
     return " / ".join(f"{mine[d] / other[d]:.2f}" if d in mine and d in other else DASH for d in directions)
 
 
+def fastest(line: Sequence[dict], impls: Sequence[str]) -> list[dict]:
+    """Per direction, the row of the fastest of `impls` on a line (those that ran it)."""
+    best: dict[str, dict] = {}
+    for row in line:
+        if row["impl"] in impls and "error" not in row and row["tflops"] > best.get(row["direction"], {"tflops": 0})["tflops"]:
+            best[row["direction"]] = row
+    return list(best.values())
+
+
 def ratio_columns(kernel: Sequence[dict]) -> dict[str, Callable[[list[dict], Sequence[str]], str]]:
     """The columns that say where maskc stands: its TFLOP/s over FA4's on the same line, and
     over its own on the full mask of the same length (each where the run measured both)."""
@@ -323,6 +365,8 @@ def ratio_columns(kernel: Sequence[dict]) -> dict[str, Callable[[list[dict], Seq
     impls = {row["impl"] for row in kernel}
     if {"maskc", "fa4"} <= impls:
         columns["maskc / FA4"] = lambda line, dirs: ratio_cell(impl_rows(line, "maskc"), impl_rows(line, "fa4"), dirs)
+    if "maskc" in impls and impls.intersection(FLEXIBLE_PEERS):
+        columns["maskc / flexible"] = lambda line, dirs: ratio_cell(impl_rows(line, "maskc"), fastest(line, FLEXIBLE_PEERS), dirs)
     full: dict[int, list[dict]] = defaultdict(list)
     for row in kernel:
         if row["impl"] == "maskc" and row["mask"] == "full":
@@ -453,6 +497,43 @@ def dist_tables(rows: Sequence[dict], impls: dict[str, str] = DIST_IMPLS) -> lis
                      "joins the local call):"), "", *attention_table(dist, "gpus", impls, {"plan": plan})]
 
 
+def train_cell(row: dict | None) -> str:
+    """tokens/s, ms per step and peak GiB of one train row; 'failed' for an error, a dash for none."""
+    if row is None:
+        return DASH
+    if "error" in row:
+        return "failed"
+    peak = f", {row['peak_mib'] / 1024:.1f} GiB" if "peak_mib" in row else ""
+    return f"{row['tokens_per_s']:,.0f}/s, {number(row['ms'])} ms{peak}"
+
+
+def train_table(rows: Sequence[dict]) -> list[str]:
+    """One run's train rows, per model (and whether compiled): a line per row length, a column per
+    implementation."""
+    train = [row for row in rows if row["kind"] == "train"]
+    lines = []
+    for model, compiled in dict.fromkeys((row["model"], row["compiled"]) for row in train):
+        mine = [row for row in train if row["model"] == model and row["compiled"] == compiled]
+        columns = [impl for impl in TRAIN_IMPLS if any(row["impl"] == impl for row in mine)]
+        cells = {(row["tokens"], row["docs"], row["impl"]): row for row in mine}
+        table = [[tokens(n), str(docs), *(train_cell(cells.get((n, docs, impl))) for impl in columns)]
+                 for n, docs in sorted({(row["tokens"], row["docs"]) for row in mine})]  # fmt: skip
+        lines += [f"{model}{', under torch.compile' if compiled else ''}:", "",
+                  *markdown_table(["tokens", "documents", *(TRAIN_IMPLS[c] for c in columns)], table, range(len(columns) + 2)),
+                  ""]  # fmt: skip
+    return lines[:-1]
+
+
+def train_section(rows: Sequence[dict]) -> list[str]:
+    """The training steps' section: the table of the newest run of train rows (none before one)."""
+    order = run_order(rows)
+    runs = sorted({row["run"] for row in rows if row["kind"] == "train"}, key=order.__getitem__)
+    if not runs:
+        return []
+    mine = of_run(rows, runs[-1], "train")
+    return [TRAIN, *run_heading(mine), *train_table(mine), ""]
+
+
 #: The columns of the plan and stages tables: each field's title and format.
 COLUMNS = {
     "mask": ("mask", lambda v: v.replace("_", " ")), "gpus": ("GPUs", str), "tokens": ("tokens", lambda v: f"{v:,}"),
@@ -534,34 +615,46 @@ def shortfall_source(row: dict) -> str:
     return f"{row['device']}, {row['date']}, `{row['commit']}`"
 
 
-def ratios(tflops: dict[tuple, float], peer_masks: set[str]) -> dict[tuple, tuple[float, str | None]]:
+def ratios(tflops: dict[tuple, float], peer_masks: set[str]) -> dict[tuple, float]:
     """maskc's TFLOP/s ({(impl, seqlen, mask, direction): TFLOP/s} of one head dim in one run)
-    per (seqlen, mask, direction): over the faster of the PEERS that ran it (with that peer), or
-    over its own full mask's (None) where no peer has a kernel for the mask (not in
-    `peer_masks`, the masks a peer ran in any run); nothing where the peers did not run the
-    mask's direction in this run or the run has no full mask to compare with."""
-    out: dict[tuple, tuple[float, str | None]] = {}
+    against each of its targets, per (seqlen, mask, direction, goal). The goal is a peer's name:
+    over the faster of the PEERS that ran the mask; OWN_FULL: over its own full mask's, on an
+    irregular mask or one no peer has a kernel for (not in `peer_masks`, the masks a peer ran in
+    any run); FLEXIBLE: over the fastest of the FLEXIBLE_PEERS that ran an irregular mask. A goal
+    this run cannot measure (the libraries did not run the mask's direction, there is no full
+    mask) is left out."""
+    out: dict[tuple, float] = {}
     for (impl, seqlen, mask, direction), value in tflops.items():
         if impl != "maskc":
             continue
-        ran = [(tflops[(peer, seqlen, mask, direction)], peer) for peer in PEERS if (peer, seqlen, mask, direction) in tflops]
-        full = tflops.get(("maskc", seqlen, "full", direction))
-        if ran:
-            best, peer = max(ran)
-            out[(seqlen, mask, direction)] = (value / best, peer)
-        elif full and mask not in peer_masks:
-            out[(seqlen, mask, direction)] = (value / full, None)
+
+        def fastest_of(impls: Sequence[str]) -> tuple[float, str] | None:
+            ran = [(tflops[(other, seqlen, mask, direction)], other) for other in impls if (other, seqlen, mask, direction) in tflops]
+            return max(ran, default=None)
+
+        irregular = mask not in STANDARD_MASKS
+        if native := fastest_of(PEERS):
+            out[(seqlen, mask, direction, native[1])] = value / native[0]
+        if (full := tflops.get(("maskc", seqlen, "full", direction))) and (irregular or mask not in peer_masks):
+            out[(seqlen, mask, direction, OWN_FULL)] = value / full
+        if irregular and (flexible := fastest_of(FLEXIBLE_PEERS)):
+            out[(seqlen, mask, direction, FLEXIBLE)] = value / flexible[0]
     return out
 
 
-def tflops_shortfalls(measured: dict[tuple, tuple[float, str | None]]) -> dict[str, list[str]]:
+def tflops_shortfalls(measured: dict[tuple, float]) -> dict[str, list[str]]:
     """The `ratios` below their targets (the faster peer's TFLOP/s, OWN_FULL_TARGET of the full
-    mask's), by what falls short and direction."""
-    below = {**{peer: f"below {KERNEL_IMPLS[peer]}" for peer in PEERS}, None: f"below {OWN_FULL_TARGET:.0%} of full"}
-    short: dict[str, list[str]] = {f"{what}, {d}": [] for what in below.values() for d in DIRECTION_NAMES.values()}
-    for (seqlen, mask, direction), (ratio, peer) in measured.items():
-        if round(ratio, 2) < (1.0 if peer else OWN_FULL_TARGET):
-            short[f"{below[peer]}, {DIRECTION_NAMES[direction]}"].append(f"{mask.replace('_', ' ')} {tokens(seqlen)} {ratio:.2f}")
+    mask's, FLEXIBLE_TARGET times the fastest flexible library's), by goal and direction."""
+    below = {
+        **{peer: (f"below {KERNEL_IMPLS[peer]}", 1.0) for peer in PEERS},
+        OWN_FULL: (f"below {OWN_FULL_TARGET:.0%} of full", OWN_FULL_TARGET),
+        FLEXIBLE: (f"below {FLEXIBLE_TARGET}x the fastest flexible-mask library", FLEXIBLE_TARGET),
+    }
+    short: dict[str, list[str]] = {f"{label}, {d}": [] for label, _ in below.values() for d in DIRECTION_NAMES.values()}
+    for (seqlen, mask, direction, goal), ratio in measured.items():
+        label, target = below[goal]
+        if round(ratio, 2) < target:
+            short[f"{label}, {DIRECTION_NAMES[direction]}"].append(f"{mask.replace('_', ' ')} {tokens(seqlen)} {ratio:.2f}")
     return short
 
 
@@ -583,12 +676,12 @@ def kernel_shortfalls(rows: Sequence[dict]) -> list[str]:
     mask) from the newest run measuring it with maskc and a peer (maskc alone, for a mask no
     peer has a kernel for), each length's memory from the newest run measuring it with maskc and
     a peer; the line names those runs."""
-    found: dict[tuple[int | str, str, str], dict[tuple, tuple[float, str | None]]] = defaultdict(dict)
+    found: dict[tuple[int | str, str, str], dict[tuple, float]] = defaultdict(dict)
     memory: dict[tuple[int | str, str, str], dict[int, list[dict]]] = defaultdict(dict)
     used: dict[tuple[int | str, str, str], dict[str, dict]] = defaultdict(dict)
     mask_order = list(dict.fromkeys(row["mask"] for row in rows if row["kind"] == "kernel"))
     peer_masks = {row["mask"] for row in rows if row["kind"] == "kernel" and row["impl"] in PEERS and "error" not in row}
-    for run in current_runs(rows, "kernel", {"maskc", *PEERS}):
+    for run in current_runs(rows, "kernel", {"maskc", *PEERS, *FLEXIBLE_PEERS}):
         mine = [row for row in of_run(rows, run, "kernel") if "error" not in row]
         for config in dict.fromkeys(map(shape, mine)):
             tflops = {(row["impl"], row["seqlen"], row["mask"], row["direction"]): row["tflops"]
@@ -599,7 +692,7 @@ def kernel_shortfalls(rows: Sequence[dict]) -> list[str]:
             measured = ratios(tflops, peer_masks)
             new = {k: v for k, v in measured.items() if k[0] in TARGET_SEQLENS and k not in found[config]}
             peaks_of = defaultdict(list)
-            for row in of_run(rows, run, "memory") if impls.intersection(PEERS) else ():
+            for row in of_run(rows, run, "memory") if impls.intersection((*PEERS, *FLEXIBLE_PEERS)) else ():
                 if shape(row) == config and row["seqlen"] in TARGET_SEQLENS and row["seqlen"] not in memory[config]:
                     peaks_of[row["seqlen"]].append(row)
             if new or peaks_of:
@@ -643,6 +736,7 @@ def render(rows: Sequence[dict]) -> str:
                         KERNEL_IMPLS, kernel_tables)  # fmt: skip
     out.append(SEVERAL_GPUS)
     out += plotted_runs(rows, plots, DIST_PLOT, "per-GPU TFLOP/s against the number of GPUs", "dist", DIST_IMPLS, dist_tables)
+    out += train_section(rows)
     lines = [[row["step"], number(row["ms"]), row["device"], row["date"], f"`{row['commit']}`", f"`bench/{row['bench']}.py`"]
              for row in latest(rows, "host").values()]
     out += [SHORT, *kernel_shortfalls(rows), *host_shortfalls(rows), "", LIMITS]

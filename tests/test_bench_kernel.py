@@ -9,9 +9,11 @@ import argparse
 import json
 import runpy
 import sys
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -318,3 +320,53 @@ def test_every_benchmark_masks_flex_mask_mod_allows_exactly_its_pairs(kernel: di
         mod = kernel["flex_mask_mod"](name, seqlen, lens, torch.device("cpu"))
         allowed = torch.ones(seqlen, seqlen, dtype=torch.bool) if mod is None else mod(0, 0, i, j)
         assert torch.equal(allowed, mask.to_dense()), name
+
+
+def test_baselines_are_timed_only_where_they_compute_maskcs_attention(kernel: dict, tmp_path: Path) -> None:
+    """Before a baseline is timed, its output (and its gradients, for the backward) is compared
+    with maskc's on the same inputs, in its own layout ([1, H, S, D] for SDPA): one that agrees
+    carries how closely (`max_err`), one that attends other pairs, or gives NaN, records that as
+    its error and is not timed."""
+    import torch.nn.functional as F
+
+    globals_ = kernel["measure"].__globals__
+    timed = []
+    globals_["timed_tflops"] = lambda call, flops: (timed.append("fwd"), 1.0)[1]
+    globals_["timed_backward_tflops"] = lambda call, flops, leaves: (timed.append("bwd"), 1.0)[1]
+    globals_["peak_memory_mib"] = lambda call, leaves: 10.0
+    q, k, v = (x.float().detach().requires_grad_() for x in kernel["inputs"](128, HeadDim(64, 64), True, device="cpu"))
+    mask = Mask.from_cu_seqlens([0, 128], causal=True)
+    leaves = [q, k, v]
+    expected = kernel["expectation"](kernel["maskc_call"](q, k, v, mask), 128, leaves)
+    assert expected.grad.shape == (128, 64, 64) and len(expected.outputs.grads) == 3
+    qt, kt, vt = (x.transpose(0, 1)[None] for x in leaves)
+    run = scratch_run(tmp_path)
+    seen = case(64, seqlen=128)
+
+    def sdpa(causal: bool) -> Callable[[], torch.Tensor]:
+        return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=True)
+
+    rows = kernel["measure"](run, seen, "sdpa_math", sdpa(True), leaves, expected)
+    assert [row["kind"] for row in rows] == ["kernel", "kernel", "memory"] and timed == ["fwd", "bwd"]
+    assert all(0 <= row["max_err"] < 1e-5 for row in rows[:2])
+    rows = kernel["measure"](run, seen, "sdpa_math", sdpa(False), leaves, expected)
+    assert timed == ["fwd", "bwd"]
+    assert rows[0]["error"].startswith("BaselineMismatch: its outputs differ from maskc's by 1.04 of their largest magnitude")
+    assert rows[1]["error"].startswith("BaselineMismatch: its gradients differ from maskc's by")
+    rows = kernel["measure"](run, seen, "nan", lambda: torch.full_like(expected.outputs.out, float("nan")), None, expected)
+    assert rows[0]["error"].startswith("BaselineMismatch: its outputs differ from maskc's by nan") and timed == ["fwd", "bwd"]
+    read_results(tmp_path)
+
+
+def test_maskc_tables_feed_the_flexible_libraries_mask_mods(kernel: dict) -> None:
+    """The per-token tables the mask_mods read: documents, blocks restarting at each document,
+    and the shared question's parts (0 the question, then one per answer)."""
+    seqlen = 4096
+    masks, lens = kernel["build_masks"](seqlen)
+    tables = kernel["mask_tables"](seqlen, lens, "cpu")
+    assert [t.dtype for t in tables.aux()] == [torch.int32] * 3 and all(t.shape == (seqlen,) for t in tables.aux())
+    starts = np.r_[0, np.cumsum(lens)[:-1]]
+    assert torch.equal(tables.doc[torch.as_tensor(starts)], torch.arange(len(lens), dtype=torch.int32))
+    assert (tables.block[torch.as_tensor(starts)] == 0).all() and int(tables.block.max()) == (int(lens.max()) - 1) // kernel["BLOCK"]
+    question = seqlen // kernel["QUESTION_SHARE"]
+    assert (tables.asked[:question] == 0).all() and (tables.asked[question:] > 0).all()

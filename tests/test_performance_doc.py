@@ -149,13 +149,15 @@ def test_the_doc_says_what_falls_short_of_the_targets(tmp_path: Path) -> None:
     assert (f"- **Head dim 128** (NVIDIA H200, {NOW:%Y-%m-%d}, `{run.commit}`): below FA4, forward: full 16k 0.92; "
             "below 92% of full, forward: shared question 16k 0.90; peak memory: 16k 1096.25 MiB against 1096.") in short
     assert "- **Host time, forward** (NVIDIA H200" in short and "45.0 us against cuDNN's 22.0." in short
-    assert "forward + backward through autograd" not in short and "causal" not in short
+    listed = short[short.index("- **"):]
+    assert "forward + backward through autograd" not in listed and "causal" not in listed
 
 
 def test_a_run_of_some_masks_supersedes_only_those(tmp_path: Path) -> None:
     """A newer run measuring a few masks replaces their figures; the others still come from the
     older run, each ratio from one run, and lengths without targets are left out. The target of
-    a mask is the faster of FA4 and cuDNN where both ran it."""
+    a mask is the faster of FA4 and cuDNN where both ran it; an irregular mask also has 92% of
+    maskc's full mask."""
     case = {"heads": "64:8", "head_dim": 192, "dtype": "bf16", "direction": "bwd"}
     old = Run.start("kernel", "NVIDIA H100", tmp_path / "a", argv=["bench/kernel.py"], now=NOW.replace(hour=9))
     for seqlen in (4096, 16384):
@@ -173,7 +175,32 @@ def test_a_run_of_some_masks_supersedes_only_those(tmp_path: Path) -> None:
     day = f"{NOW:%Y-%m-%d}"
     assert line == (f"- **Head dim 192** (NVIDIA H200, {day}, `{new.commit}`; NVIDIA H100, {day}, `{old.commit}`): "
                     "below FA4, backward: full 16k 0.84, sliding window causal 16k 0.95; "
-                    "below cuDNN, backward: causal 16k 0.75; below 92% of full, backward: shared question 16k 0.50.")  # fmt: skip
+                    "below cuDNN, backward: causal 16k 0.75; "
+                    "below 92% of full, backward: sliding window causal 16k 0.90, shared question 16k 0.50.")  # fmt: skip
+
+
+def test_irregular_masks_are_held_against_their_full_mask_and_the_flexible_libraries(tmp_path: Path) -> None:
+    """An irregular mask has three targets at once: the native peer (FA4) where it has the mask,
+    92% of maskc's own full mask, and 1.15x the fastest of the flexible-mask libraries (FlexAttention
+    on either backend, FA4's mask_mod); the standard masks only the first. The table shows maskc
+    over the fastest flexible library on each line."""
+    run = Run.start("kernel", "NVIDIA H100", tmp_path / "a", argv=["bench/kernel.py"], now=NOW)
+    case = {"seqlen": 16384, "heads": "64:8", "head_dim": 128, "dtype": "bf16", "direction": "fwd"}
+    for mask, impls in (("full", {"maskc": 600.0, "fa4": 600.0, "flex_fa4": 650.0}),
+                        ("causal", {"maskc": 600.0, "fa4": 600.0, "fa4_mask_mod": 620.0}),
+                        ("varlen_causal", {"maskc": 540.0, "fa4": 530.0, "flex": 300.0, "flex_fa4": 480.0}),
+                        ("shared_question", {"maskc": 560.0, "flex_fa4": 500.0, "fa4_mask_mod": 450.0})):  # fmt: skip
+        for impl, tflops in impls.items():
+            run.write("kernel", impl=impl, tflops=tflops, mask=mask, **case)
+    rows = read_results(tmp_path / "a")
+    [line] = report.kernel_shortfalls(rows)
+    assert line.endswith("below 92% of full, forward: varlen causal 16k 0.90; "
+                         "below 1.15x the fastest flexible-mask library, forward: varlen causal 16k 1.12, shared question 16k 1.12.")  # fmt: skip
+    assert "below FA4" not in line and " full 16k" not in line and "causal 16k 0.97" not in line
+    doc = report.render(rows)
+    assert "| seqlen | mask | maskc / FA4 | maskc / flexible | maskc / full | maskc | FA4 | FlexAttention | Flex on FA4 | FA4 mask_mod |" in doc
+    assert "| 16k | varlen causal | 1.02 | 1.12 | 0.90 | 540 | 530 | 300 | 480 | — |" in doc
+    assert "| 16k | shared question | — | 1.12 | 0.93 | 560 | — | — | 500 | 450 |" in doc
 
 
 def test_a_run_of_maskc_alone_counts_for_masks_no_peer_has(tmp_path: Path) -> None:
