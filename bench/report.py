@@ -137,7 +137,7 @@ Llama-style model through Transformers' `attn_implementation`, on one packed row
 with real lengths, each implementation given the documents the way it takes them: maskc, FA4 and
 FA2 the `position_ids` alone, FlexAttention a document BlockMask, SDPA a dense boolean S x S
 mask. Each cell: tokens per second, ms per step (median) and peak memory (weights, gradients and
-optimizer states included) of the newest run; "failed": the implementation could not run the row
+optimizer states included); "failed": the implementation could not run the row
 (out of memory, not installed) or its first forward differed from maskc's (the row's error says
 which).
 """
@@ -525,13 +525,16 @@ def train_table(rows: Sequence[dict]) -> list[str]:
 
 
 def train_section(rows: Sequence[dict]) -> list[str]:
-    """The training steps' section: the table of the newest run of train rows (none before one)."""
-    order = run_order(rows)
-    runs = sorted({row["run"] for row in rows if row["kind"] == "train"}, key=order.__getitem__)
+    """The training steps' section: a table per run holding the newest measurement of some row
+    length and implementation (none before one)."""
+    runs = current_runs(rows, "train")
     if not runs:
         return []
-    mine = of_run(rows, runs[-1], "train")
-    return [TRAIN, *run_heading(mine), *train_table(mine), ""]
+    out = [TRAIN]
+    for run in runs:
+        mine = of_run(rows, run, "train")
+        out += [*run_heading(mine), *train_table(mine), ""]
+    return out
 
 
 #: The columns of the plan and stages tables: each field's title and format.
