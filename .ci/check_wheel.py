@@ -1,5 +1,6 @@
 """CI: maskc as users install it, checked with the Python of a fresh venv that installed the
-built wheel (non-editable, with the compiler extra), from a directory outside the checkout:
+built wheel (non-editable, with the compiler and pictures extras), from a directory outside the
+checkout:
 
     python -I .ci/check_wheel.py REPO WHEEL RUNTIME_PYTHON
 
@@ -7,13 +8,16 @@ built wheel (non-editable, with the compiler extra), from a directory outside th
    maps them) and the LICENSE, and nothing else.
 2. `maskc` is the installed package; `maskc --version` and `python -m maskc --version` work,
    and --help imports neither torch nor the compiler.
-3. `maskc compile` builds kernels for sm_90a, sm_80 (portable) and sm_100a from the wheel's
-   templates, into files readable by others (0644 / 0755 under umask 022).
-4. In a second venv that holds only torch, numpy and the wheel (no dependencies: RUNTIME_PYTHON),
-   where neither lark nor the CUTLASS DSL is installed (jinja2 comes with torch, but is not
-   imported), `maskc.runtime` registers that artifact directory, made read-only, with the
-   runtime library named by $MASKC_CUTE_RUNTIME, and `maskc.attention` runs on the CPU: a
-   padded batch of packed documents, forward and backward, and a prepared mask.
+3. The README's main job: `maskc show` draws the example mask, and `maskc compile` builds
+   kernels for sm_90a, sm_80 (portable) and sm_100a from the wheel's templates, into files
+   readable by others (0644 / 0755 under umask 022).
+4. In a second venv that installed the wheel with its declared dependencies and no extra
+   (RUNTIME_PYTHON), where no package of an extra is installed but jinja2 and networkx (they
+   come with torch, and are not imported), `maskc.runtime` registers that artifact directory,
+   made read-only, with the runtime library named by $MASKC_CUTE_RUNTIME, and `maskc.attention`
+   runs on the CPU: a padded batch of packed documents, forward and backward, and a prepared
+   mask. There `maskc compile` stops with one line naming the pip command of the compiler
+   extra (exit status 2), and that command would install the compiler beside the maskc there.
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ REPO, WHEEL, RUNTIME_PYTHON = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 BIN = Path(sys.executable).parent
 FOLDERS = {"maskc/": "maskc/", "runtime/": "maskc/runtime/", "templates/": "maskc/templates/"}
 HEAVY = ("torch", "numpy", "lark", "jinja2", "cutlass", "matplotlib")
+EXAMPLE = REPO / "examples" / "varlen_block_causal.mask"
 
+# The optional dependencies (maskc.lazy.OPTIONAL) but those that come with torch: jinja2, networkx.
 RUNTIME_ONLY = """
 import importlib.util, sys
-present = [name for name in ("lark", "cutlass") if importlib.util.find_spec(name)]
+present = [name for name in ("lark", "cutlass", "tqdm", "matplotlib", "transformers") if importlib.util.find_spec(name)]
 assert not present, f"the runtime venv has {present}"
 import maskc.runtime
 keys = maskc.runtime.register_artifact(sys.argv[1])
@@ -46,7 +52,7 @@ out, _ = maskc.attention(q, kv, kv, mask, attention_mask=torch.tensor([[1] * 9, 
 out.sum().backward()
 shipped = pickle.loads(pickle.dumps(maskc.prepare(mask, None)))
 assert torch.equal(maskc.attention(q, kv, kv, shipped)[0][0], out[0]) and q.grad is not None
-imported = sorted({"lark", "jinja2", "cutlass"} & {m.split(".")[0] for m in sys.modules})
+imported = sorted({"jinja2", "networkx"} & {m.split(".")[0] for m in sys.modules})
 assert not imported, f"the runtime imported {imported}"
 print(len(keys), sorted(masks), masks["varlen_block_causal"].shape)
 """
@@ -99,18 +105,20 @@ def command() -> None:
     print(f"wheel check: `maskc --help` in {seconds:.2f} s, importing none of {', '.join(HEAVY)}")
 
 
-def compile_kernels(out: Path) -> None:
+def main_job(out: Path) -> None:
     os.umask(0o022)
+    run(str(BIN / "maskc"), "show", str(EXAMPLE), "--png-dir", str(Path.cwd() / "pictures"))
+    check((Path.cwd() / "pictures" / "varlen_block_causal.png").stat().st_size > 0, "maskc show drew no picture")
     os.environ["MASKC_CACHE"] = str(Path.cwd() / "cache")  # empty: every kernel renders from the wheel's templates
-    run(str(BIN / "maskc"), "compile", str(REPO / "examples" / "varlen_block_causal.mask"), "-o", str(out),
-        "--arch", "sm_90a,sm_80,sm_100a", "--heads", "8:8")  # fmt: skip
+    run(str(BIN / "maskc"), "compile", str(EXAMPLE), "-o", str(out), "--arch", "sm_90a,sm_80,sm_100a", "--heads", "8:8")
     manifest = json.loads((out / "manifest.json").read_text())
     kinds = sorted({(v["fields"]["arch"], v["fields"].get("portable", False)) for v in manifest["variants"]})
     check(kinds == [("sm_100a", False), ("sm_100a", True), ("sm_80", True), ("sm_90a", False)], f"kernel families {kinds}")
     modes = {p: stat.S_IMODE(p.stat().st_mode) for p in [out, *out.rglob("*")]}
     wrong = {str(p): oct(m) for p, m in modes.items() if m != (0o755 if p.is_dir() else 0o644)}
     check(not wrong, f"artifact files not readable by others: {wrong}")
-    print(f"wheel check: compiled {len(manifest['variants'])} kernels for {', '.join(manifest['archs'])}; modes 0644 / 0755")
+    print(f"wheel check: drew the mask; compiled {len(manifest['variants'])} kernels for {', '.join(manifest['archs'])}; "
+          "modes 0644 / 0755")  # fmt: skip
 
 
 def runtime_without_compiler(out: Path) -> None:
@@ -121,11 +129,22 @@ def runtime_without_compiler(out: Path) -> None:
     os.environ[ENV_LIBRARY] = str(installed_library())
     loaded = run(RUNTIME_PYTHON, "-I", "-c", RUNTIME_ONLY, str(out)).strip()
     print(f"wheel check: maskc.runtime with torch and numpy only registered the read-only artifact: {loaded}")
+    runtime_bin = Path(RUNTIME_PYTHON).parent
+    result = subprocess.run([str(runtime_bin / "maskc"), "compile", str(EXAMPLE), "-o", str(Path.cwd() / "no-compiler")],
+                            capture_output=True, text=True)  # fmt: skip
+    install = "pip install 'maskc[compiler]'"
+    told = (result.returncode, result.stdout, result.stderr)
+    check(told == (2, "", f"maskc: error: the mask language needs lark: {install}\n"), f"maskc compile without the compiler: {told}")
+    # The command the error names: pip keeps the maskc installed from the wheel and adds the extra.
+    report = json.loads(run(str(runtime_bin / "pip"), "install", "--dry-run", "--quiet", "--report", "-", "maskc[compiler]"))
+    adds = sorted(item["metadata"]["name"].lower() for item in report["install"])
+    check("maskc" not in adds and {"lark", "nvidia-cutlass-dsl", "tqdm"} <= set(adds), f"`{install}` would install {adds}")
+    print(f"wheel check: without the compiler, `maskc compile` names `{install}`, which would add {', '.join(adds)}")
 
 
 if __name__ == "__main__":
     contents()
     command()
     artifact = Path.cwd() / "artifact"
-    compile_kernels(artifact)
+    main_job(artifact)
     runtime_without_compiler(artifact)

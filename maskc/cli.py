@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 import maskc
 from maskc.artifact import families
 from maskc.errors import MaskcError, MaskParamError
+from maskc.lazy import optional_imports
 
 if TYPE_CHECKING:
     from maskc.ir import Mask
@@ -195,7 +196,8 @@ def _compile(args: argparse.Namespace) -> int:
     ]
     kernels, library = [], None
     if not args.ir_only:
-        from tqdm import tqdm
+        with optional_imports("`maskc compile`"):
+            from tqdm import tqdm
 
         from maskc.artifact.variant import variant_for
         from maskc.codegen.cache import cached_kernel, compressed_runtime_library

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from maskc.version import __version__
-
 
 class MaskcError(Exception):
     """Base class of every error maskc raises on purpose."""
@@ -45,14 +43,10 @@ class VariantError(MaskcError, ValueError):
     """A kernel variant asks for something no kernel family supports."""
 
 
-class CompilerUnavailableError(MaskcError):
+class MissingExtraError(MaskcError, ImportError):
+    """An optional dependency is not installed; the message names the extra of maskc that
+    brings it (maskc.lazy.optional_imports)."""
+
+
+class CompilerUnavailableError(MissingExtraError):
     """Kernels must be compiled but the CUTLASS DSL is not installed here."""
-
-
-def install_compiler_hint() -> str:
-    """How to get the kernel compiler, for error messages: maskc is installed from its wheel or
-    its source tree, not from a package index, so name both (the DSL itself is on PyPI)."""
-    return (
-        f"install maskc's compiler extra from its wheel or source tree: pip install 'maskc-{__version__}-py3-none-any.whl[cutlass]' "
-        "or pip install '.[cutlass]' (or the CUTLASS DSL alone: pip install nvidia-cutlass-dsl)"
-    )

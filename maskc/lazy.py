@@ -1,10 +1,27 @@
-"""Module attributes imported on first use (PEP 562), so importing a package stays light."""
+"""Imports on first use: module attributes (PEP 562), so importing a package stays light, and
+the optional dependencies, so the runtime needs only torch and numpy."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+from maskc.errors import MissingExtraError
+
+#: Every optional dependency by the name it imports as: the distribution pip installs and the
+#: extra of maskc that brings it (pyproject.toml's optional-dependencies; tests/test_packaging.py
+#: checks that the two agree).
+OPTIONAL: dict[str, tuple[str, str]] = {
+    "lark": ("lark", "compiler"),
+    "jinja2": ("jinja2", "compiler"),
+    "cutlass": ("nvidia-cutlass-dsl", "compiler"),
+    "tqdm": ("tqdm", "compiler"),
+    "networkx": ("networkx", "dist"),
+    "matplotlib": ("matplotlib", "pictures"),
+    "transformers": ("transformers", "transformers"),
+}
 
 
 def lazy_attributes(module: str, namespace: dict[str, Any], sources: dict[str, str]) -> Callable[[str], Any]:
@@ -25,3 +42,24 @@ def lazy_attributes(module: str, namespace: dict[str, Any], sources: dict[str, s
         return value
 
     return __getattr__
+
+
+def install_command(extra: str) -> str:
+    """The command that adds `extra` to this maskc: pip keeps the maskc installed (from its wheel
+    or source tree) and installs what the extra adds."""
+    return f"pip install 'maskc[{extra}]'"
+
+
+@contextlib.contextmanager
+def optional_imports(what: str) -> Iterator[None]:
+    """Imports of optional dependencies, for `what` ("the mask language"): a missing one is a
+    one-line MissingExtraError naming the pip command that installs it. The ImportError is
+    dropped (`from None`): its traceback says nothing more. Anything else missing, a part of an
+    installed package among them, stays the ImportError it is."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        if exc.name not in OPTIONAL:
+            raise
+        distribution, extra = OPTIONAL[exc.name]
+        raise MissingExtraError(f"{what} needs {distribution}: {install_command(extra)}") from None

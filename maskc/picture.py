@@ -16,6 +16,7 @@ import numpy as np
 from maskc.files import write_atomic
 from maskc.ir import Mask
 from maskc.ir.slices import RowLines
+from maskc.lazy import optional_imports
 
 ROWS_PER_CELL = 4
 PAIRS_PER_CHUNK = 4096
@@ -52,23 +53,27 @@ def coverage(mask: Mask, size: int = 512) -> np.ndarray:
     return image / (picks[:, None] * np.diff(col_edges)[None, :])
 
 
+def _pyplot() -> Any:
+    """`matplotlib.pyplot` on the Agg backend (no display needed), imported on first use."""
+    with optional_imports("drawing masks and plans"):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot
+
+    return pyplot
+
+
 def subplots(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    """`matplotlib.pyplot.subplots` on the Agg backend (no display needed), imported on first use."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    return plt.subplots(*args, **kwargs)
+    """`matplotlib.pyplot.subplots`, drawn without a display."""
+    return _pyplot().subplots(*args, **kwargs)
 
 
 def write_png(fig: Any, path: str | Path, dpi: int) -> Path:
     """Write `fig` as a PNG to exactly `path` (whatever its suffix), atomically, and close it."""
-    from matplotlib import pyplot as plt
-
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi)
-    plt.close(fig)
+    _pyplot().close(fig)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_atomic(path, buffer.getvalue())

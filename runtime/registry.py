@@ -17,7 +17,8 @@ from maskc.artifact.families import HeadDim, family_of
 from maskc.artifact.manifest import Manifest, open_manifest
 from maskc.artifact.source import kernel_source
 from maskc.artifact import toolchain
-from maskc.errors import ArtifactError, install_compiler_hint
+from maskc.errors import ArtifactError
+from maskc.lazy import install_command
 from maskc.runtime.launch import CuteRuntime, Kernel, runtime_at, runtime_of
 
 REQUEST_FIELDS = (
@@ -127,7 +128,8 @@ def _from_source(request: Mapping[str, Any]) -> Entry:
     if source is None:
         raise ArtifactError(
             f"no compiled maskc kernel for {dict(request)} and the compiler is not installed; build one with "
-            f"`maskc compile` and pass its directory to maskc.runtime.register_artifact, or {install_compiler_hint()}"
+            f"`maskc compile` and pass its directory to maskc.runtime.register_artifact, or install the compiler: "
+            f"{install_command('compiler')}"
         )
     FROM_SOURCE.update(_register(source(request)))
     return KERNELS[request_key(request)]

@@ -22,8 +22,11 @@ from pathlib import Path
 from maskc.artifact.abi import ENTRY_POINTS, STATIC_DIMS, ScalarArg, TensorArg
 from maskc.artifact.variant import KernelVariant
 from maskc.codegen import ptxas
-from maskc.codegen.render import render
-from maskc.errors import CompilerUnavailableError, install_compiler_hint
+from maskc.errors import CompilerUnavailableError
+from maskc.lazy import install_command, optional_imports
+
+with optional_imports("rendering kernels"):
+    from maskc.codegen.render import render
 
 _RUNTIME_LIBS_LOADED = False
 
@@ -111,8 +114,8 @@ def require_dsl() -> None:
     """Fail clearly, before any work, where the CUTLASS DSL (the kernel compiler) is missing."""
     if importlib.util.find_spec("cutlass") is None:
         raise CompilerUnavailableError(
-            f"compiling kernels needs the CUTLASS DSL: {install_compiler_hint()}; `maskc compile --ir-only` writes the IR "
-            "without kernels"
+            f"compiling kernels needs the CUTLASS DSL: {install_command('compiler')}; `maskc compile --ir-only` writes "
+            "the IR without kernels"
         )
 
 

@@ -35,12 +35,15 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property, reduce
 from typing import Literal
 
-import networkx as nx
 import numpy as np
 
 from maskc.dist.pieces import Pieces
 from maskc.errors import MaskError, MaskParamError
 from maskc.ir.slices import expand_spans
+from maskc.lazy import optional_imports
+
+with optional_imports("maskc.dist (attention over many GPUs)"):
+    import networkx as nx
 
 Direction = Literal["fwd", "bwd"]
 DIRECTIONS: tuple[Direction, ...] = ("fwd", "bwd")

@@ -7,13 +7,15 @@ import functools
 from importlib import resources
 from typing import Any, Iterator
 
-from lark import Lark, Token, Transformer, Tree, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
-from lark.indenter import DedentError, Indenter
-
 from maskc.errors import MaskSemanticError, MaskSyntaxError
 from maskc.frontend import syntax as s
+from maskc.lazy import optional_imports
 from maskc.limits import MAX_NESTING
+
+with optional_imports("the mask language"):
+    from lark import Lark, Token, Transformer, Tree, v_args
+    from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+    from lark.indenter import DedentError, Indenter
 
 _WORDS = {
     "NAME": "a name",

@@ -23,12 +23,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 import maskc
 from maskc.derived import derived
 from maskc.errors import MaskcError
+from maskc.lazy import optional_imports
+
+with optional_imports("maskc.integrations.transformers"):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
 NAME = "maskc"
 """The `attn_implementation` name."""
