@@ -1,12 +1,16 @@
-"""Regenerate docs/performance.md from the rows in bench/results (see bench/README.md).
+"""Regenerate docs/performance.md and docs/performance-history.md from the rows in bench/results
+(see bench/README.md).
 
-`python bench/report.py` rewrites the page; `--check` only says whether it is up to date (exit
-status 1 if not); `--plots` also redraws its figures under docs/img (needs matplotlib). The page
-is a function of the rows alone, byte for byte, so a test can check it; the figures are redrawn
-on request only, and carry the id of the run they show, which the test checks too.
+`python bench/report.py` rewrites both pages; `--check` only says whether they are up to date
+(exit status 1 if not); `--plots` also redraws their figures under docs/img (needs matplotlib).
+The pages are a function of the rows alone, byte for byte, so a test can check them; the figures
+are redrawn on request only, and carry the id of the run they show, which the test checks too.
 
-For every implementation and configuration the page shows the newest measurement: the tables
-of every run that holds one, newest first, each with the baselines measured in that run.
+docs/performance.md is short, to read in minutes: per device the newest run at the settings,
+a line per other head dim and head count, the newest run of each other kind and a summary of
+what falls short. docs/performance-history.md keeps the newest measurement of every
+implementation and configuration: the tables of every run that holds one, newest first, each
+with the baselines measured in that run, and the full lists of what falls short.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from record import HOST_IMPLS, HOST_PASSES, RESULTS, ROOT, key, read_results
 
 DOC = ROOT / "docs" / "performance.md"
+HISTORY = ROOT / "docs" / "performance-history.md"
+#: The longest docs/performance.md may be: a page to read in minutes.
+DOC_LINES = 200
 IMG = ROOT / "docs" / "img"
 #: The implementations the page shows, with their column titles; other rows (forced plans,
 #: SM-margin sweeps) stay in the results for the design notes.
@@ -47,6 +54,8 @@ PLOT_SEQLENS = (16384, 65536)
 PLOT_HEAD_DIM = 128
 #: The settings' dtype and heads (query:kv): tables of others name them in their heading.
 DTYPE, HEADS = "bf16", "64:8"
+#: The settings' head dim, dtype and heads (`shape`): what the main page's tables of each device show.
+DEFAULT_SHAPE = (PLOT_HEAD_DIM, DTYPE, HEADS)
 DASH = "—"
 #: The directions' names in prose.
 DIRECTION_NAMES = {"fwd": "forward", "bwd": "backward"}
@@ -54,31 +63,36 @@ DIRECTION_NAMES = {"fwd": "forward", "bwd": "backward"}
 INTRO = """\
 # How fast maskc is
 
-Throughput of maskc's attention kernels beside FlashAttention-4 (FA4), cuDNN and
-FlashAttention-2 (both through PyTorch's SDPA) and FlexAttention, and of its context
-parallelism beside PyTorch's, with the host time maskc spends each time the mask changes.
-Every library in a table was measured in the same run on the same device. A run on one GPU
-differs from the next by about 3%, so compare numbers within one table.
+maskc beside other attention libraries on one GPU, over several and in a training step, and its
+host time: the newest run of each. The [history](performance-history.md) keeps every run holding
+a newest figure (more head dims, lengths, maskc's deterministic and portable kernels), every
+shortfall, and how to reproduce them. `python bench/report.py` writes both from `bench/results/`.
+"""
 
-This page is generated from the rows in `bench/results/` by `python bench/report.py`; every
-benchmark appends its rows there (`bench/README.md`). For each implementation and
-configuration it shows the newest measurement: each table is one run, newest first, and an
-older run keeps its table while it holds the newest figure of something (a library the newer
-runs did not measure, say).
+HISTORY_INTRO = """\
+# How fast maskc is: every run
 
-**Settings** (those of MagiAttention's benchmarks): one sequence of 1k to 64k tokens, 64 query
-heads and 8 key/value heads (GQA), head dim 128 unless a table names another (192/128: q and k
-192, v 128), bf16. Variable-length ("varlen") masks pack documents whose lengths are drawn from
-a real long-context corpus (`bench/data/`), each at most a quarter of the sequence;
-block-causal blocks are 1024 tokens; in the sliding window each query sees the 1024 keys up to
-itself. Two masks no other library has a kernel for: the shared question (an eighth of the
-sequence is a question every answer sees; the answers, packed documents, are causal and never
-see each other) and global + window (256 global tokens that see and are seen by all, and a
-window of 512 keys on each side of every query). TFLOP/s count the mask's exact area: forward
-`2 * area * Hq * (D_qk + D_v)` (`4 * area * Hq * D` when they are equal), backward 2.5 times that. A dash: the library has no kernel for
-that mask, or the run did not measure it; "failed": the library has no kernel for that head
-dim or direction (the row's error says which).
+The record behind [the performance page](performance.md): for each implementation and
+configuration its newest measurement, each table one run, newest first. An older run keeps its
+table while it holds the newest figure of something (a library the newer runs did not measure,
+say). This page is generated from the rows in `bench/results/` by `python bench/report.py`;
+every benchmark appends its rows there (`bench/README.md`).
+"""
 
+SETTINGS = """\
+Each table is one run, every library in it on the same device; runs differ by about 3%, so
+compare within a table. **Settings** (MagiAttention's): one sequence, 64 query and 8 key/value
+heads, head dim 128, bf16, unless a table names others (192/128: q and k 192, v 128). Varlen
+masks pack documents of real lengths (`bench/data/`), each at most a quarter of the sequence;
+block-causal blocks are 1024 tokens; the sliding window sees the 1024 keys up to each query. No
+other library has a kernel of its own for the shared question (an eighth of the sequence is a
+question that every answer, a packed causal document, sees) or global + window (256 global tokens
+that see and are seen by all, 512 keys on each side of every query). TFLOP/s count the mask's
+exact area: forward `2 * area * Hq * (D_qk + D_v)`, backward 2.5 times that. A dash: no kernel
+for the mask, or not measured; "failed": no kernel for the head dim or direction.
+"""
+
+REPRODUCING = """\
 ## Reproducing
 
 Compile the kernels (on any machine), then run the benchmarks on the GPU machine:
@@ -98,48 +112,55 @@ compiled training step with a new mask every step. `bench/lower.py`,
 measures.
 """
 
-
 ONE_GPU = """\
 ## One GPU
 
-`bench/kernel.py`: maskc's kernels for Hopper (`maskc`; `maskc deterministic` with
-`deterministic=True`) and the portable kernels every NVIDIA GPU since Ampere runs (`maskc
-portable`, measured with `portable=True` on the same GPU), beside the libraries that express
-each mask natively, and the libraries that take any mask as a `mask_mod` over block-sparse
-tiles: FlexAttention under `torch.compile` on its Triton backend and on FA4's
-(`kernel_options={"BACKEND": "FLASH"}`), and FA4's own `mask_mod` with the same block-sparse
-tiles. Every library's output and gradients are checked against maskc's on the same inputs
-before it is timed (a library that computes other attention records that instead of a time).
-The backward is `out.backward` timed alone. `maskc / FA4` is maskc's TFLOP/s over FA4's on the
-same line (forward / backward), `maskc / flexible` over the fastest flexible-mask library's,
-`maskc / full` over maskc's own on the full mask of the same length: below 1 in the first, FA4
-is the faster there ("Short of the targets" below lists every line below its target and what
-holds maskc back); the last says what a mask's shape costs. A table of another dtype (fp16) or head count (64:64, MHA; 64:1, MQA) than the
-settings' names it in its heading; fp16 runs the bf16 kernels' code with the other element
-type, and measures as bf16 does.
+`bench/kernel.py`: maskc (`maskc deterministic`: `deterministic=True`; `maskc portable`: the
+kernels for every NVIDIA GPU since Ampere) beside FlashAttention-4 (FA4), cuDNN and
+FlashAttention-2 (`SDPA flash`; both through PyTorch's SDPA), with kernels for some masks, and
+FlexAttention (on its Triton backend and on FA4's) and FA4's `mask_mod`, which take any mask.
+Each library's output and gradients are checked against maskc's before it is timed; the backward
+is timed alone. `maskc / FA4`: maskc's TFLOP/s over FA4's on the line (forward / backward; below
+1, FA4 is faster); `maskc / flexible`: over the faster of Flex on FA4 and FA4's `mask_mod`; `maskc / full`: over
+maskc's own on the full mask of the same length.
 """
+
+#: After ONE_GPU on the history page: how the libraries run, and how its tables are headed.
+ONE_GPU_EVERY_RUN = """\
+FlexAttention runs under `torch.compile`, on FA4's backend with `kernel_options={"BACKEND":
+"FLASH"}`; FA4's `mask_mod` takes FlexAttention's block-sparse tiles; the backward timed is
+`out.backward`. A library whose output or gradients differ from maskc's on the same inputs
+records that instead of a time. A table of another dtype (fp16) or head count (64:64, MHA; 64:1,
+MQA) than the settings' names it in its heading; fp16 runs the bf16 kernels' code with the other
+element type, and measures as bf16 does.
+"""
+
+OTHER_SHAPES = """\
+## Other head dims and head counts, 16k
+
+The newest run of each beside another library: maskc's TFLOP/s on the full mask, and each ratio
+above as its range over the masks (`maskc / full` without the full mask itself).
+"""
+
+MEMORY = "## Peak memory"
 
 SEVERAL_GPUS = """\
 ## Several GPUs: context parallelism
 
-`bench/dist.py`: `maskc.dist.attention` with one process per GPU (NCCL) and 16k tokens per GPU,
-the masks above over all the GPUs' tokens, beside PyTorch's ring context parallelism
-(`context_parallel` over SDPA, full and causal only) and every rank all-gathering the keys and
-values before FlexAttention. Per-GPU TFLOP/s: the whole mask's FLOPs over the GPUs, in the
-slowest rank's median time.
+`bench/dist.py`: `maskc.dist.attention`, one process per GPU (NCCL), 16k tokens per GPU and the
+masks above over all of them, beside PyTorch's ring context parallelism (`context_parallel` over
+SDPA; full and causal) and all-gathering the keys and values before FlexAttention. Per-GPU
+TFLOP/s: the whole mask's FLOPs over the GPUs, in the slowest rank's median time.
 """
 
 TRAIN = """\
 ## Training steps in Hugging Face Transformers
 
-`bench/train_step.py`: training steps (forward with labels, backward, fused AdamW) of a
-Llama-style model through Transformers' `attn_implementation`, on one packed row of documents
-with real lengths, each implementation given the documents the way it takes them: maskc, FA4 and
-FA2 the `position_ids` alone, FlexAttention a document BlockMask, SDPA a dense boolean S x S
-mask. Each cell: tokens per second, ms per step (median) and peak memory (weights, gradients and
-optimizer states included); "failed": the implementation could not run the row
-(out of memory, not installed) or its first forward differed from maskc's (the row's error says
-which).
+`bench/train_step.py`: steps (forward with labels, backward, fused AdamW) of a Llama-style model
+through Transformers' `attn_implementation` on one packed row of real-length documents (maskc,
+FA4, FA2: `position_ids`; FlexAttention: a BlockMask; SDPA: a dense mask). Each cell: tokens per
+second, ms per step (median), peak memory with weights, gradients and optimizer states; "failed":
+out of memory, not installed, or a first forward other than maskc's (the row's error says which).
 """
 
 #: maskc's target on an irregular mask (every mask but STANDARD_MASKS), and on any mask no peer
@@ -150,9 +171,11 @@ STANDARD_MASKS = ("full", "causal")
 #: The libraries whose kernels maskc's are held against, mask by mask: the faster of those that
 #: ran the mask sets the target (FA4 has every benchmark mask but three, SDPA cuDNN full and causal).
 PEERS = ("fa4", "sdpa_cudnn")
-#: The libraries that take any mask (as a mask_mod over block-sparse tiles): on an irregular
-#: mask, maskc's target is FLEXIBLE_TARGET times the fastest of those that ran it.
-FLEXIBLE_PEERS = ("flex", "flex_fa4", "fa4_mask_mod")
+#: The fastest libraries that take any mask (a mask_mod over block-sparse tiles, on FA4's
+#: kernels): on an irregular mask, maskc's target is FLEXIBLE_TARGET times the faster of those
+#: that ran it. FlexAttention on Triton, slower than both, sets no target (a run without these
+#: two shows no `maskc / flexible`).
+FLEXIBLE_PEERS = ("flex_fa4", "fa4_mask_mod")
 FLEXIBLE_TARGET = 1.15
 #: What a ratio is held against (`ratios`): a peer's name, OWN_FULL or FLEXIBLE.
 OWN_FULL, FLEXIBLE = "full", "flexible"
@@ -162,14 +185,24 @@ TARGET_SEQLENS = (16384, 65536)
 SHORT = """\
 ## Short of the targets
 
-maskc's targets: at least the TFLOP/s of the faster of FA4 and cuDNN on every mask either has
-a kernel for; on every mask but full and causal, and on any mask neither has, at least 92% of
-its own full-mask TFLOP/s at the same length; on every mask but full and causal, at least 1.15
-times the fastest flexible-mask library (FlexAttention on either backend, FA4's mask_mod); no
-more peak memory for a forward + backward, and no more host time per call, than the lowest
-of the other libraries in the same run; at 16k and 64k tokens. What falls short in the newest
-measurement of each head dim, mask and length beside FA4 or cuDNN (the runs named), and in
-the newest host-time run (maskc's figure over the target's, named by the faster library):
+maskc's targets, at 16k and 64k tokens: at least the TFLOP/s of the faster of FA4 and cuDNN on
+every mask either has; on every mask but full and causal (and any no peer has), at least 92% of
+its own full mask's and 1.15 times the faster of Flex on FA4 and FA4's `mask_mod`; no more peak memory or
+host time per call than the lowest other library in the same run.
+"""
+
+#: After SHORT on the history page, in its paragraph: what its list holds.
+SHORT_EVERY = """\
+What falls short in the newest measurement of each head dim, mask and length beside FA4 or
+cuDNN (the runs named), and in the newest host-time run (maskc's figure over the target's, named
+by the faster library):
+"""
+
+#: After SHORT on the main page, in its paragraph: what its summary holds.
+SHORT_SUMMARY = """\
+Per head dim, dtype and head count, how many masks and lengths fall short of each target and the
+lowest (maskc's figure over the target's); the history lists [every one, and what holds each
+back](performance-history.md#short-of-the-targets) in full:
 """
 
 LIMITS = """\
@@ -241,6 +274,30 @@ What holds these back, as measured so far:
   them in C++ together (`docs/design/host-time.md`). Measured with no GPU
   (`bench/host_python.py`), maskc's own Python is about 15 us of a forward (30 with gradients)
   and 85 of a backward, on top of the 57 autograd costs any Python op for a forward + backward.
+"""
+
+#: The main page's short account of LIMITS (which the history page keeps in full).
+LIMITS_SHORT = """\
+## What holds these back
+
+- The backward against FA4: its block loop waits longer, and at 64k its CTAs drift apart until
+  L2 no longer holds the rows they walk; at d=192 and 192/128 causal items read twice FA4's DRAM
+  bytes at 16k (`docs/design/backward-order.md`, `docs/design/head-dims.md`).
+- Windows and packed documents leave each q tile few blocks to spread its fixed costs over, in
+  every library (FA4's sliding window: 0.66-0.79 of its full mask); at 64:64 the forward has no
+  heads to pack, at 64:1 a 16k mask has about one backward item per CTA (`docs/design/head-counts.md`).
+- Memory: the peak holds a float32 dQ accumulator, at 192/128 128 bytes per query row and head
+  over FlexAttention's. Host time: maskc's autograd node, buffers and launches run in Python,
+  cuDNN's in C++ (`docs/design/host-time.md`).
+"""
+
+#: The main page's host time: one call of each library.
+HOST_CALLS = """\
+## Host time
+
+One call on 128 causal tokens (64:8 heads, d=128, bf16), forward / forward + backward through
+autograd, in microseconds of CPU time: the newest run on each device. What a new mask costs the
+host is in the [history](performance-history.md#host-time).
 """
 
 HOST = """\
@@ -336,14 +393,20 @@ def direction_cell(rows: Sequence[dict], directions: Sequence[str]) -> str:
     return " / ".join(parts)
 
 
+def direction_ratios(ours: Sequence[dict], theirs: Sequence[dict]) -> dict[str, float]:
+    """`ours`' TFLOP/s over `theirs`' per direction both measured (neither failed)."""
+    mine = {row["direction"]: row["tflops"] for row in ours if "error" not in row}
+    other = {row["direction"]: row["tflops"] for row in theirs if "error" not in row}
+    return {d: mine[d] / other[d] for d in mine if d in other}
+
+
 def ratio_cell(ours: Sequence[dict], theirs: Sequence[dict], directions: Sequence[str]) -> str:
     """`ours`' TFLOP/s over `theirs`' for the `directions` of the table, 'fwd / bwd'; a dash
     where either lacks a direction (or failed it), one dash where either has none."""
-    mine = {row["direction"]: row["tflops"] for row in ours if "error" not in row}
-    other = {row["direction"]: row["tflops"] for row in theirs if "error" not in row}
-    if not mine or not other:
+    if not any("error" not in row for row in ours) or not any("error" not in row for row in theirs):
         return DASH
-    return " / ".join(f"{mine[d] / other[d]:.2f}" if d in mine and d in other else DASH for d in directions)
+    found = direction_ratios(ours, theirs)
+    return " / ".join(f"{found[d]:.2f}" if d in found else DASH for d in directions)
 
 
 def fastest(line: Sequence[dict], impls: Sequence[str]) -> list[dict]:
@@ -355,26 +418,39 @@ def fastest(line: Sequence[dict], impls: Sequence[str]) -> list[dict]:
     return list(best.values())
 
 
-def ratio_columns(kernel: Sequence[dict]) -> dict[str, Callable[[list[dict], Sequence[str]], str]]:
-    """The columns that say where maskc stands: its TFLOP/s over FA4's on the same line, and
-    over its own on the full mask of the same length (each where the run measured both)."""
+#: The ratio columns' titles (`ratio_sides`).
+OVER_FA4, OVER_FLEXIBLE, OVER_FULL = "maskc / FA4", "maskc / flexible", "maskc / full"
+
+#: What a ratio column sets against each other on a line of a table: (maskc's rows, the others').
+Sides = Callable[[list[dict]], tuple[list[dict], list[dict]]]
+
+
+def ratio_sides(kernel: Sequence[dict]) -> dict[str, Sides]:
+    """The ratio columns a table of `kernel` rows has, each with the rows it divides on a line:
+    maskc's over FA4's, over the faster flexible-mask library's (FLEXIBLE_PEERS), and over maskc's own on the
+    full mask of the same length (each where the rows measured both)."""
     def impl_rows(line: list[dict], impl: str) -> list[dict]:
         return [row for row in line if row["impl"] == impl]
 
-    columns: dict[str, Callable[[list[dict], Sequence[str]], str]] = {}
+    columns: dict[str, Sides] = {}
     impls = {row["impl"] for row in kernel}
     if {"maskc", "fa4"} <= impls:
-        columns["maskc / FA4"] = lambda line, dirs: ratio_cell(impl_rows(line, "maskc"), impl_rows(line, "fa4"), dirs)
+        columns[OVER_FA4] = lambda line: (impl_rows(line, "maskc"), impl_rows(line, "fa4"))
     if "maskc" in impls and impls.intersection(FLEXIBLE_PEERS):
-        columns["maskc / flexible"] = lambda line, dirs: ratio_cell(impl_rows(line, "maskc"), fastest(line, FLEXIBLE_PEERS), dirs)
+        columns[OVER_FLEXIBLE] = lambda line: (impl_rows(line, "maskc"), fastest(line, FLEXIBLE_PEERS))
     full: dict[int, list[dict]] = defaultdict(list)
     for row in kernel:
         if row["impl"] == "maskc" and row["mask"] == "full":
             full[row["seqlen"]].append(row)
     if full and any(row["mask"] != "full" for row in kernel):
-        columns["maskc / full"] = lambda line, dirs: ratio_cell(impl_rows(line, "maskc"), full.get(line[0]["seqlen"], []),
-                                                               dirs)  # fmt: skip
+        columns[OVER_FULL] = lambda line: (impl_rows(line, "maskc"), full.get(line[0]["seqlen"], []))
     return columns
+
+
+def ratio_columns(kernel: Sequence[dict]) -> dict[str, Callable[[list[dict], Sequence[str]], str]]:
+    """The columns that say where maskc stands (`ratio_sides`), as cells of a line and the
+    table's directions."""
+    return {title: (lambda line, dirs, sides=sides: ratio_cell(*sides(line), dirs)) for title, sides in ratio_sides(kernel).items()}
 
 
 def attention_table(
@@ -422,12 +498,7 @@ def memory_table(rows: Sequence[dict]) -> list[str]:
     columns = [impl for impl in KERNEL_IMPLS if any(row["impl"] == impl for row in rows)]
     lines = []
     for seqlen, by_impl in peaks(rows).items():
-        cells = []
-        for impl in columns:
-            values = by_impl.get(impl)
-            low, high = (f"{values[0]:.0f}", f"{values[-1]:.0f}") if values else (DASH, DASH)
-            cells.append(low if low == high else f"{low}-{high}")
-        lines.append([tokens(seqlen), *cells])
+        lines.append([tokens(seqlen), *(span(by_impl.get(impl, []), ".0f") for impl in columns)])
     return markdown_table(["seqlen", *(KERNEL_IMPLS[c] for c in columns)], lines, range(len(columns) + 1))
 
 
@@ -438,7 +509,7 @@ def kernel_tables(rows: Sequence[dict], impls: dict[str, str] = KERNEL_IMPLS) ->
     kernel = [row for row in rows if row["kind"] == "kernel" and row["impl"] in impls]
     memory = [row for row in rows if row["kind"] == "memory" and row["impl"] in impls]
     shapes = list(dict.fromkeys(map(shape, [*kernel, *memory])))
-    if shapes in ([], [(PLOT_HEAD_DIM, DTYPE, HEADS)]):
+    if shapes in ([], [DEFAULT_SHAPE]):
         return head_dim_tables(kernel, memory, impls)
     lines = []
     for config in shapes:
@@ -524,19 +595,6 @@ def train_table(rows: Sequence[dict]) -> list[str]:
     return lines[:-1]
 
 
-def train_section(rows: Sequence[dict]) -> list[str]:
-    """The training steps' section: a table per run holding the newest measurement of some row
-    length and implementation (none before one)."""
-    runs = current_runs(rows, "train")
-    if not runs:
-        return []
-    out = [TRAIN]
-    for run in runs:
-        mine = of_run(rows, run, "train")
-        out += [*run_heading(mine), *train_table(mine), ""]
-    return out
-
-
 #: The columns of the plan and stages tables: each field's title and format.
 COLUMNS = {
     "mask": ("mask", lambda v: v.replace("_", " ")), "gpus": ("GPUs", str), "tokens": ("tokens", lambda v: f"{v:,}"),
@@ -559,6 +617,7 @@ def field_table(rows: Sequence[dict], fields: Sequence[str]) -> list[str]:
 
 
 def run_heading(rows: Sequence[dict]) -> list[str]:
+    """A run's heading on the history page: where, when, and the command and versions."""
     first = rows[0]
     about = [f"Command: `{first['command']}`."]
     if "versions" in first:
@@ -566,6 +625,22 @@ def run_heading(rows: Sequence[dict]) -> list[str]:
     if "note" in first:
         about.append(first["note"])
     return [f"### {first['device']}, {first['date']}, commit `{first['commit']}`", "", " ".join(about), ""]
+
+
+def run_sections(rows: Sequence[dict], runs: Iterable[str], tables: Callable[[list[dict]], list[str]]) -> list[str]:
+    """Per run of `runs`, its run_heading and `tables`, each given all the rows of the run."""
+    out = []
+    for run in runs:
+        mine = [row for row in rows if row["run"] == run]
+        out += [*run_heading(mine), *tables(mine), ""]
+    return out
+
+
+def train_section(rows: Sequence[dict]) -> list[str]:
+    """The training steps' section: a table per run holding the newest measurement of some row
+    length and implementation (none before one)."""
+    runs = current_runs(rows, "train")
+    return [TRAIN, *run_sections(rows, runs, train_table)] if runs else []
 
 
 def plot_runs(rows: Sequence[dict]) -> dict[str, str]:
@@ -593,28 +668,29 @@ def plot_runs(rows: Sequence[dict]) -> dict[str, str]:
 
 def plotted_kernel_rows(rows: Sequence[dict], run: str) -> list[dict]:
     """The kernel rows of `run` the figure can show: those of PLOT_HEAD_DIM in DTYPE with HEADS."""
-    return [row for row in of_run(rows, run, "kernel") if shape(row) == (PLOT_HEAD_DIM, DTYPE, HEADS)]
+    return [row for row in of_run(rows, run, "kernel") if shape(row) == DEFAULT_SHAPE]
 
 
-def describe(rows: Sequence[dict], run: str) -> str:
+def describe(rows: Sequence[dict], run: str, device: bool = True) -> str:
+    """A run in prose: its device (unless not `device`), date and commit."""
     first = next(row for row in rows if row["run"] == run)
-    return f"{first['device']}, {first['date']}, commit `{first['commit']}`"
+    return f"{first['device'] + ', ' if device else ''}{first['date']}, commit `{first['commit']}`"
 
 
-def plotted_runs(rows: Sequence[dict], plots: dict[str, str], plot: str, caption: str, kind: str, impls,
-                 tables: Callable[[list[dict]], list[str]]) -> list[str]:
-    """A section's figure (where `plot` was drawn) and one heading and its tables per current run of `kind`."""
-    out = []
-    if plot in plots:
-        out += [f"![{caption}](img/{plot})", "", f"The figure shows the run of {describe(rows, plots[plot])}.", ""]
-    for run in current_runs(rows, kind, impls):
-        mine = [row for row in rows if row["run"] == run]
-        out += [*run_heading(mine), *tables(mine), ""]
-    return out
+KERNEL_CAPTION = "TFLOP/s per mask, forward and backward, at 16k and 64k tokens"
+DIST_CAPTION = "per-GPU TFLOP/s against the number of GPUs"
 
 
-def shortfall_source(row: dict) -> str:
-    """Where a shortfall was measured: the device, date and commit of a row of its run."""
+def figure(rows: Sequence[dict], plots: dict[str, str], plot: str, caption: str, named: bool = True) -> list[str]:
+    """The figure `plot`, where plot_runs chose a run for it, and where `named` a line naming
+    the run (which the figure's title names too)."""
+    if plot not in plots:
+        return []
+    return [f"![{caption}](img/{plot})", "", *([f"The figure shows the run of {describe(rows, plots[plot])}.", ""] if named else [])]
+
+
+def run_source(row: dict) -> str:
+    """Where a figure was measured, in a line or a cell: the device, date and commit of a row of its run."""
     return f"{row['device']}, {row['date']}, `{row['commit']}`"
 
 
@@ -645,19 +721,20 @@ def ratios(tflops: dict[tuple, float], peer_masks: set[str]) -> dict[tuple, floa
     return out
 
 
-def tflops_shortfalls(measured: dict[tuple, float]) -> dict[str, list[str]]:
+def tflops_shortfalls(measured: dict[tuple, float]) -> dict[str, list[tuple[str, float]]]:
     """The `ratios` below their targets (the faster peer's TFLOP/s, OWN_FULL_TARGET of the full
-    mask's, FLEXIBLE_TARGET times the fastest flexible library's), by goal and direction."""
+    mask's, FLEXIBLE_TARGET times the fastest flexible library's), by goal and direction: the
+    mask and length of each, and its ratio."""
     below = {
         **{peer: (f"below {KERNEL_IMPLS[peer]}", 1.0) for peer in PEERS},
         OWN_FULL: (f"below {OWN_FULL_TARGET:.0%} of full", OWN_FULL_TARGET),
-        FLEXIBLE: (f"below {FLEXIBLE_TARGET}x the fastest flexible-mask library", FLEXIBLE_TARGET),
+        FLEXIBLE: (f"below {FLEXIBLE_TARGET}x the faster flexible-mask library", FLEXIBLE_TARGET),
     }
-    short: dict[str, list[str]] = {f"{label}, {d}": [] for label, _ in below.values() for d in DIRECTION_NAMES.values()}
+    short: dict[str, list[tuple[str, float]]] = {f"{label}, {d}": [] for label, _ in below.values() for d in DIRECTION_NAMES.values()}
     for (seqlen, mask, direction, goal), ratio in measured.items():
         label, target = below[goal]
         if round(ratio, 2) < target:
-            short[f"{label}, {DIRECTION_NAMES[direction]}"].append(f"{mask.replace('_', ' ')} {tokens(seqlen)} {ratio:.2f}")
+            short[f"{label}, {DIRECTION_NAMES[direction]}"].append((f"{mask.replace('_', ' ')} {tokens(seqlen)}", ratio))
     return short
 
 
@@ -673,12 +750,23 @@ def memory_shortfalls(memory: Sequence[dict]) -> list[str]:
     return short
 
 
-def kernel_shortfalls(rows: Sequence[dict]) -> list[str]:
-    """A line per head dim, dtype and head count (`shape`): what of its TFLOP/s and peak memory
-    falls short (tflops_shortfalls, memory_shortfalls) at TARGET_SEQLENS, each (sequence length,
-    mask) from the newest run measuring it with maskc and a peer (maskc alone, for a mask no
-    peer has a kernel for), each length's memory from the newest run measuring it with maskc and
-    a peer; the line names those runs."""
+class Shortfalls(NamedTuple):
+    """What of one head dim, dtype and head count's figures falls short of its targets."""
+
+    title: str
+    #: run_source of each run the figures come from, newest first.
+    runs: list[str]
+    #: tflops_shortfalls: by goal and direction, the mask and length and the ratio of each.
+    tflops: dict[str, list[tuple[str, float]]]
+    #: memory_shortfalls.
+    memory: list[str]
+
+
+def shape_shortfalls(rows: Sequence[dict]) -> list[Shortfalls]:
+    """Per head dim, dtype and head count (`shape`): what of its TFLOP/s and peak memory falls
+    short (tflops_shortfalls, memory_shortfalls) at TARGET_SEQLENS, each (sequence length, mask)
+    from the newest run measuring it with maskc and a peer (maskc alone, for a mask no peer has
+    a kernel for), each length's memory from the newest run measuring it with maskc and a peer."""
     found: dict[tuple[int | str, str, str], dict[tuple, float]] = defaultdict(dict)
     memory: dict[tuple[int | str, str, str], dict[int, list[dict]]] = defaultdict(dict)
     used: dict[tuple[int | str, str, str], dict[str, dict]] = defaultdict(dict)
@@ -702,53 +790,286 @@ def kernel_shortfalls(rows: Sequence[dict]) -> list[str]:
                 found[config].update(new)
                 memory[config].update(peaks_of)
                 used[config][run] = mine[0]
-    lines = []
+    out = []
     for config in sorted(used, key=shape_order):
         measured = sorted(found[config].items(), key=lambda item: (item[0][0], mask_order.index(item[0][1])))
-        short = tflops_shortfalls(dict(measured))
-        short["peak memory"] = memory_shortfalls([row for seqlen_rows in memory[config].values() for row in seqlen_rows])
-        parts = [f"{what}: {', '.join(items)}" for what, items in short.items() if items]
-        runs = "; ".join(dict.fromkeys(map(shortfall_source, used[config].values())))
-        lines.append(f"- **{shape_title(config)}** ({runs}): " + ("; ".join(parts) if parts else "none") + ".")
+        out.append(Shortfalls(
+            shape_title(config), list(dict.fromkeys(map(run_source, used[config].values()))), tflops_shortfalls(dict(measured)),
+            memory_shortfalls([row for seqlen_rows in memory[config].values() for row in seqlen_rows]),
+        ))  # fmt: skip
+    return out
+
+
+def shortfall_line(short: Shortfalls, parts: list[str], runs: bool) -> str:
+    """A shape's line of shortfalls: its title, the runs where `runs`, its `parts` (or none)."""
+    sources = f" ({'; '.join(short.runs)})" if runs else ""
+    return f"- **{short.title}**{sources}: " + ("; ".join(parts) if parts else "none") + "."
+
+
+def kernel_shortfalls(rows: Sequence[dict]) -> list[str]:
+    """A line per shape_shortfalls: every mask and length short of each target, with the runs
+    they come from."""
+    lines = []
+    for short in shape_shortfalls(rows):
+        parts = [f"{what}: {', '.join(f'{item} {ratio:.2f}' for item, ratio in items)}"
+                 for what, items in short.tflops.items() if items]  # fmt: skip
+        if short.memory:
+            parts.append(f"peak memory: {', '.join(short.memory)}")
+        lines.append(shortfall_line(short, parts, runs=True))
     return lines
+
+
+def shortfall_summary(rows: Sequence[dict]) -> list[str]:
+    """kernel_shortfalls in a few words a shape: per target, how many fall short and the lowest."""
+    lines = []
+    for short in shape_shortfalls(rows):
+        parts = []
+        for what, items in short.tflops.items():
+            if items:
+                item, ratio = min(items, key=lambda found: found[1])
+                parts.append(f"{what}: {len(items)} (lowest {item} {ratio:.2f})")
+        if short.memory:
+            parts.append(f"peak memory: {', '.join(short.memory)}")
+        lines.append(shortfall_line(short, parts, runs=False))
+    return lines
+
+
+def call_times(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """The host time (us) of one call of each of HOST_IMPLS in a run's host rows, per pass."""
+    return {pass_: {impl: row["ms"] * 1e3 for row in rows for impl, call in HOST_IMPLS.items()
+                    if row["step"].startswith(f"{call} ({title},")}
+            for pass_, title in HOST_PASSES.items()}  # fmt: skip
+
+
+def call_runs(rows: Sequence[dict]) -> list[str]:
+    """The runs holding the newest time of some call of maskc's, newest first."""
+    timed = [row for row in rows if row["kind"] == "host" and row["step"].startswith(f"{HOST_IMPLS['maskc']} (")]
+    return current_runs(timed, "host")
 
 
 def host_shortfalls(rows: Sequence[dict]) -> list[str]:
     """A line per host pass of the newest run timing maskc's calls: its time over the lowest
     other library's where above."""
-    timed = [row for row in rows if row["kind"] == "host" and row["step"].startswith(f"{HOST_IMPLS['maskc']} (")]
     lines = []
-    for run in current_runs(timed, "host")[:1]:
+    for run in call_runs(rows)[:1]:
         mine = of_run(rows, run, "host")
-        for pass_, title in HOST_PASSES.items():
-            times = {impl: row["ms"] * 1e3 for row in mine for impl, call in HOST_IMPLS.items()
-                     if row["step"].startswith(f"{call} ({title},")}  # fmt: skip
+        for pass_, times in call_times(mine).items():
             ours = times.pop("maskc", None)
             if ours is not None and times and ours > min(times.values()):
                 peer = min(times, key=times.get)
-                lines.append(f"- **Host time, {title}** ({shortfall_source(mine[0])}): "
+                lines.append(f"- **Host time, {HOST_PASSES[pass_]}** ({run_source(mine[0])}): "
                              f"{ours:.1f} us against {KERNEL_IMPLS.get(peer, peer)}'s {times[peer]:.1f}.")  # fmt: skip
     return lines
 
 
-def render(rows: Sequence[dict]) -> str:
-    """docs/performance.md for `rows` (read_results' order)."""
-    plots = plot_runs(rows)
-    out = [INTRO, ONE_GPU]
-    out += plotted_runs(rows, plots, KERNEL_PLOT, "TFLOP/s per mask, forward and backward, at 16k and 64k tokens", "kernel",
-                        KERNEL_IMPLS, kernel_tables)  # fmt: skip
-    out.append(SEVERAL_GPUS)
-    out += plotted_runs(rows, plots, DIST_PLOT, "per-GPU TFLOP/s against the number of GPUs", "dist", DIST_IMPLS, dist_tables)
-    out += train_section(rows)
+def host_calls(rows: Sequence[dict]) -> list[str]:
+    """The main page's host time: per device, the newest run's time of one call of each library,
+    forward / forward + backward."""
+    newest: dict[str, str] = {}
+    for run in call_runs(rows):
+        newest.setdefault(next(row["device"] for row in rows if row["run"] == run), run)
+    lines = []
+    for device in sorted(newest):
+        mine = of_run(rows, newest[device], "host")
+        times = call_times(mine)
+        cells = [" / ".join(number(times[pass_][impl]) if impl in times[pass_] else DASH for pass_ in HOST_PASSES)
+                 if any(impl in by_impl for by_impl in times.values()) else DASH for impl in HOST_IMPLS]  # fmt: skip
+        lines.append([run_source(mine[0]), *cells])
+    if not lines:
+        return []
+    header = ["run", *(KERNEL_IMPLS[impl] for impl in HOST_IMPLS)]
+    return [HOST_CALLS, *markdown_table(header, lines, range(1, len(header))), ""]
+
+
+def host_table(rows: Sequence[dict]) -> list[str]:
+    """The history page's host time: the newest measurement of every step."""
     lines = [[row["step"], number(row["ms"]), row["device"], row["date"], f"`{row['commit']}`", f"`bench/{row['bench']}.py`"]
              for row in latest(rows, "host").values()]
-    out += [SHORT, *kernel_shortfalls(rows), *host_shortfalls(rows), "", LIMITS]
-    out += [HOST, *markdown_table(["step", "ms", "device", "date", "commit", "benchmark"], lines, [1]), "", PLANS]
-    for kind, fields in (("plan", PLAN_FIELDS), ("stages", STAGES_FIELDS)):
-        for run in current_runs(rows, kind):
-            mine = of_run(rows, run, kind)
-            out += [*run_heading(mine), *field_table(mine, fields), ""]
+    return [HOST, *markdown_table(["step", "ms", "device", "date", "commit", "benchmark"], lines, [1]), ""]
+
+
+def newest_runs(rows: Sequence[dict], kind: str, keep: Callable[[dict], bool], of: Callable[[dict], Any]) -> dict[Any, str]:
+    """Per `of` (a row's length, say), the newest run with `kind` rows of maskc and of another
+    library that `keep` keeps (maskc's failed or not): what the main page shows of `kind`."""
+    order = run_order(rows)
+    measured: dict[tuple[Any, str], set[str]] = defaultdict(set)
+    for row in rows:
+        if row["kind"] == kind and keep(row):
+            measured[(of(row), row["run"])].add(row["impl"])
+    newest: dict[Any, str] = {}
+    for (what, run), impls in sorted(measured.items(), key=lambda item: order[item[0][1]]):
+        if "maskc" in impls and any(not impl.startswith("maskc") for impl in impls):
+            newest[what] = run
+    return newest
+
+
+def at_settings(row: dict) -> bool:
+    """A kernel or memory row the main page's tables of each device show."""
+    return shape(row) == DEFAULT_SHAPE and row["seqlen"] in TARGET_SEQLENS and row["impl"] in KERNEL_IMPLS
+
+
+def newest_runs_at_settings(rows: Sequence[dict]) -> dict[str, dict[int, str]]:
+    """Per device, per length of TARGET_SEQLENS, the newest run measuring maskc beside another
+    library at DEFAULT_SHAPE: what the main page's tables show."""
+    newest: dict[str, dict[int, str]] = defaultdict(dict)
+    for (device, seqlen), run in sorted(newest_runs(rows, "kernel", at_settings, lambda row: (row["device"], row["seqlen"])).items()):
+        newest[device][seqlen] = run
+    return dict(newest)
+
+
+def shown_rows(rows: Sequence[dict], kind: str, runs: dict[int, str]) -> list[dict]:
+    """The `kind` rows at_settings of `runs` (a run per length), each length's of its run."""
+    return [row for row in rows if row["kind"] == kind and at_settings(row) and runs.get(row["seqlen"]) == row["run"]]
+
+
+def sources(rows: Sequence[dict], runs: dict[int, str], device: bool = True) -> str:
+    """Which run each length comes from: '16k and 64k from the run of <device>, <date>, commit
+    <commit>' (without the device where the heading names it)."""
+    lengths: dict[str, list[str]] = defaultdict(list)
+    for seqlen, run in sorted(runs.items()):
+        lengths[run].append(tokens(seqlen))
+    return ", ".join(f"{' and '.join(at)} from the run of {describe(rows, run, device)}" for run, at in lengths.items())
+
+
+def device_section(rows: Sequence[dict], device: str, runs: dict[int, str]) -> list[str]:
+    """A device's heading and TFLOP/s table, each length from its run of `runs`."""
+    kernel = shown_rows(rows, "kernel", runs)
+    return [f"### {device}", "", f"TFLOP/s, forward / backward; {sources(rows, runs, device=False)}:", "",
+            *attention_table(kernel, "seqlen", KERNEL_IMPLS, ratio_columns(kernel)), ""]  # fmt: skip
+
+
+def memory_section(rows: Sequence[dict]) -> list[str]:
+    """The main page's peaks: each length's from the newest run measuring maskc's beside another library's."""
+    runs = newest_runs(rows, "memory", at_settings, lambda row: row["seqlen"])
+    if not runs:
+        return []
+    caption = f"Of one forward + backward on top of q, k and v, in MiB (the range over masks); {sources(rows, runs)}:"
+    return [MEMORY, "", caption, "", *memory_table(shown_rows(rows, "memory", runs)), ""]
+
+
+def dist_section(rows: Sequence[dict], plots: dict[str, str]) -> list[str]:
+    """The main page's context parallelism: the figure, and the newest run's table at its most GPUs."""
+    runs = current_runs(rows, "dist", DIST_IMPLS)
+    if not runs:
+        return []
+    mine = [row for row in rows if row["run"] == runs[0]]
+    most = max(row["gpus"] for row in mine if row["kind"] == "dist")
+    shown = [row for row in mine if row["kind"] != "dist" or row["gpus"] == most]
+    note = f"The run of {describe(rows, runs[0])}, at {most} GPUs (the history page has every count)."
+    return [SEVERAL_GPUS, *figure(rows, plots, DIST_PLOT, DIST_CAPTION, named=False), note, *dist_tables(shown), ""]
+
+
+def train_rows(rows: Sequence[dict]) -> tuple[list[dict], list[str]]:
+    """The main page's training steps: each model's row lengths from the newest run measuring
+    maskc beside another implementation, and those runs."""
+    def length(row: dict) -> tuple:
+        return row["model"], row["compiled"], row["tokens"], row["docs"]
+
+    runs = newest_runs(rows, "train", lambda row: True, length)
+    shown = [row for row in rows if row["kind"] == "train" and runs.get(length(row)) == row["run"]]
+    return shown, list(dict.fromkeys(runs.values()))
+
+
+def train_newest(rows: Sequence[dict]) -> list[str]:
+    """The main page's training-steps section: one table per model, its lengths from their newest runs."""
+    shown, runs = train_rows(rows)
+    if not shown:
+        return []
+    named = "; ".join(dict.fromkeys(describe(rows, run) for run in runs))
+    return [TRAIN, f"The newest run of each length: {named}.", *train_table(shown), ""]
+
+
+def span(values: Sequence[float], digits: str = ".2f") -> str:
+    """'0.91-0.99': the range of `values` in format `digits`, one figure where both ends agree, a dash for none."""
+    if not values:
+        return DASH
+    low, high = f"{min(values):{digits}}", f"{max(values):{digits}}"
+    return low if low == high else f"{low}-{high}"
+
+
+def ratio_spans(kernel: Sequence[dict], directions: Sequence[str]) -> dict[str, str]:
+    """Each ratio column's range over the masks of `kernel` (one length of one run), 'fwd / bwd';
+    the full mask is left out of OVER_FULL, where it is 1 by definition."""
+    by_mask: dict[str, list[dict]] = defaultdict(list)
+    for row in kernel:
+        by_mask[row["mask"]].append(row)
+    spans = {}
+    for title, sides in ratio_sides(kernel).items():
+        found: dict[str, list[float]] = defaultdict(list)
+        for mask, line in by_mask.items():
+            if title != OVER_FULL or mask != "full":
+                for direction, ratio in direction_ratios(*sides(line)).items():
+                    found[direction].append(ratio)
+        spans[title] = " / ".join(span(found[d]) for d in directions) if found else DASH
+    return spans
+
+
+#: The length of the main page's line per other head dim and head count.
+OTHER_SHAPES_SEQLEN = 16384
+
+
+def other_shapes(rows: Sequence[dict]) -> list[str]:
+    """The main page's line per head dim, dtype and head count other than DEFAULT_SHAPE, from the
+    newest run measuring maskc beside another library at OTHER_SHAPES_SEQLEN: maskc's TFLOP/s on
+    the full mask and the range of each ratio column over the masks."""
+    def kept(row: dict) -> bool:
+        return row["seqlen"] == OTHER_SHAPES_SEQLEN and shape(row) != DEFAULT_SHAPE and row["impl"] in KERNEL_IMPLS
+
+    newest = newest_runs(rows, "kernel", kept, shape)
+    shown = {config: [row for row in of_run(rows, run, "kernel") if kept(row) and shape(row) == config]
+             for config, run in sorted(newest.items(), key=lambda item: shape_order(item[0]))}  # fmt: skip
+    directions = [d for d in ("fwd", "bwd") if any(row["direction"] == d for kernel in shown.values() for row in kernel)]
+    lines = []
+    for (head_dim, dtype, heads), kernel in shown.items():
+        spans = ratio_spans(kernel, directions)
+        full = [row for row in kernel if row["impl"] == "maskc" and row["mask"] == "full"]
+        lines.append([str(head_dim), dtype, heads, run_source(kernel[0]), direction_cell(full, directions),
+                      *(spans.get(title, DASH) for title in (OVER_FA4, OVER_FLEXIBLE, OVER_FULL))])  # fmt: skip
+    if not lines:
+        return []
+    header = ["head dim", "dtype", "heads", "run", "maskc, full mask", OVER_FA4, OVER_FLEXIBLE, OVER_FULL]
+    return [OTHER_SHAPES, *markdown_table(header, lines, [0, 4]), ""]
+
+
+def render(rows: Sequence[dict]) -> str:
+    """docs/performance.md for `rows` (read_results' order): the newest run of each kind."""
+    plots = plot_runs(rows)
+    out = [INTRO, SETTINGS]
+    if devices := newest_runs_at_settings(rows):
+        out.append(ONE_GPU)
+        for device, runs in devices.items():
+            out += device_section(rows, device, runs)
+    out += figure(rows, plots, KERNEL_PLOT, KERNEL_CAPTION, named=False)
+    out += other_shapes(rows)
+    out += memory_section(rows)
+    out += dist_section(rows, plots)
+    out += train_newest(rows)
+    out += host_calls(rows)
+    out += [SHORT + SHORT_SUMMARY, *shortfall_summary(rows), *host_shortfalls(rows), "", LIMITS_SHORT]
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def render_history(rows: Sequence[dict]) -> str:
+    """docs/performance-history.md for `rows` (read_results' order): every run holding a newest
+    measurement, and every shortfall."""
+    plots = plot_runs(rows)
+    out = [HISTORY_INTRO, SETTINGS, REPRODUCING, ONE_GPU, ONE_GPU_EVERY_RUN]
+    out += figure(rows, plots, KERNEL_PLOT, KERNEL_CAPTION)
+    out += run_sections(rows, current_runs(rows, "kernel", KERNEL_IMPLS), kernel_tables)
+    out += [SEVERAL_GPUS, *figure(rows, plots, DIST_PLOT, DIST_CAPTION)]
+    out += run_sections(rows, current_runs(rows, "dist", DIST_IMPLS), dist_tables)
+    out += train_section(rows)
+    out += [SHORT + SHORT_EVERY, *kernel_shortfalls(rows), *host_shortfalls(rows), "", LIMITS]
+    out += [*host_table(rows), PLANS]
+    for kind, fields in (("plan", PLAN_FIELDS), ("stages", STAGES_FIELDS)):
+        out += run_sections(rows, current_runs(rows, kind), lambda mine, kind=kind, fields=fields: field_table(
+            [row for row in mine if row["kind"] == kind], fields))  # fmt: skip
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def render_pages(rows: Sequence[dict]) -> dict[Path, str]:
+    """Each page bench/report.py writes, with its text for `rows`."""
+    return {DOC: render(rows), HISTORY: render_history(rows)}
 
 
 def draw(rows: Sequence[dict], img: Path = IMG) -> list[Path]:
@@ -833,17 +1154,19 @@ def legend(plt: Any, fig: Any, titles: dict[str, str], impls: list[str]) -> None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder of the results files (default bench/results)")
-    parser.add_argument("--check", action="store_true", help="only check that docs/performance.md is up to date")
+    parser.add_argument("--check", action="store_true", help="only check that the pages are up to date")
     parser.add_argument("--plots", action="store_true", help="also redraw the figures under docs/img (needs matplotlib)")
     args = parser.parse_args()
     rows = read_results(args.results)
-    text = render(rows)
+    pages = render_pages(rows)
     if args.check:
-        if DOC.read_text() != text:
-            sys.exit(f"{DOC.relative_to(ROOT)} is out of date: run python bench/report.py")
+        stale = [str(path.relative_to(ROOT)) for path, text in pages.items() if not path.exists() or path.read_text() != text]
+        if stale:
+            sys.exit(f"{', '.join(stale)} out of date: run python bench/report.py")
         return
-    DOC.write_text(text)
-    print(f"wrote {DOC.relative_to(ROOT)}")
+    for path, text in pages.items():
+        path.write_text(text)
+        print(f"wrote {path.relative_to(ROOT)}")
     if args.plots:
         for path in draw(rows):
             print(f"wrote {path.relative_to(ROOT)}")

@@ -205,7 +205,7 @@ def test_a_run_over_several_head_dims_has_tables_per_head_dim(tmp_path: Path) ->
     assert table[split:] == report.kernel_tables([row for row in rows if row["head_dim"] == "192/128"])  # headed alone too
     assert "| 16k | causal | 600 / 500 |" in table[:split] and "| 16k | causal | 550 / 450 |" in table[split:]
     assert "| 64k | 550 |" in table[split:]
-    assert "#### Head dim 128" in report.render(rows)
+    assert "#### Head dim 128" in report.render_history(rows)
     assert report.plot_runs(rows)[report.KERNEL_PLOT] == "sweep"
     assert report.plotted_kernel_rows(rows, "sweep") == [row for row in rows if row["kind"] == "kernel" and row["head_dim"] == 128]
     newer = scratch_run(tmp_path, run="mla only", day=2)

@@ -1,6 +1,7 @@
-"""The performance record: every row in bench/results is well formed, docs/performance.md and
-its figures are what bench/report.py makes of them, and the benchmarks write their rows through
-bench/record.py (with fake timings here: the GPU benchmarks run on GPU machines only)."""
+"""The performance record: every row in bench/results is well formed, docs/performance.md (short:
+the newest run of each kind), docs/performance-history.md (every run holding a newest figure)
+and their figures are what bench/report.py makes of them, and the benchmarks write their rows
+through bench/record.py (with fake timings here: the GPU benchmarks run on GPU machines only)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 import runpy
 import struct
 import sys
+from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -53,17 +55,92 @@ def test_every_row_in_bench_results_is_well_formed() -> None:
 
 
 def test_performance_doc_is_generated_from_the_rows() -> None:
-    expected = report.render(read_results())
-    assert (ROOT / "docs" / "performance.md").read_text() == expected, "docs/performance.md is out of date: run python bench/report.py"
+    pages = report.render_pages(read_results())
+    assert set(pages) == {ROOT / "docs" / "performance.md", ROOT / "docs" / "performance-history.md"}
+    for path, expected in pages.items():
+        assert path.read_text() == expected, f"{path.relative_to(ROOT)} is out of date: run python bench/report.py"
+
+
+def test_the_page_is_short_and_shows_the_newest_run_at_the_settings_beside_every_library() -> None:
+    """docs/performance.md reads in minutes, and each device's table is the newest run at the
+    settings at each of 16k and 64k (found here without the report's helpers), with a column for
+    every library that run measured."""
+    rows = read_results()
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    assert report.DOC_LINES == 200 and len(doc.splitlines()) <= report.DOC_LINES
+    order = report.run_order(rows)
+    settings = [row for row in rows if row["kind"] == "kernel" and row["impl"] in report.KERNEL_IMPLS
+                and (row["head_dim"], row["dtype"], row["heads"]) == (128, "bf16", "64:8")]  # fmt: skip
+    devices = sorted({row["device"] for row in settings})
+    assert {"NVIDIA H100 80GB HBM3", "NVIDIA H200"} <= set(devices)
+    for device in devices:
+        section = doc[doc.index(f"### {device}\n"):]
+        section = section[:section.index("\n#")]
+        header = next(line for line in section.splitlines() if line.startswith("| seqlen | mask |"))
+        for seqlen in (16384, 65536):
+            impls = defaultdict(set)
+            for row in settings:
+                if row["device"] == device and row["seqlen"] == seqlen:
+                    impls[row["run"]].add(row["impl"])
+            newest = max((run for run, measured in impls.items() if {"maskc"} < measured), key=order.__getitem__)
+            first = next(row for row in rows if row["run"] == newest)
+            named = rf"{report.tokens(seqlen)}( and \d+k)? from the run of {first['date']}, commit `{re.escape(first['commit'])}`"
+            assert re.search(named, section), f"{device}: the {report.tokens(seqlen)} lines are not of the newest run"
+            for impl in impls[newest]:
+                assert f" {report.KERNEL_IMPLS[impl]} |" in header, f"{device}: the newest run's {impl} is missing"
+
+
+def test_a_run_superseded_on_the_page_stays_on_the_history(tmp_path: Path) -> None:
+    """The page shows each length's newest run beside another library; an older run holding the
+    only figure of a library (cuDNN here) keeps its table on the history page, and a newer run of
+    one length takes only that length's lines."""
+    case = {"mask": "full", "seqlen": 16384, "heads": "64:8", "head_dim": 128, "dtype": "bf16", "direction": "fwd"}
+    old = Run.start("kernel", "NVIDIA H200", tmp_path, argv=["bench/kernel.py"], now=NOW.replace(day=1))
+    for impl, tflops in (("maskc", 500.0), ("fa4", 600.0), ("sdpa_cudnn", 550.0)):
+        old.write("kernel", impl=impl, tflops=tflops, **case)
+    new = Run.start("kernel", "NVIDIA H200", tmp_path, argv=["bench/kernel.py"], now=NOW.replace(day=2))
+    for impl, tflops in (("maskc", 620.0), ("fa4", 640.0)):
+        new.write("kernel", impl=impl, tflops=tflops, **case)
+    alone = Run.start("kernel", "NVIDIA H200", tmp_path, argv=["bench/kernel.py"], now=NOW.replace(day=3))
+    alone.write("kernel", impl="maskc", tflops=700.0, **case)
+    longer = Run.start("kernel", "NVIDIA H200", tmp_path, argv=["bench/kernel.py"], now=NOW.replace(day=4))
+    for impl, tflops in (("maskc", 630.0), ("flex_fa4", 420.0)):
+        longer.write("kernel", impl=impl, tflops=tflops, **{**case, "seqlen": 65536})
+    rows = read_results(tmp_path)
+    doc, history = report.render(rows), report.render_history(rows)
+    assert (f"TFLOP/s, forward / backward; 16k from the run of {NOW.replace(day=2):%Y-%m-%d}, commit `{new.commit}`, "
+            f"64k from the run of {NOW.replace(day=4):%Y-%m-%d}, commit `{longer.commit}`:") in doc
+    assert "| 16k | full | 0.97 | — | 620 | 640 | — |" in doc and "| 64k | full | — | 1.50 | 630 | — | 420 |" in doc
+    assert "| 550 |" not in doc and "| 700 |" not in doc and f"{NOW:%Y-%m-%d}" not in doc
+    assert f"### NVIDIA H200, {NOW:%Y-%m-%d}, commit `{old.commit}`" in history
+    assert "| 16k | full | 0.83 | 500 | 600 | 550 |" in history and "| 16k | full | 700 |" in history
+
+
+def test_the_page_has_a_line_per_other_head_dim_and_head_count(tmp_path: Path) -> None:
+    """Another shape's line comes from its newest run at 16k beside another library: maskc's full
+    mask, and each ratio's range over the masks (maskc / full without the full mask)."""
+    run = Run.start("kernel", "NVIDIA H100 80GB HBM3", tmp_path, argv=["bench/kernel.py"], now=NOW)
+    case = {"seqlen": 16384, "heads": "64:1", "head_dim": 64, "dtype": "fp16", "direction": "fwd"}
+    for mask, maskc, fa4 in (("full", 600.0, 650.0), ("causal", 570.0, 600.0), ("shared_question", 540.0, None)):
+        run.write("kernel", impl="maskc", tflops=maskc, mask=mask, **case)
+        if fa4 is not None:
+            run.write("kernel", impl="fa4", tflops=fa4, mask=mask, **case)
+    run.write("kernel", impl="maskc", tflops=100.0, mask="full", **{**case, "seqlen": 65536})
+    doc = report.render(read_results(tmp_path))
+    section = doc[doc.index("## Other head dims and head counts, 16k"):]
+    assert "| head dim | dtype | heads | run | maskc, full mask | maskc / FA4 | maskc / flexible | maskc / full |" in section
+    source = f"NVIDIA H100 80GB HBM3, {NOW:%Y-%m-%d}, `{run.commit}`"
+    assert f"| 64 | fp16 | 64:1 | {source} | 600 | 0.92-0.95 | — | 0.90-0.95 |" in section
+    assert "### NVIDIA H100" not in doc
 
 
 def test_figures_show_the_runs_the_doc_names() -> None:
     rows = read_results()
     plots = report.plot_runs(rows)
     assert set(plots) == {report.KERNEL_PLOT, report.DIST_PLOT}
-    doc = (ROOT / "docs" / "performance.md").read_text()
+    docs = [(ROOT / "docs" / page).read_text() for page in ("performance.md", "performance-history.md")]
     for name, run in plots.items():
-        assert f"](img/{name})" in doc
+        assert all(f"](img/{name})" in doc for doc in docs)
         assert png_text(ROOT / "docs" / "img" / name).get("Description") == f"run {run}", (
             f"docs/img/{name} shows another run than {run}: run python bench/report.py --plots"
         )
@@ -106,9 +183,12 @@ def test_the_doc_shows_the_newest_figure_of_each_implementation(tmp_path: Path) 
     newer.write("kernel", impl="maskc", error="RuntimeError: out of memory", **case)
     rows = read_results(tmp_path / "a")
     assert report.current_runs(rows, "kernel", report.KERNEL_IMPLS) == ["newer", "new"]
+    history = report.render_history(rows)
+    assert history.index("| 16k | full | — | failed | 640 |") < history.index("| 16k | full | 600 |")
+    assert "500" not in history
     doc = report.render(rows)
-    assert doc.index("| 16k | full | — | failed | 640 |") < doc.index("| 16k | full | 600 |")
-    assert "500" not in doc
+    assert "| 16k | full | — | failed | 640 |" in doc
+    assert "| 16k | full | 600 |" not in doc and "| 500 |" not in doc
 
 
 def test_kernel_tables_say_where_maskc_stands(tmp_path: Path) -> None:
@@ -122,11 +202,12 @@ def test_kernel_tables_say_where_maskc_stands(tmp_path: Path) -> None:
         run.write("kernel", impl="maskc", tflops=maskc, mask=mask, direction=direction, **case)
         if fa4 is not None:
             run.write("kernel", impl="fa4", tflops=fa4, mask=mask, direction=direction, **case)
-    doc = report.render(read_results(tmp_path / "a"))
-    assert "| seqlen | mask | maskc / FA4 | maskc / full | maskc | FA4 |" in doc
-    assert "| 16k | full | 0.92 / 0.80 | 1.00 / 1.00 | 600 / 500 | 650 / 625 |" in doc
-    assert "| 16k | causal | 1.00 / — | 0.95 / — | 570 / — | 570 / — |" in doc
-    assert "| 16k | shared question | — | 0.90 / — | 540 / — | — |" in doc
+    rows = read_results(tmp_path / "a")
+    for doc in (report.render(rows), report.render_history(rows)):
+        assert "| seqlen | mask | maskc / FA4 | maskc / full | maskc | FA4 |" in doc
+        assert "| 16k | full | 0.92 / 0.80 | 1.00 / 1.00 | 600 / 500 | 650 / 625 |" in doc
+        assert "| 16k | causal | 1.00 / — | 0.95 / — | 570 / — | 570 / — |" in doc
+        assert "| 16k | shared question | — | 0.90 / — | 540 / — | — |" in doc
 
 
 def test_the_doc_says_what_falls_short_of_the_targets(tmp_path: Path) -> None:
@@ -144,13 +225,19 @@ def test_the_doc_says_what_falls_short_of_the_targets(tmp_path: Path) -> None:
     for impl, fwd, both in (("maskc", 0.045, 0.2), ("sdpa_cudnn", 0.022, 0.25)):
         for pass_, ms in (("fwd", fwd), ("fwd+bwd", both)):
             run.write("host", step=f"{record.HOST_IMPLS[impl]} ({record.HOST_PASSES[pass_]}, 128 causal tokens)", ms=ms)
-    doc = report.render(read_results(tmp_path / "a"))
-    short = doc[doc.index("## Short of the targets"):doc.index("What holds these back")]
+    rows = read_results(tmp_path / "a")
+    history, doc = report.render_history(rows), report.render(rows)
+    short = history[history.index("## Short of the targets"):history.index("What holds these back")]
     assert (f"- **Head dim 128** (NVIDIA H200, {NOW:%Y-%m-%d}, `{run.commit}`): below FA4, forward: full 16k 0.92; "
             "below 92% of full, forward: shared question 16k 0.90; peak memory: 16k 1096.25 MiB against 1096.") in short
-    assert "- **Host time, forward** (NVIDIA H200" in short and "45.0 us against cuDNN's 22.0." in short
-    listed = short[short.index("- **"):]
-    assert "forward + backward through autograd" not in listed and "causal" not in listed
+    summary = doc[doc.index("## Short of the targets"):doc.index("What holds these back")]
+    assert ("- **Head dim 128**: below FA4, forward: 1 (lowest full 16k 0.92); "
+            "below 92% of full, forward: 1 (lowest shared question 16k 0.90); peak memory: 16k 1096.25 MiB against 1096.") in summary
+    for section in (short, summary):
+        assert "- **Host time, forward** (NVIDIA H200" in section and "45.0 us against cuDNN's 22.0." in section
+        listed = section[section.index("- **"):]
+        assert "forward + backward through autograd" not in listed and "causal" not in listed
+    assert f"| NVIDIA H200, {NOW:%Y-%m-%d}, `{run.commit}` | 45 / 200 | 22 / 250 | — |" in doc
 
 
 def test_a_run_of_some_masks_supersedes_only_those(tmp_path: Path) -> None:
@@ -181,26 +268,28 @@ def test_a_run_of_some_masks_supersedes_only_those(tmp_path: Path) -> None:
 
 def test_irregular_masks_are_held_against_their_full_mask_and_the_flexible_libraries(tmp_path: Path) -> None:
     """An irregular mask has three targets at once: the native peer (FA4) where it has the mask,
-    92% of maskc's own full mask, and 1.15x the fastest of the flexible-mask libraries (FlexAttention
-    on either backend, FA4's mask_mod); the standard masks only the first. The table shows maskc
-    over the fastest flexible library on each line."""
+    92% of maskc's own full mask, and 1.15x the faster of the flexible-mask libraries on FA4's
+    kernels (Flex on FA4, FA4's mask_mod; FlexAttention on Triton sets none); the standard masks
+    only the first. The table shows maskc over the faster flexible library on each line."""
     run = Run.start("kernel", "NVIDIA H100", tmp_path / "a", argv=["bench/kernel.py"], now=NOW)
     case = {"seqlen": 16384, "heads": "64:8", "head_dim": 128, "dtype": "bf16", "direction": "fwd"}
     for mask, impls in (("full", {"maskc": 600.0, "fa4": 600.0, "flex_fa4": 650.0}),
                         ("causal", {"maskc": 600.0, "fa4": 600.0, "fa4_mask_mod": 620.0}),
                         ("varlen_causal", {"maskc": 540.0, "fa4": 530.0, "flex": 300.0, "flex_fa4": 480.0}),
+                        ("varlen_full", {"maskc": 560.0, "fa4": 540.0, "flex": 550.0}),
                         ("shared_question", {"maskc": 560.0, "flex_fa4": 500.0, "fa4_mask_mod": 450.0})):  # fmt: skip
         for impl, tflops in impls.items():
             run.write("kernel", impl=impl, tflops=tflops, mask=mask, **case)
     rows = read_results(tmp_path / "a")
     [line] = report.kernel_shortfalls(rows)
     assert line.endswith("below 92% of full, forward: varlen causal 16k 0.90; "
-                         "below 1.15x the fastest flexible-mask library, forward: varlen causal 16k 1.12, shared question 16k 1.12.")  # fmt: skip
+                         "below 1.15x the faster flexible-mask library, forward: varlen causal 16k 1.12, shared question 16k 1.12.")  # fmt: skip
     assert "below FA4" not in line and " full 16k" not in line and "causal 16k 0.97" not in line
-    doc = report.render(rows)
-    assert "| seqlen | mask | maskc / FA4 | maskc / flexible | maskc / full | maskc | FA4 | FlexAttention | Flex on FA4 | FA4 mask_mod |" in doc
-    assert "| 16k | varlen causal | 1.02 | 1.12 | 0.90 | 540 | 530 | 300 | 480 | — |" in doc
-    assert "| 16k | shared question | — | 1.12 | 0.93 | 560 | — | — | 500 | 450 |" in doc
+    for doc in (report.render(rows), report.render_history(rows)):
+        assert "| seqlen | mask | maskc / FA4 | maskc / flexible | maskc / full | maskc | FA4 | FlexAttention | Flex on FA4 | FA4 mask_mod |" in doc
+        assert "| 16k | varlen causal | 1.02 | 1.12 | 0.90 | 540 | 530 | 300 | 480 | — |" in doc
+        assert "| 16k | shared question | — | 1.12 | 0.93 | 560 | — | — | 500 | 450 |" in doc
+        assert "| 16k | varlen full | 1.04 | — | 0.93 | 560 | 540 | 550 | — | — |" in doc
 
 
 def test_a_run_of_maskc_alone_counts_for_masks_no_peer_has(tmp_path: Path) -> None:
@@ -234,7 +323,7 @@ def test_runs_of_one_day_are_ordered_by_their_start(tmp_path: Path) -> None:
     rows = read_results(tmp_path / "a")
     assert rows[0]["kind"] == "host" and rows[0]["run"] == late.run
     assert report.current_runs(rows, "kernel", report.KERNEL_IMPLS) == [late.run]
-    assert "| 16k | full | 600 |" in report.render(rows)
+    assert "| 16k | full | 600 |" in report.render_history(rows)
 
 
 def test_rows_are_checked_when_written(tmp_path: Path) -> None:
@@ -370,4 +459,4 @@ def test_host_benchmarks_write_their_rows(script: str, args: list[str], kinds: s
     assert {row["bench"] for row in rows} == {script}
     assert len({row["run"] for row in rows}) == 1
     assert rows[0]["command"] == f"python bench/{script}.py {' '.join(args)} --out {tmp_path}"
-    report.render(rows)
+    report.render_pages(rows)
