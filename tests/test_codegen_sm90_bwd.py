@@ -196,10 +196,12 @@ def test_module_constants_describe_the_variant(name):
 
 def rendered_function(source: str, name: str, **names) -> Callable:
     """A top-level function of a rendered module run as plain Python on ints: its decorators
-    dropped, cutlass.min / max the builtins, `names` its other globals."""
+    dropped, cutlass.min / max / range_constexpr the builtins, const_expr the identity, the
+    module's constants and `names` its other globals."""
     node = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name)
     node.decorator_list = []
-    scope = {"cutlass": SimpleNamespace(min=min, max=max), "Int32": int, **names}
+    scope = {"cutlass": SimpleNamespace(min=min, max=max, range_constexpr=range), "const_expr": lambda value: value,
+             "Int32": int, **module_constants(source), **names}  # fmt: skip
     exec(compile(ast.Module(body=[node], type_ignores=[]), name, "exec"), scope)
     return scope[name]
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import re
+import sys
+from pathlib import Path
 
 import jinja2
 
 from maskc.artifact.abi import ENTRY_POINTS, PACE_COUNTERS
-from maskc.artifact.families import DTYPES, SM100, WARPGROUP_ROWS
-from maskc.artifact.variant import KernelVariant
+from maskc.artifact.families import DIRECTIONS, DTYPES, FAMILIES, SM100, WARPGROUP_ROWS
+from maskc.artifact.variant import KernelVariant, variant_for
 
 _DTYPES = {d.name: d for d in DTYPES}
 
@@ -79,3 +81,28 @@ def _tidy(source: str) -> str:
 def render(variant: KernelVariant) -> str:
     """The CuTe-DSL source of `variant` (a Python module defining its entry point, `attn_fwd` or `attn_bwd`)."""
     return _tidy(environment().get_template(template_name(variant)).render(**context(variant)))
+
+
+def reference_variants() -> dict[str, KernelVariant]:
+    """The kernels committed rendered in docs/kernels/ so that they can be read without running
+    the compiler (and a template change shows up as a diff of kernel code), by file name: each
+    family's forward and backward at `maskc compile`'s defaults (heads 64:8, head dim 128, bf16,
+    no options), the plain forward (not tall, no PackGQA) and the masked backward."""
+    variants = {}
+    for family in FAMILIES:
+        for direction in DIRECTIONS:
+            request = {"arch": family.archs[0], "direction": direction, "head_dim": 128, "dtype": "bf16",
+                       "num_heads_q": 64, "num_heads_kv": 8, "portable": family.portable}  # fmt: skip
+            variant = variant_for(request)
+            variants[template_name(variant).removesuffix(".jinja")] = variant
+    return variants
+
+
+def write_references(folder: Path) -> None:
+    """Render every reference variant into `folder` (docs/kernels), one module per file name."""
+    for name, variant in reference_variants().items():
+        (folder / name).write_text(render(variant))
+
+
+if __name__ == "__main__":  # python -m maskc.codegen.render docs/kernels
+    write_references(Path(sys.argv[1]))
