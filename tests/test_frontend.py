@@ -95,7 +95,7 @@ def test_multiline_arguments_and_trailing_commas():
 def test_frontend_import_does_not_pull_lark():
     code = (
         "import sys\n"
-        "import maskc.frontend, maskc.frontend.params, maskc.frontend.family, maskc.frontend.python_front\n"
+        "import maskc.frontend, maskc.frontend.params, maskc.frontend.mask_family, maskc.frontend.python_front\n"
         "import maskc.frontend.lower, maskc.frontend.check, maskc.frontend.emit\n"
         "assert 'lark' not in sys.modules, 'lark imported'\n"
         "maskc.frontend.load('mask m(n: int = 2):\\n    seqlen(n)\\n')\n"

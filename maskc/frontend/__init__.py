@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 from maskc.lazy import lazy_attributes
 
 if TYPE_CHECKING:
-    from maskc.frontend.family import MaskFamily
+    from maskc.frontend.mask_family import MaskFamily
 
 _LAZY = {
-    "MaskFamily": "maskc.frontend.family",
+    "MaskFamily": "maskc.frontend.mask_family",
     "Param": "maskc.frontend.params",
     "DocList": "maskc.frontend.params",
     "Range": "maskc.frontend.params",

@@ -8,24 +8,11 @@ errors that depend on values.
 from __future__ import annotations
 
 import difflib
-import enum
-from dataclasses import dataclass
 
 from maskc.errors import MaskSemanticError
 from maskc.frontend import syntax as s
+from maskc.frontend.builtins import BUILTINS, Builtin, T
 from maskc.frontend.params import PARAM_KINDS
-
-
-class T(enum.Enum):
-    """Static types of expressions."""
-
-    INT = "int"
-    BOOL = "bool"
-    RANGE = "range"
-    DOCS = "document list"
-    CHUNKS = "chunks(...)"
-    SEQ = "range(...)"
-
 
 PARAM_TYPES = {"int": T.INT, "seqlens": T.DOCS, "cu_seqlens": T.DOCS}
 # What a `for` loop over each iterable type binds its variable to.
@@ -33,46 +20,19 @@ ELEMENT = {T.DOCS: T.RANGE, T.CHUNKS: T.RANGE, T.SEQ: T.INT}
 ATTRIBUTES = {T.RANGE: ("start", "end", "len"), T.DOCS: ("start", "end", "len", "count")}
 
 
-@dataclass(frozen=True)
-class Builtin:
-    """A builtin's parameters (the first `required` must be given); `returns` None means a statement."""
-
-    params: tuple[tuple[str, T], ...]
-    required: int
-    returns: T | None
-    positional_only: bool = False
-    variadic: bool = False
-
-
-_QK = (("q", T.RANGE), ("k", T.RANGE))
-BUILTINS: dict[str, Builtin] = {
-    "seqlen": Builtin((("q", T.INT), ("k", T.INT)), 1, None),
-    "full": Builtin(_QK, 2, None),
-    "causal": Builtin(_QK, 2, None),
-    "inv_causal": Builtin(_QK, 2, None),
-    "bi_causal": Builtin(_QK, 2, None),
-    "band": Builtin((*_QK, ("left", T.INT), ("right", T.INT)), 2, None),
-    "prefix_lm": Builtin((("seq", T.RANGE), ("prefix", T.INT)), 2, None),
-    "chunks": Builtin((("seq", T.RANGE), ("size", T.INT)), 2, T.CHUNKS),
-    "range": Builtin((("start", T.INT), ("stop", T.INT), ("step", T.INT)), 1, T.SEQ, positional_only=True),
-    "min": Builtin((("a", T.INT), ("b", T.INT)), 2, T.INT, positional_only=True, variadic=True),
-    "max": Builtin((("a", T.INT), ("b", T.INT)), 2, T.INT, positional_only=True, variadic=True),
-}
-
-
 def semantic_error(source: str, pos: s.Pos, message: str) -> MaskSemanticError:
     return MaskSemanticError(message, source=source, line=pos.line, column=pos.column)
 
 
-def bind(call: s.Call, source: str) -> dict[str, s.Expr]:
+def _bind(call: s.Call, source: str) -> dict[str, s.Expr]:
     """Arguments of a call to a keyword-capable builtin, by parameter name."""
     spec = BUILTINS[call.func]
-    names = [name for name, _ in spec.params]
+    names = spec.names
     if len(call.args) > len(names):
         raise semantic_error(
             source, call.pos, f"{call.func}() takes at most {len(names)} arguments ({len(call.args)} given)"
         )
-    bound = dict(zip(names, call.args))
+    bound = dict(zip(spec.positional(len(call.args)), call.args))
     for kw in call.kwargs:
         if kw.name not in names:
             raise semantic_error(
@@ -81,7 +41,7 @@ def bind(call: s.Call, source: str) -> dict[str, s.Expr]:
         if kw.name in bound:
             raise semantic_error(source, kw.pos, f"{call.func}() got two values for {kw.name!r}")
         bound[kw.name] = kw.value
-    missing = [name for name in names[: spec.required] if name not in bound]
+    missing = [a.name for a in spec.args if a.default is None and a.name not in bound]
     if missing:
         raise semantic_error(
             source, call.pos, f"{call.func}() is missing {missing[0]!r}; its parameters are {', '.join(names)}"
@@ -175,12 +135,12 @@ class _MaskChecker:
         if spec.returns is not None:
             use = "iterate over it in a for loop" if spec.returns in ELEMENT else "assign it to a name"
             raise self.error(call.pos, f"{call.func}() returns a value that is not used; {use}")
-        if call.func == "seqlen":
+        if spec.once:
             if len(self.scopes) > 1:
-                raise self.error(call.pos, "seqlen() must be at the top level of the mask body, not inside for/if")
+                raise self.error(call.pos, f"{call.func}() must be at the top level of the mask body, not inside for/if")
             if self.seqlen_at is not None:
                 raise self.error(
-                    call.pos, f"seqlen() is called twice (first at line {self.seqlen_at.line}); call it exactly once"
+                    call.pos, f"{call.func}() is called twice (first at line {self.seqlen_at.line}); call it exactly once"
                 )
             self.seqlen_at = call.pos
         self.arguments(call, spec)
@@ -308,13 +268,14 @@ class _MaskChecker:
 
     def arguments(self, call: s.Call, spec: Builtin) -> None:
         if not spec.positional_only:
-            for name, value in bind(call, self.source).items():
-                self.expect(value, dict(spec.params)[name], f"{call.func}() argument {name!r}")
+            types = {a.name: a.type for a in spec.args}
+            for name, value in _bind(call, self.source).items():
+                self.expect(value, types[name], f"{call.func}() argument {name!r}")
             return
         if call.kwargs:
             raise self.error(call.kwargs[0].pos, f"{call.func}() takes no keyword arguments")
         n = len(call.args)
-        most = None if spec.variadic else len(spec.params)
+        most = None if spec.variadic else len(spec.args)
         if n < spec.required or (most is not None and n > most):
             want = f"at least {spec.required}" if most is None else f"{spec.required} to {most}"
             raise self.error(call.pos, f"{call.func}() takes {want} arguments ({n} given)")

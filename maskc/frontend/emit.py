@@ -46,10 +46,19 @@ def check_rows(counts: np.ndarray, where: str) -> np.ndarray:
 
 @dataclass
 class SliceBuffer:
-    """Collects emitted slices as arrays, each batch tagged with its call site for later errors."""
+    """Collects the sequence lengths and the emitted slices as arrays, each batch tagged with its
+    call site for later errors."""
 
     _batches: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
     _count: int = 0
+    seqlen: tuple[int, int] | None = None
+    seqlen_site: str = ""
+
+    def declare_seqlen(self, q: int, k: int, where: str) -> None:
+        """Fix the mask's size; once per mask."""
+        if self.seqlen is not None:
+            raise MaskError(f"{where}: seqlen() called twice (first at {self.seqlen_site})")
+        self.seqlen, self.seqlen_site = (q, k), where
 
     def add(self, kind: str, q: RangeArrays, k: RangeArrays, where: str) -> None:
         """Emit one primitive slice per row of the (broadcast) q and k range arrays."""
@@ -85,8 +94,10 @@ class SliceBuffer:
         self.add("full", (s, p), (s, p), where)
         self.add("causal", (p, e), (s, e), where)
 
-    def build(self, seqlen_q: int, seqlen_k: int, where: str) -> Mask:
-        """Check every batch against the sequence lengths and build the Mask."""
+    def build(self) -> Mask:
+        """Check every batch against the declared sequence lengths and build the Mask."""
+        assert self.seqlen is not None, "the fronts make sure seqlen() was called"
+        (seqlen_q, seqlen_k), where = self.seqlen, self.seqlen_site
         for name, value in (("q", seqlen_q), ("k", seqlen_k)):
             if value < 0:
                 raise MaskError(f"{where}: {name} must be >= 0, got {value}")

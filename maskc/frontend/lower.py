@@ -5,6 +5,7 @@ batch of one row; a `for` builds a child batch with one row per (parent row, ele
 an `if` runs its body on the rows where the condition holds. Every value is a numpy array
 with one entry per row, so a loop over thousands of documents costs a handful of numpy
 calls, and emitting statements hand whole arrays of slices to the shared SliceBuffer.
+Built-in calls run through their entries in maskc/frontend/builtins.py, as the Python front's do.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import numpy as np
 
 from maskc.errors import MaskError
 from maskc.frontend import syntax as s
-from maskc.frontend.check import bind
-from maskc.frontend.emit import SliceBuffer, check_rows, split_chunks
+from maskc.frontend.builtins import BUILTINS, Chunks, Seq
+from maskc.frontend.emit import SliceBuffer, check_rows
 from maskc.frontend.params import DocList, ParamValue
 from maskc.ir import Mask
 from maskc.ir.slices import ragged_expand
@@ -47,31 +48,7 @@ class DocsV:
         return DocsV(self.bounds, self.lo[index], self.hi[index])
 
 
-@dataclass(frozen=True, eq=False)
-class ChunksV:
-    """`chunks(range, size)` per row, expanded only when iterated."""
-
-    start: np.ndarray
-    end: np.ndarray
-    size: np.ndarray
-
-    def take(self, index: np.ndarray) -> ChunksV:
-        return ChunksV(self.start[index], self.end[index], self.size[index])
-
-
-@dataclass(frozen=True, eq=False)
-class SeqV:
-    """`range(start, stop, step)` per row."""
-
-    start: np.ndarray
-    stop: np.ndarray
-    step: np.ndarray
-
-    def take(self, index: np.ndarray) -> SeqV:
-        return SeqV(self.start[index], self.stop[index], self.step[index])
-
-
-Value = Union[np.ndarray, RangeV, DocsV, ChunksV, SeqV]
+Value = Union[np.ndarray, RangeV, DocsV, Chunks, Seq]
 
 
 class Frame:
@@ -111,8 +88,7 @@ def lower_mask(mask: s.MaskDef, source: str, values: Mapping[str, ParamValue]) -
             top.vars[name] = np.array([value], dtype=np.int64)
     run = _Lowering(mask.name, source)
     run.block(mask.body, top)
-    assert run.seqlen is not None, "the checker guarantees one top-level seqlen()"
-    return run.buffer.build(*run.seqlen, run.seqlen_site)
+    return run.buffer.build()
 
 
 def constant(expr: s.Expr, source: str, mask_name: str) -> int | tuple[int, ...]:
@@ -128,8 +104,6 @@ class _Lowering:
         self.mask_name = mask_name
         self.source = source
         self.buffer = SliceBuffer()
-        self.seqlen: tuple[int, int] | None = None
-        self.seqlen_site = ""
 
     def where(self, pos: s.Pos, func: str | None = None) -> str:
         site = f"{self.source}:{pos.line}:{pos.column}: in mask {self.mask_name!r}"
@@ -175,23 +149,7 @@ class _Lowering:
             raise self.fail(stmt.pos, f"assertion failed: {stmt.message}" if stmt.message else "assertion failed")
 
     def stmt_call(self, stmt: s.CallStmt, frame: Frame) -> None:
-        call = stmt.call
-        args = {name: self.eval(value, frame) for name, value in bind(call, self.source).items()}
-        where = self.where(call.pos, call.func)
-        if call.func == "seqlen":
-            q = int(args["q"][0])
-            self.seqlen = (q, int(args["k"][0]) if "k" in args else q)
-            self.seqlen_site = where
-        elif call.func == "band":
-            zero = np.zeros(1, np.int64)
-            q, k = args["q"], args["k"]
-            self.buffer.band((q.start, q.end), (k.start, k.end), args.get("left", zero), args.get("right", zero), where)
-        elif call.func == "prefix_lm":
-            seq = args["seq"]
-            self.buffer.prefix_lm((seq.start, seq.end), args["prefix"], where)
-        else:
-            q, k = args["q"], args["k"]
-            self.buffer.add(call.func, (q.start, q.end), (k.start, k.end), where)
+        self.expr_call(stmt.call, frame)
 
     # Iteration: (parent row of each element, the elements).
 
@@ -200,12 +158,11 @@ class _Lowering:
             parent, local = ragged_expand(check_rows(it.hi - it.lo, self.where(pos)))
             doc = it.lo[parent] + local
             return parent, RangeV(it.bounds[doc], it.bounds[doc + 1])
-        if isinstance(it, ChunksV):
-            parent, starts, ends = split_chunks(it.start, it.end, it.size, self.where(pos, "chunks"))
+        if isinstance(it, Chunks):
+            parent, starts, ends = it.expand(self.where(pos, "chunks"))
             return parent, RangeV(starts, ends)
-        assert isinstance(it, SeqV)
-        parent, local = ragged_expand(check_rows(np.maximum(0, -((it.start - it.stop) // it.step)), self.where(pos)))
-        return parent, it.start[parent] + local * it.step[parent]
+        assert isinstance(it, Seq)
+        return it.expand(self.where(pos))
 
     # Expressions: each returns one value per row of the frame.
 
@@ -299,19 +256,15 @@ class _Lowering:
         return out
 
     def expr_call(self, e: s.Call, frame: Frame) -> Value:
-        if e.func in ("min", "max"):
-            args = [self.eval(a, frame) for a in e.args]
-            return (np.minimum if e.func == "min" else np.maximum).reduce(args)
-        if e.func == "range":
-            args = [self.eval(a, frame) for a in e.args]
-            if len(args) == 1:
-                args.insert(0, np.zeros(frame.size, np.int64))
-            step = args[2] if len(args) == 3 else np.ones(frame.size, np.int64)
-            if not step.all():
-                raise self.fail(e.pos, "range() step must not be 0")
-            return SeqV(args[0], args[1], step)
-        args = {name: self.eval(value, frame) for name, value in bind(e, self.source).items()}
-        return ChunksV(args["seq"].start, args["seq"].end, args["size"])
+        """A built-in through its table entry: arguments in parameter order, defaults filled in."""
+        spec = BUILTINS[e.func]
+        args = [self.eval(a, frame) for a in e.args]
+        kwargs = {kw.name: self.eval(kw.value, frame) for kw in e.kwargs}
+        values = spec.arrange(args, kwargs, lambda c: np.full(frame.size, c, dtype=np.int64))
+        if spec.once:
+            values = [int(v[0]) for v in values]
+        plain = [(v.start, v.end) if isinstance(v, RangeV) else v for v in values]
+        return spec.lower(self.buffer, self.where(e.pos, e.func), *plain)
 
 
 _ARITHMETIC: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {

@@ -15,8 +15,9 @@ from typing import Any, Callable, Iterator, Mapping, Union
 import numpy as np
 
 from maskc.errors import MaskcError, MaskError, MaskParamError
-from maskc.frontend.emit import SliceBuffer, split_chunks
-from maskc.frontend.family import MaskFamily
+from maskc.frontend.builtins import BUILTINS, Chunks, T
+from maskc.frontend.emit import SliceBuffer
+from maskc.frontend.mask_family import MaskFamily
 from maskc.frontend.params import (
     CuSeqLens,
     DocList,
@@ -59,61 +60,62 @@ IntLike = Union[int, np.ndarray]
 
 
 class Builder:
-    """Collects the slices of one lowering; every range argument may also be arrays of ranges."""
+    """Collects the slices of one lowering; every range argument may also be arrays of ranges.
+
+    Its methods are the DSL's built-ins (maskc/frontend/builtins.py), with their parameters;
+    an optional one left out or None takes the table's default.
+    """
 
     def __init__(self, mask_name: str):
         self._name = mask_name
         self._buffer = SliceBuffer()
-        self._seqlen: tuple[int, int] | None = None
-        self._seqlen_site = ""
 
     def seqlen(self, q: int, k: int | None = None) -> None:
         """Declare seqlen_q (and seqlen_k, which defaults to it); exactly once per mask."""
-        where = self._where("seqlen")
-        if self._seqlen is not None:
-            raise MaskError(f"{where}: seqlen() called twice (first at {self._seqlen_site})")
-        self._seqlen = (_as_int(q, "q", where), _as_int(q if k is None else k, "k", where))
-        self._seqlen_site = where
+        self._call("seqlen", q=q, k=k)
 
     def full(self, q: RangeLike, k: RangeLike) -> None:
-        self._primitive("full", q, k)
+        self._call("full", q=q, k=k)
 
     def causal(self, q: RangeLike, k: RangeLike) -> None:
-        self._primitive("causal", q, k)
+        self._call("causal", q=q, k=k)
 
     def inv_causal(self, q: RangeLike, k: RangeLike) -> None:
-        self._primitive("inv_causal", q, k)
+        self._call("inv_causal", q=q, k=k)
 
     def bi_causal(self, q: RangeLike, k: RangeLike) -> None:
-        self._primitive("bi_causal", q, k)
+        self._call("bi_causal", q=q, k=k)
 
-    def band(self, q: RangeLike, k: RangeLike, left: IntLike = 0, right: IntLike = 0) -> None:
+    def band(self, q: RangeLike, k: RangeLike, left: IntLike | None = None, right: IntLike | None = None) -> None:
         """Sliding window: `left` keys before and `right` after the bottom-right aligned diagonal."""
-        where = self._where("band")
-        q_r, k_r = _as_ranges(q, "q", where), _as_ranges(k, "k", where)
-        self._buffer.band(q_r, k_r, _as_ints(left, "left", where), _as_ints(right, "right", where), where)
+        self._call("band", q=q, k=k, left=left, right=right)
 
     def prefix_lm(self, seq: RangeLike, prefix: IntLike) -> None:
         """The first `prefix` tokens of `seq` see each other fully, the rest are causal over `seq`."""
-        where = self._where("prefix_lm")
-        self._buffer.prefix_lm(_as_ranges(seq, "seq", where), _as_ints(prefix, "prefix", where), where)
+        self._call("prefix_lm", seq=seq, prefix=prefix)
 
-    def chunks(self, r: RangeLike, size: IntLike) -> Ranges:
+    def chunks(self, seq: RangeLike, size: IntLike) -> Ranges:
         """Consecutive `size`-token pieces of each range (the last one shorter)."""
-        where = self._where("chunks")
-        starts, ends = _as_ranges(r, "r", where)
-        owner, cstarts, cends = split_chunks(starts, ends, _as_ints(size, "size", where), where)
-        return Ranges(cstarts, cends, owner)
+        return self._call("chunks", seq=seq, size=size)
 
     def finish(self) -> Mask:
         """The Mask of everything emitted so far (called by the family after the function ran)."""
-        if self._seqlen is None:
+        if self._buffer.seqlen is None:
             raise MaskError(f"mask {self._name!r} never called seqlen(); every mask must declare its sequence lengths")
-        return self._buffer.build(*self._seqlen, self._seqlen_site)
+        return self._buffer.build()
 
-    def _primitive(self, kind: str, q: RangeLike, k: RangeLike) -> None:
-        where = self._where(kind)
-        self._buffer.add(kind, _as_ranges(q, "q", where), _as_ranges(k, "k", where), where)
+    def _call(self, name: str, **given: Any) -> Any:
+        """Run built-in `name` on the given values (None: not given) converted to its parameter types."""
+        spec = BUILTINS[name]
+        where = self._where(name)
+        values = spec.arrange((), {n: v for n, v in given.items() if v is not None}, lambda c: c)
+        convert = {T.RANGE: _as_ranges, T.INT: _as_int if spec.once else _as_ints}
+        plain = [convert[a.type](v, a.name, where) for a, v in zip(spec.args, values)]
+        result = spec.lower(self._buffer, where, *plain)
+        if isinstance(result, Chunks):
+            owner, starts, ends = result.expand(where)
+            return Ranges(starts, ends, owner)
+        return result
 
     def _where(self, method: str) -> str:
         """The user's call site: the innermost frame outside this module."""
