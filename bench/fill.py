@@ -25,10 +25,10 @@ from kernel import HKV, HQ, MASKS, build_masks, parse_heads  # noqa: E402
 
 import torch  # noqa: E402
 
-from maskc.artifact.families import HEAD_DIMS, HeadDim  # noqa: E402
+from maskc.artifact.kernel_families import HEAD_DIMS, HeadDim  # noqa: E402
 from maskc.ir import Mask  # noqa: E402
 from maskc.ir.schedule import Schedule, build_forward_schedule, transposed_schedule  # noqa: E402
-from maskc.runtime import plan  # noqa: E402
+from maskc.runtime import call_plan  # noqa: E402
 
 #: The GPU the kernels are planned for: an H100 / H200 (sm_90a, 132 SMs).
 CAPABILITY, NUM_SMS = (9, 0), 132
@@ -39,16 +39,16 @@ def kept_share(mask: Mask, schedule: Schedule) -> float:
     return mask.area() / (int(schedule.blocks_per_item().sum()) * schedule.tile_m * schedule.tile_n)
 
 
-def target(head_dim: HeadDim, heads: tuple[int, int] = (HQ, HKV)) -> plan.Target:
+def target(head_dim: HeadDim, heads: tuple[int, int] = (HQ, HKV)) -> call_plan.Target:
     """The calls the table is for: bf16 `heads` of `head_dim`, no options."""
-    return plan.make_target(CAPABILITY, NUM_SMS, torch.bfloat16, *heads, head_dim, False, False, False, None, False)
+    return call_plan.make_target(CAPABILITY, NUM_SMS, torch.bfloat16, *heads, head_dim, False, False, False, None, False)
 
 
-def schedule(mask: Mask, target: plan.Target, request: dict) -> Schedule:
-    """The schedule of the kernel the runtime picks for `request` (`plan.forward_requests` or
-    `plan.backward_requests`), with its launch shape (tokens a tile under PackGQA) and its tiles
+def schedule(mask: Mask, target: call_plan.Target, request: dict) -> Schedule:
+    """The schedule of the kernel the runtime picks for `request` (`call_plan.forward_requests` or
+    `call_plan.backward_requests`), with its launch shape (tokens a tile under PackGQA) and its tiles
     per document."""
-    shape = plan.launch_shape_of(target, request)
+    shape = call_plan.launch_shape_of(target, request)
     if request["direction"] == "bwd":
         return transposed_schedule(mask, shape.tile_m, shape.tile_n, key_documents=shape.document_tiles,
                                    query_documents=shape.document_tiles)  # fmt: skip
@@ -73,7 +73,7 @@ def main() -> None:
             cells = []
             for t in targets.values():
                 fwd, bwd = (kept_share(mask, schedule(mask, t, requests(mask, t)[0]))
-                            for requests in (plan.forward_requests, plan.backward_requests))  # fmt: skip
+                            for requests in (call_plan.forward_requests, call_plan.backward_requests))  # fmt: skip
                 cells.append(f"{fwd:.3f} / {bwd:.3f}")
             print(f"| {seqlen} | {name} | " + " | ".join(cells) + " |", flush=True)
 

@@ -33,7 +33,7 @@ from kernel import D, HOST_TOKENS, HostCall, host_calls, host_times_us, inputs, 
 from report import markdown_table
 
 import maskc
-from maskc.artifact.families import HeadDim
+from maskc.artifact.kernel_families import HeadDim
 
 PASSES = {"fwd": False, "fwd+bwd": True}
 

@@ -36,7 +36,7 @@ import torch
 import maskc
 from maskc.artifact.abi import ENTRY_POINTS
 from maskc.artifact.variant import variant_for
-from maskc.runtime import launch, ops, plan, registry
+from maskc.runtime import call_plan, launch, ops, registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -71,7 +71,7 @@ def stubbed_gpu() -> ExitStack:
     """A context in which CPU calls of `maskc.attention` run the CUDA path on a stubbed SM90 GPU."""
     stack = ExitStack()
     for target, name, value in (
-        (plan, "device_info", lambda device: SM90),
+        (call_plan, "device_info", lambda device: SM90),
         (ops, "_stream", lambda device: 0),
         (torch.cuda, "is_current_stream_capturing", lambda: False),
         (ops, "attn_fwd_cpu", ops.attn_fwd_cuda),

@@ -59,10 +59,10 @@ from record import HOST_IMPLS, HOST_PASSES, RESULTS, Run
 from report import kernel_tables, markdown_table
 
 import maskc
-from maskc.artifact.families import HeadDim
+from maskc.artifact.kernel_families import HeadDim
 from maskc.frontend import load
 from maskc.ir import Mask
-from maskc.runtime.plan import TORCH_DTYPES
+from maskc.runtime.call_plan import TORCH_DTYPES
 
 HQ, HKV = 64, 8
 #: The head dim of the host time (and of bench/dist.py).

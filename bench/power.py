@@ -36,7 +36,7 @@ from kernel import parse_head_dims, parse_heads  # noqa: E402
 from report import markdown_table  # noqa: E402
 
 import maskc  # noqa: E402
-from maskc.artifact.families import HeadDim  # noqa: E402
+from maskc.artifact.kernel_families import HeadDim  # noqa: E402
 
 SEQLEN = 16384
 #: nvidia-smi's query: one line every SAMPLE_MS of time, SM clock (MHz), power (W).

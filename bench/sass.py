@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from kernel import parse_head_dims, parse_heads  # noqa: E402
 from report import markdown_table  # noqa: E402
 
-from maskc.artifact.families import HeadDim  # noqa: E402
+from maskc.artifact.kernel_families import HeadDim  # noqa: E402
 from maskc.errors import MaskcError  # noqa: E402
 
 #: Opcodes (without modifiers) the loop table counts, by column title.

@@ -39,11 +39,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import maskc  # noqa: E402
-from maskc.artifact.families import HeadDim  # noqa: E402
+from maskc.artifact.kernel_families import HeadDim  # noqa: E402
 from maskc.frontend import load  # noqa: E402
 from maskc.ir import Mask  # noqa: E402
 from maskc.runtime import masks as runtime_masks  # noqa: E402
-from maskc.runtime import plan  # noqa: E402
+from maskc.runtime import call_plan  # noqa: E402
 
 from common import sample_doc_lengths  # noqa: E402
 from record import RESULTS, Run, cpu_device  # noqa: E402
@@ -54,7 +54,7 @@ CASES = {
     "128k": ("128k tokens, 100 documents", 1 << 17, 100, 1.0),
     "1m": ("1M tokens, 4,000 documents", 1 << 20, 4000, 10.0),
 }
-TARGET = plan.make_target((9, 0), 132, torch.bfloat16, 64, 8, HeadDim(128, 128), False, False, False, None, False)
+TARGET = call_plan.make_target((9, 0), 132, torch.bfloat16, 64, 8, HeadDim(128, 128), False, False, False, None, False)
 TARGET_NAME = "H100/H200 target: sm_90a, 132 SMs, 64:8 heads, d=128, bf16"
 
 
@@ -76,18 +76,18 @@ def fresh(mask: Mask) -> Mask:
 
 
 def forward_decisions(mask: Mask) -> Any:
-    return plan.launch_shape_of(TARGET, plan.forward_requests(mask, TARGET)[0])
+    return call_plan.launch_shape_of(TARGET, call_plan.forward_requests(mask, TARGET)[0])
 
 
 def backward_decisions(mask: Mask) -> Any:
-    return plan.launch_shape_of(TARGET, plan.backward_requests(mask, TARGET)[0])
+    return call_plan.launch_shape_of(TARGET, call_plan.backward_requests(mask, TARGET)[0])
 
 
 def plan_inline(mask: Mask) -> None:
     """What the op plans for a new mask: both directions' decisions and schedules (as
     `maskc.prepare` calls them, without encoding the plan)."""
-    plan.forward_schedule(mask, forward_decisions(mask), TARGET.num_sms)
-    plan.backward_schedule(mask, backward_decisions(mask), TARGET.num_sms)
+    call_plan.forward_schedule(mask, forward_decisions(mask), TARGET.num_sms)
+    call_plan.backward_schedule(mask, backward_decisions(mask), TARGET.num_sms)
 
 
 def in_step(prepared: maskc.PreparedMask) -> Mask:
@@ -118,9 +118,9 @@ def measure_mask(mask: Mask, build: Callable[[], Mask], runs: int) -> tuple[dict
     times = {
         "build": measure(lambda: None, lambda _: build(), runs),
         "fwd dec": measure(lambda: fresh(mask), forward_decisions, runs),
-        "fwd sch": measure(decided(forward_decisions), lambda x: plan.forward_schedule(*x, TARGET.num_sms), runs),
+        "fwd sch": measure(decided(forward_decisions), lambda x: call_plan.forward_schedule(*x, TARGET.num_sms), runs),
         "bwd dec": measure(lambda: fresh(mask), backward_decisions, runs),
-        "bwd sch": measure(decided(backward_decisions), lambda x: plan.backward_schedule(*x, TARGET.num_sms), runs),
+        "bwd sch": measure(decided(backward_decisions), lambda x: call_plan.backward_schedule(*x, TARGET.num_sms), runs),
         "inline": measure(lambda: fresh(mask), plan_inline, runs),
         "prepare": measure(lambda: fresh(mask), lambda m: maskc.prepare(m, TARGET), runs),
     }
@@ -134,7 +134,7 @@ def measure_mask(mask: Mask, build: Callable[[], Mask], runs: int) -> tuple[dict
     reference = fresh(mask)
     plan_inline(reference)
     for key, value in reference.memo.items():
-        if isinstance(value, plan.HostSchedule):
+        if isinstance(value, call_plan.HostSchedule):
             assert torch.equal(check.memo[key].flat, value.flat), key
     return times, len(blob)
 

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from maskc.artifact import families  # noqa: E402
-from maskc.artifact.families import HeadDim, Tiles  # noqa: E402
+from maskc.artifact import kernel_families  # noqa: E402
+from maskc.artifact.kernel_families import HeadDim, Tiles  # noqa: E402
 from maskc.artifact.variant import KernelVariant  # noqa: E402
 from maskc.errors import VariantError  # noqa: E402
 
@@ -53,7 +53,7 @@ def build(out: Path, head_dim: HeadDim, direction: str, shapes: list[Tiles]) -> 
     swapped for the shape while its kernels compile (the table is the one place tiles live)."""
     from maskc.cli import main
 
-    kernel = families.SM90.kernel(direction)
+    kernel = kernel_families.SM90.kernel(direction)
     own = kernel.tiles[head_dim]
     dirs = []
     for tiles in [own, *(t for t in shapes if t != own)]:

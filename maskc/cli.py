@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 import maskc
-from maskc.artifact import families
+from maskc.artifact import kernel_families
 from maskc.errors import MaskcError, MaskParamError
 from maskc.lazy import optional_imports
 
@@ -162,8 +162,8 @@ def _csv(kind: type, what: str, choices: Sequence | None = None):
 def _arch_help() -> str:
     """The archs of the kernel families table, each with the kernels it gets."""
     own = [f"{a} ({'the portable kernels and its own, experimental' if f.experimental else 'its own kernels'})"
-           for a in families.ARCH_NAMES if (f := families.native_family(a)) is not None]  # fmt: skip
-    portable = [a for a in families.ARCH_NAMES if families.native_family(a) is None]
+           for a in kernel_families.ARCH_NAMES if (f := kernel_families.native_family(a)) is not None]  # fmt: skip
+    portable = [a for a in kernel_families.ARCH_NAMES if kernel_families.native_family(a) is None]
     return f"target archs: {', '.join(own)}, {', '.join(portable)} (the portable kernels only); default: sm_90a"
 
 
@@ -290,13 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(without it, a DIR holding another artifact is refused)",
     )  # fmt: skip
     kernel = comp.add_argument_group("kernels (compiled ahead of time; no GPU needed)")
-    kernel.add_argument("--arch", type=_csv(str, "archs", families.ARCH_NAMES), default=["sm_90a"], help=_arch_help())
-    head_dims, dtypes = ",".join(map(str, families.HEAD_DIMS)), ",".join(families.DTYPE_NAMES)
-    kernel.add_argument("--head-dim", type=_csv(families.HeadDim.parse, "head dims (D, or QK/V like 192/128)",
-                        families.HEAD_DIMS), default=[families.HeadDim(128, 128)],
+    kernel.add_argument("--arch", type=_csv(str, "archs", kernel_families.ARCH_NAMES), default=["sm_90a"], help=_arch_help())
+    head_dims, dtypes = ",".join(map(str, kernel_families.HEAD_DIMS)), ",".join(kernel_families.DTYPE_NAMES)
+    kernel.add_argument("--head-dim", type=_csv(kernel_families.HeadDim.parse, "head dims (D, or QK/V like 192/128)",
+                        kernel_families.HEAD_DIMS), default=[kernel_families.HeadDim(128, 128)],
                         help=f"head dims among {head_dims} (QK/V: q and k QK, v V; default: 128)")  # fmt: skip
     kernel.add_argument("--heads", type=_csv(_heads, "HQ:HKV pairs"), default=[(64, 8)], help="query:kv heads, e.g. 64:8,8:8 (default: 64:8)")
-    kernel.add_argument("--dtype", type=_csv(str, "dtypes", families.DTYPE_NAMES), default=["bf16"],
+    kernel.add_argument("--dtype", type=_csv(str, "dtypes", kernel_families.DTYPE_NAMES), default=["bf16"],
                         help=f"dtypes among {dtypes} (default: bf16)")  # fmt: skip
     kernel.add_argument("--softcap", action="store_true", help="variants with logit softcapping")
     kernel.add_argument("--sink", action="store_true", help="variants with attention sinks")

@@ -1,10 +1,10 @@
 """Loading and running compiled artifacts; needs torch only (no lark, jinja2 or DSL compiler).
 
 `registry` holds the kernels (registered from artifact directories, or compiled on first use
-through the kernel source `import maskc` registers), `plan` decides a call's kernels and
-schedules, `prepared` does that ahead of time (`maskc.prepare`), `masks` finds a call's mask
-from the tensors the ops get, `ops` runs the attention as torch custom ops, `api` is
-`maskc.attention`; `launch` runs exported objects through the DSL's runtime library, `load`
+through the kernel source `import maskc` registers), `call_plan` decides one call's kernels and
+schedules on one GPU, `prepared` does that ahead of time (`maskc.prepare`), `masks` finds a
+call's mask from the tensors the ops get, `ops` runs the attention as torch custom ops, `api`
+is `maskc.attention`; `launch` runs exported objects through the DSL's runtime library, `load`
 reads an artifact's masks.
 """
 

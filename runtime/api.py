@@ -5,20 +5,20 @@ Kernels come from artifact directories (`maskc.runtime.register_artifact`) or, w
 compiler is installed, are compiled on first use into the content-addressed cache
 (`maskc.runtime.registry`). The mask reaches the ops as tensors, so under torch.compile a new
 mask every step compiles nothing; what it decides (GQA strategy, kernels, schedules) is
-planned inside the op (`maskc.runtime.plan`), or ahead of time by `maskc.prepare`.
+planned inside the op (`maskc.runtime.call_plan`), or ahead of time by `maskc.prepare`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from maskc.artifact.families import HEAD_DIMS, HeadDim
+from maskc.artifact.kernel_families import HEAD_DIMS, HeadDim
 from maskc.errors import MaskcError, MaskError
 from maskc.ir import Mask
 from maskc.reference import AttentionMeta, check_attention_tensors, check_mask_lengths
 from maskc.runtime import ops
 from maskc.runtime.ops import Options
-from maskc.runtime.plan import TORCH_DTYPES, check_options, plan_backward, plan_forward
+from maskc.runtime.call_plan import TORCH_DTYPES, check_options, plan_backward, plan_forward
 from maskc.runtime.masks import PositionMask
 from maskc.runtime.prepared import PreparedMask
 

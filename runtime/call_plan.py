@@ -1,8 +1,9 @@
-"""Planning a call: everything its mask and its `Target` (GPU, shapes, options) decide: the
-GQA strategy, the kernels, their schedules and grid sizes. The decisions and host schedules
-are cached in the mask's memo under keys of plain values, so `maskc.prepare` can compute them
-ahead of time (in a DataLoader worker) and hand them over; the kernels and device copies are
-found per process and device."""
+"""Planning one call on one GPU: everything its mask and its `Target` (GPU, shapes, options)
+decide: the kernel family, the GQA strategy, the kernels, their schedules and grid sizes. The
+decisions and host schedules are cached in the mask's memo under keys of plain values, so
+`maskc.prepare` can compute them ahead of time (in a DataLoader worker) and hand them over; the
+kernels and device copies are found per process and device. (A context-parallel plan over many
+GPUs is `maskc.dist.plan`'s `Plan`.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 
 from maskc.artifact.abi import BACKWARD_ABI, TensorArg
-from maskc.artifact.families import (
+from maskc.artifact.kernel_families import (
     ARCHS,
     DTYPES,
     HeadDim,

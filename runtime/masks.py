@@ -24,7 +24,7 @@ from maskc.ir import Mask
 from maskc.ir.mask import window_band
 from maskc.runtime import plan_records
 from maskc.runtime.prepared import PreparedMask
-from maskc.runtime.plan import memoized
+from maskc.runtime.call_plan import memoized
 
 _BY_CONTENT: OrderedDict[bytes, Mask] = OrderedDict()
 """Masks by table content, for a table tensor that reaches an op as another tensor object than

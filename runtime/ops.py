@@ -6,7 +6,7 @@ The mask reaches the ops as data: its table (`Mask.table`) or position ids (`Pos
 a prepared plan (`maskc.prepare`) and a batch's padding mask are tensor arguments, and only
 the call's options are constants. A compiled graph is therefore specialised to shapes and
 options, never to a mask: each call plans its
-mask inside the op (`maskc.runtime.plan`, cached on the mask, which is found again from its
+mask inside the op (`maskc.runtime.call_plan`, cached on the mask, which is found again from its
 table by every layer and by the backward: `maskc.runtime.masks`). On CUDA the ops launch
 maskc's kernels; on the CPU they compute the reference attention (`maskc.reference`), so a
 model runs, and can be tested, anywhere. Eager calls run the same implementations without the
@@ -24,10 +24,10 @@ import torch
 
 import maskc.reference as reference
 from maskc.artifact.abi import PACE_COUNTERS
-from maskc.artifact.families import HeadDim, backward_warpgroups
+from maskc.artifact.kernel_families import HeadDim, backward_warpgroups
 from maskc.ir import Mask
-from maskc.runtime import masks, plan
-from maskc.runtime.plan import Launch, Target, schedule_views
+from maskc.runtime import call_plan, masks
+from maskc.runtime.call_plan import Launch, Target, schedule_views
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,10 @@ def _tristate(value: bool | None) -> int:
 def call_target(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_softcap: bool, has_sink: bool,
                 return_max_logits: bool, options: Options, sm_margin: int = 0) -> Target:  # fmt: skip
     """The `Target` of a call on q's GPU with these shapes and options."""
-    capability, num_sms = plan.device_info(q.device)
+    capability, num_sms = call_plan.device_info(q.device)
     *_, hq, d = q.shape
-    return plan.make_target(capability, num_sms, q.dtype, hq, k.shape[-2], HeadDim(d, v.shape[-1]), has_softcap, has_sink,
-                            return_max_logits, options.pack_gqa, options.deterministic, sm_margin, options.portable)  # fmt: skip
+    return call_plan.make_target(capability, num_sms, q.dtype, hq, k.shape[-2], HeadDim(d, v.shape[-1]), has_softcap, has_sink,
+                                 return_max_logits, options.pack_gqa, options.deterministic, sm_margin, options.portable)  # fmt: skip
 
 
 def packed_rows(x: torch.Tensor) -> torch.Tensor:
@@ -287,7 +287,7 @@ def attn_fwd_cuda(q, k, v, sink, mask, prepared, padding, softmax_scale, softcap
     decoded = Options.decode(options)
     call_mask = _call_mask(mask, prepared, padding, q, k, decoded)
     target = call_target(q, k, v, softcap > 0, sink is not None, return_max_logits, decoded)
-    launch = plan.plan_forward(call_mask, target, q.device)
+    launch = call_plan.plan_forward(call_mask, target, q.device)
     # lse_log2_rows takes the backward's tile: a head dim without a backward fails here, before the forward runs.
     out, lse, row_max, lse_log2 = forward_cuda(packed_rows(q), packed_rows(k), packed_rows(v), sink, launch,
                                                softmax_scale, softcap, return_max_logits,
@@ -314,7 +314,7 @@ def attn_bwd_cuda(q, k, v, out, lse, lse_log2, sink, dout, dlse, mask, prepared,
     """dq, dk, dv and dsink (empty without sinks: ops return tensors), shaped like their inputs."""
     decoded = Options.decode(options)
     call_mask = _call_mask(mask, prepared, padding, q, k, decoded)
-    launch = plan.plan_backward(call_mask, call_target(q, k, v, softcap > 0, False, False, decoded), q.device)
+    launch = call_plan.plan_backward(call_mask, call_target(q, k, v, softcap > 0, False, False, decoded), q.device)
     flat = [packed_rows(x) for x in (q, k, v, out)]
     lse_rows = None if lse is None else lse.reshape(-1, lse.shape[-1])
     dlse_rows = None if dlse is None else dlse.reshape(-1, dlse.shape[-1])

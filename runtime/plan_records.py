@@ -33,7 +33,7 @@ import torch
 
 from maskc.errors import MaskcError, PerformanceWarning
 from maskc.ir.schedule import build_backward_schedule, build_deterministic_backward_schedule, build_forward_schedule
-from maskc.runtime import plan, signing
+from maskc.runtime import call_plan, signing
 from maskc.runtime.schedule_checks import ScheduleError, check_schedule
 
 FORMAT = 2
@@ -44,7 +44,7 @@ _HEADER = 10
 
 _SCHEDULES = {build_forward_schedule.__name__: (7, 5), build_backward_schedule.__name__: (9, 8),
               build_deterministic_backward_schedule.__name__: (11, 6)}  # fmt: skip
-"""Per schedule builder: its arrays (`plan.SCHEDULE_ARGS`) and its memo key's parameters."""
+"""Per schedule builder: its arrays (`call_plan.SCHEDULE_ARGS`) and its memo key's parameters."""
 _NAMES = ("forward", "partial", *_SCHEDULES)
 """The first element of every memo key a plan carries (the others are ints and bools)."""
 _BOOL, _SCHEDULE, _INT = 0, 1, 2
@@ -58,7 +58,7 @@ def encode(table: torch.Tensor, memo: dict[Any, Any]) -> torch.Tensor:
     for key, value in memo.items():
         if not (isinstance(key, tuple) and key and key[0] in _NAMES and all(isinstance(x, int) for x in key[1:])):
             continue
-        if isinstance(value, plan.HostSchedule):
+        if isinstance(value, call_plan.HostSchedule):
             body = [_SCHEDULE, value.slots, value.num_ctas, len(value.rows), *value.rows]
             tail = value.flat.numpy()
         else:
@@ -134,7 +134,7 @@ def _entries(values: np.ndarray) -> dict[tuple, Any]:
 
 
 def _decision(key: tuple, value: np.ndarray) -> int | bool:
-    """A forward choice (`plan.forward_requests`: 2 * tall + PackGQA, among the choices its key
+    """A forward choice (`call_plan.forward_requests`: 2 * tall + PackGQA, among the choices its key
     allows) or the backward's partial-blocks flag."""
     if value.size != 1:
         raise _corrupted(f"its {key[0]} record is malformed")
@@ -151,16 +151,16 @@ def _decision(key: tuple, value: np.ndarray) -> int | bool:
     return code
 
 
-def _schedule(key: tuple, value: np.ndarray) -> plan.HostSchedule:
+def _schedule(key: tuple, value: np.ndarray) -> call_plan.HostSchedule:
     """A schedule record's HostSchedule, a copy of the plan's words."""
     arrays, params = _SCHEDULES[key[0]]
     slots, num_ctas, count = (int(x) for x in value[:3]) if value.size >= 3 else (-1, 0, 0)
     rows = tuple(value[3 : 3 + arrays].tolist())
-    sizes = [r * math.prod(a.shape[1:]) for r, a in zip(rows, plan.SCHEDULE_ARGS)]
+    sizes = [r * math.prod(a.shape[1:]) for r, a in zip(rows, call_plan.SCHEDULE_ARGS)]
     if len(key) - 1 != params or count != arrays or slots < 0 or len(rows) != arrays or min(rows) < 1 \
             or value.size != 3 + arrays + sum(sizes):  # fmt: skip
         raise _corrupted(f"its {key[0]} record is malformed")
-    return plan.HostSchedule(torch.from_numpy(value[3 + arrays :].copy()), rows, slots, num_ctas)
+    return call_plan.HostSchedule(torch.from_numpy(value[3 + arrays :].copy()), rows, slots, num_ctas)
 
 
 def _shape(table: torch.Tensor) -> tuple[int, int]:

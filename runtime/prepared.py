@@ -3,7 +3,7 @@ the backward kernel choice, the schedules) where it costs the training step noth
 DataLoader worker, and returns it as plain tensors (`PreparedMask`) that `maskc.attention`
 takes as its mask.
 
-A prepared plan only fills the mask's memo (`maskc.runtime.plan` caches its decisions and
+A prepared plan only fills the mask's memo (`maskc.runtime.call_plan` caches its decisions and
 host schedules there under keys of plain values): a plan made for another GPU or shape is
 never used, since the call looks its own keys up, and planning then happens in the call. A
 plan is checked and signed where it is made, and its signature verified before any of it
@@ -19,10 +19,10 @@ from typing import IO
 
 import torch
 
-from maskc.artifact.families import HeadDim
+from maskc.artifact.kernel_families import HeadDim
 from maskc.errors import MaskcError
 from maskc.ir import Mask
-from maskc.runtime import plan, plan_records, signing
+from maskc.runtime import call_plan, plan_records, signing
 
 
 @dataclass(frozen=True)
@@ -82,25 +82,25 @@ class PreparedMask:
 
 def target_for(device: torch.device | str, *, num_heads_q: int, num_heads_kv: int, head_dim: int,
                head_dim_v: int | None = None, dtype: torch.dtype = torch.bfloat16, pack_gqa: bool | None = None,
-               deterministic: bool = False, sm_margin: int = 0, portable: bool | None = None) -> plan.Target:  # fmt: skip
+               deterministic: bool = False, sm_margin: int = 0, portable: bool | None = None) -> call_plan.Target:  # fmt: skip
     """What to prepare masks for: the calls on `device` (a GPU) with these heads, head dims (v's
     where it differs from q and k's) and options (`maskc.attention`'s). Ask it in the training
     process; it is plain data that pickles to DataLoader workers, which never touch the GPU."""
-    plan.check_options(pack_gqa, deterministic, portable)
+    call_plan.check_options(pack_gqa, deterministic, portable)
     device = torch.device(device)
     if device.type != "cuda":
         raise MaskcError(f"masks are planned for a GPU; {device} runs the reference path, which needs no plan")
     if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
         raise MaskcError(f"target_for({str(device)!r}) asks for a GPU this process does not see "
                          f"({torch.cuda.device_count()} visible): ask for the target where training runs")  # fmt: skip
-    capability, num_sms = plan.device_info(device)
+    capability, num_sms = call_plan.device_info(device)
     signing.plan_key()  # here, before DataLoader workers start, so that they sign with this process's key
     head_dims = HeadDim(head_dim, head_dim if head_dim_v is None else head_dim_v)
-    return plan.make_target(capability, num_sms, dtype, num_heads_q, num_heads_kv, head_dims, False, False, False,
-                            pack_gqa, deterministic, sm_margin, portable)  # fmt: skip
+    return call_plan.make_target(capability, num_sms, dtype, num_heads_q, num_heads_kv, head_dims, False, False, False,
+                                 pack_gqa, deterministic, sm_margin, portable)  # fmt: skip
 
 
-def prepare(mask: Mask, target: plan.Target | None, *, backward: bool = True) -> PreparedMask:
+def prepare(mask: Mask, target: call_plan.Target | None, *, backward: bool = True) -> PreparedMask:
     """`mask` with its plan for `target` (`target_for`; None: no plan, for CPU runs): the
     forward's and, with `backward`, the backward's. The kernels' tile shapes come from the
     kernel family table, as compiled kernels' do."""
@@ -108,11 +108,11 @@ def prepare(mask: Mask, target: plan.Target | None, *, backward: bool = True) ->
         raise TypeError(f"prepare takes a maskc Mask, got {type(mask).__name__}")
     if target is None:
         return PreparedMask(mask.table, torch.zeros(0, dtype=torch.int32))
-    if not isinstance(target, plan.Target):
+    if not isinstance(target, call_plan.Target):
         raise TypeError(f"prepare takes a target made by maskc.target_for(device, ...) or None, got {target!r:.60}")
-    forward, _ = plan.forward_requests(mask, target)
-    plan.forward_schedule(mask, plan.launch_shape_of(target, forward), target.num_sms)
+    forward, _ = call_plan.forward_requests(mask, target)
+    call_plan.forward_schedule(mask, call_plan.launch_shape_of(target, forward), target.num_sms)
     if backward:
-        request, _ = plan.backward_requests(mask, target)
-        plan.backward_schedule(mask, plan.launch_shape_of(target, request), target.num_sms)
+        request, _ = call_plan.backward_requests(mask, target)
+        call_plan.backward_schedule(mask, call_plan.launch_shape_of(target, request), target.num_sms)
     return PreparedMask(mask.table, plan_records.encode(mask.table, mask.memo))

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple
 
 from maskc.artifact.abi import ENTRY_POINTS, abi_to_json
-from maskc.artifact.families import HeadDim, family_of
+from maskc.artifact.kernel_families import HeadDim, family_of
 from maskc.artifact.manifest import Manifest, open_manifest
 from maskc.artifact.source import kernel_source
 from maskc.artifact import toolchain

@@ -7,7 +7,7 @@ that come (else it would wait forever). Whether its runs and lines are the mask'
 planner's to get right: a schedule cannot show it.
 
 The arrays are those of `maskc.ir.schedule` (its docstring says what each holds), flattened by
-`maskc.runtime.plan`; an empty array is stored as one zero row.
+`maskc.runtime.call_plan`; an empty array is stored as one zero row.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from maskc.ir.items import ASCENDING, HEADS_INNER
 from maskc.ir.schedule import dq_order, grid_starts
 from maskc.ir.slices import ragged_expand
-from maskc.runtime.plan import HostSchedule, schedule_views
+from maskc.runtime.call_plan import HostSchedule, schedule_views
 
 
 class ScheduleError(ValueError):
@@ -26,7 +26,7 @@ class ScheduleError(ValueError):
 
 def check_schedule(builder: str, params: tuple[int, ...], host: HostSchedule, shape: tuple[int, int]) -> None:
     """Raise ScheduleError unless `host` is a well-formed schedule of `builder` (a name in
-    `maskc.ir.schedule`) with the memo key's `params` (`maskc.runtime.plan._host_schedule`) for a
+    `maskc.ir.schedule`) with the memo key's `params` (`maskc.runtime.call_plan._host_schedule`) for a
     mask of `shape`."""
     a = {name: view.numpy() for name, view in schedule_views(host.flat, host.rows).items()}
     num_ctas, tile_m, tile_n = params[:3]

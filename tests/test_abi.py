@@ -11,7 +11,7 @@ import ast
 import pytest
 
 from maskc.artifact.abi import ENTRY_POINTS, STATIC_DIMS, StreamArg, TensorArg
-from maskc.artifact.families import DIRECTIONS, FAMILIES, KernelFamily
+from maskc.artifact.kernel_families import DIRECTIONS, FAMILIES, KernelFamily
 from maskc.artifact.variant import KernelVariant, variant_for
 from maskc.codegen.render import render
 

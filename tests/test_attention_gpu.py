@@ -20,10 +20,10 @@ import pytest
 import torch
 
 import maskc
-from maskc.artifact.families import HeadDim
+from maskc.artifact.kernel_families import HeadDim
 from maskc.frontend import load
 from maskc.ir import AttnSlice, Mask, strategy
-from maskc.runtime import plan, registry
+from maskc.runtime import call_plan, registry
 
 pytestmark = pytest.mark.gpu
 
@@ -254,7 +254,7 @@ def _forward_query_bounds(mask: Mask) -> np.ndarray:
     its memo)."""
     schedules = [value for key, value in mask.memo.items() if isinstance(key, tuple) and key[0] == "build_forward_schedule"]
     assert len(schedules) == 1, f"expected one forward schedule, found {len(schedules)}"
-    return plan.schedule_views(schedules[0].flat, schedules[0].rows)["query_bounds"].numpy()
+    return call_plan.schedule_views(schedules[0].flat, schedules[0].rows)["query_bounds"].numpy()
 
 
 def test_the_portable_kernel_has_no_pack_gqa_yet() -> None:
@@ -576,7 +576,7 @@ def _split_items(mask: Mask) -> np.ndarray:
     `mask` (the one in its memo)."""
     schedules = [value for key, value in mask.memo.items() if isinstance(key, tuple) and key[0] == "build_backward_schedule"]
     assert len(schedules) == 1, f"expected one backward schedule, found {len(schedules)}"
-    return plan.schedule_views(schedules[0].flat, schedules[0].rows)["items"].numpy()
+    return call_plan.schedule_views(schedules[0].flat, schedules[0].rows)["items"].numpy()
 
 
 @pytest.mark.parametrize("mask,hq,hkv,d,dtype", [
@@ -630,10 +630,10 @@ def test_gradients_of_masks_without_partial_blocks(cu_seqlens: list[int]) -> Non
     _check_grads(mask, 8, 2, 128, "bf16", softcap=5.0, sink=True)
     _check_grads(mask, 8, 8, 64, "fp16", deterministic=True)
     unmasked = {entry for key, entry in registry.KERNELS.items() if key[registry.REQUEST_FIELDS.index("unmasked")]}
-    capability, num_sms = plan.device_info(torch.device("cuda"))
-    targets = [plan.make_target(capability, num_sms, torch.bfloat16, 8, 2, HeadDim(128, 128), True, True, False, None, False),
-               plan.make_target(capability, num_sms, torch.float16, 8, 8, HeadDim(64, 64), False, False, False, None, True)]  # fmt: skip
-    used = [plan.backward_kernel(mask, target) for target in targets]
+    capability, num_sms = call_plan.device_info(torch.device("cuda"))
+    targets = [call_plan.make_target(capability, num_sms, torch.bfloat16, 8, 2, HeadDim(128, 128), True, True, False, None, False),
+               call_plan.make_target(capability, num_sms, torch.float16, 8, 8, HeadDim(64, 64), False, False, False, None, True)]  # fmt: skip
+    used = [call_plan.backward_kernel(mask, target) for target in targets]
     assert all((entry in unmasked) == (cu_seqlens != [0, 600, 1000]) for entry in used)
 
 
@@ -663,7 +663,7 @@ def test_functional_kernels_over_split_keys_give_the_whole_attention() -> None:
     """maskc.dist's stage calls on one GPU: the keys in two parts, the partial outputs merged by
     lse, each part's backward against the merged output and lse adding into one float32 dQ;
     with SMs left free (sm_margin). Output and gradients within the 2x-bf16 rule of float64."""
-    from maskc.dist.runtime import _merge
+    from maskc.dist.execute import _merge
     from maskc.runtime.api import attention_backward, attention_forward
 
     tq, tk, split = 1500, 1700, 832

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from maskc.artifact.families import HEAD_DIMS
+from maskc.artifact.kernel_families import HEAD_DIMS
 from maskc.ir import Mask
 from maskc.ir.schedule import build_schedule, document_tiles
-from maskc.runtime import plan
+from maskc.runtime import call_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -50,7 +50,7 @@ def test_plain_forward_tiles_per_document_keep_more_of_the_packed_documents(caps
         mask = masks[name]
         for share, head_dim in zip(forward[name], HEAD_DIMS, strict=True):
             t = fill.target(head_dim, (64, 64))
-            shape = plan.launch_shape_of(t, plan.forward_requests(mask, t)[0])
+            shape = call_plan.launch_shape_of(t, call_plan.forward_requests(mask, t)[0])
             assert shape.document_rows
             k_blocks = document_tiles(mask, shape.tile_m, shape.tile_n)[1]
             grid = fill.kept_share(mask, build_schedule(mask, shape.tile_m, shape.tile_n, col_starts=k_blocks))

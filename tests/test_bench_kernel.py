@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import maskc
-from maskc.artifact.families import HeadDim
+from maskc.artifact.kernel_families import HeadDim
 from maskc.ir import Mask
 
 ROOT = Path(__file__).resolve().parent.parent

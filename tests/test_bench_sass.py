@@ -96,7 +96,7 @@ def test_without_nvdisasm_the_error_says_how_to_get_it(monkeypatch: pytest.Monke
 def test_a_compile_keeps_the_cubin_asked_for(tmp_path: Path) -> None:
     """compile_variant(keep_cubin=True) leaves the cubin nvdisasm reads, and no PTX unless asked."""
     pytest.importorskip("cutlass.cute")
-    from maskc.artifact.families import HeadDim
+    from maskc.artifact.kernel_families import HeadDim
     from maskc.artifact.variant import variant_for
     from maskc.codegen.compile import compile_variant
 

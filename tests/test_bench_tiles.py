@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from maskc.artifact.families import SM90, HeadDim, Tiles
+from maskc.artifact.kernel_families import SM90, HeadDim, Tiles
 from maskc.errors import VariantError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

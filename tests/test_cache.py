@@ -49,7 +49,7 @@ def test_the_address_follows_the_code_generator_not_only_the_templates(tmp_path:
     """Editing a module that shapes the generated code (render.py, the variants, the kernel
     families, the ABI), not only a template, gives every variant another address."""
     names = {name for _, name in cache.source_files()}
-    shaping = {"codegen/render.py", "codegen/compile.py", "artifact/variant.py", "artifact/families.py", "artifact/abi.py"}
+    shaping = {"codegen/render.py", "codegen/compile.py", "artifact/variant.py", "artifact/kernel_families.py", "artifact/abi.py"}
     assert shaping | {"sm90/host.jinja"} <= names
     edited = tmp_path / "render.py"
     edited.write_bytes(dict((name, path) for path, name in cache.source_files())["codegen/render.py"].read_bytes())

@@ -16,7 +16,7 @@ from generated_source import (
     module_constants,
 )
 
-from maskc.artifact.families import ARCH_NAMES, native_family
+from maskc.artifact.kernel_families import ARCH_NAMES, native_family
 from maskc.artifact.variant import KernelVariant
 from maskc.codegen.render import render, template_name
 from maskc.errors import VariantError

@@ -19,7 +19,7 @@ from generated_source import (
     module_constants,
 )
 
-from maskc.artifact.families import FAMILIES, HeadDim, Tiles, native_family, select_tiles
+from maskc.artifact.kernel_families import FAMILIES, HeadDim, Tiles, native_family, select_tiles
 from maskc.artifact.variant import KernelVariant
 from maskc.codegen.cache import variant_record
 from maskc.codegen.render import render, template_name

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import compile_variants
 from generated_source import assert_reads_top_to_bottom, entry_params, module_constants
-from maskc.artifact.families import backward_warpgroups
+from maskc.artifact.kernel_families import backward_warpgroups
 from maskc.artifact.variant import KernelVariant
 from maskc.codegen.render import render
 from maskc.errors import VariantError

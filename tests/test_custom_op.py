@@ -26,11 +26,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import maskc
 from maskc import reference
 from maskc.artifact.abi import PACE_COUNTERS
-from maskc.artifact.families import HeadDim, select_tiles
+from maskc.artifact.kernel_families import HeadDim, select_tiles
 from maskc.artifact.variant import variant_for
 from maskc.ir import AttnSlice, Mask
 from maskc.ir import schedule as schedules
-from maskc.runtime import masks, ops, plan, plan_records, prepared, registry
+from maskc.runtime import call_plan, masks, ops, plan_records, prepared, registry
 
 HQ, HKV, D = 8, 2, 128
 MASK = Mask.from_cu_seqlens([0, 37, 100, 129], causal=True)
@@ -52,7 +52,7 @@ def test_ops_take_the_mask_as_tensors_and_options_as_constants() -> None:
 def test_a_forward_for_the_backward_gives_lse_log2_in_its_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """With for_backward the forward's fourth output holds the backward's lse_log2: every query
     head's rows, padded to whole q blocks of the backward's tile (3 x 300 rows here)."""
-    monkeypatch.setattr(plan, "device_info", lambda device: ((9, 0), 132))
+    monkeypatch.setattr(call_plan, "device_info", lambda device: ((9, 0), 132))
     options = ops.Options(None, False, None).encode()
     with FakeTensorMode():
         q = torch.empty(3, 300, HQ, D, dtype=torch.bfloat16, device="cuda")
@@ -415,7 +415,7 @@ def test_position_ids_are_data_inside_a_compiled_step() -> None:
 class _Kernels:
     """The CUDA implementations' launches on a CPU 'GPU': reference math, and what they were given."""
 
-    launches: list[tuple[str, plan.Launch]] = field(default_factory=list)
+    launches: list[tuple[str, call_plan.Launch]] = field(default_factory=list)
     backward_took: list[str] = field(default_factory=list)
 
     def forward(self, q, k, v, sink, launch, scale, softcap, return_max_logits, lse_log2_rows=0):
@@ -458,7 +458,7 @@ def cuda_on_cpu(monkeypatch: pytest.MonkeyPatch):
     """The CUDA implementations on CPU tensors: an 'SM90 GPU' with kernels for 8:2 heads, d=128,
     bf16 (both GQA strategies forward, and the backward) whose launches compute the reference;
     every schedule build is counted."""
-    monkeypatch.setattr(plan, "device_info", lambda device: ((9, 0), 132))
+    monkeypatch.setattr(call_plan, "device_info", lambda device: ((9, 0), 132))
     monkeypatch.setattr(registry, "LOADED", [])
     entries = {key: _register(monkeypatch, *key) for key in ENTRY_KEYS}
     kernels = _Kernels()
@@ -475,8 +475,8 @@ def cuda_on_cpu(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(masks, "call_mask", remember)
     builds: list[str] = []
     for name in ("build_forward_schedule", "build_backward_schedule", "build_deterministic_backward_schedule"):
-        monkeypatch.setattr(plan, name, _counted(getattr(schedules, name), builds))
-    monkeypatch.setattr(plan, "select_forward", _counted(plan.select_forward, builds))  # the forward's decision
+        monkeypatch.setattr(call_plan, name, _counted(getattr(schedules, name), builds))
+    monkeypatch.setattr(call_plan, "select_forward", _counted(call_plan.select_forward, builds))  # the forward's decision
     return entries, kernels, builds
 
 
@@ -572,16 +572,16 @@ def test_sm90_kernels_take_blocks_and_tiles_per_document(cuda_on_cpu: Any, pack_
     _loss(out, meta.lse).backward()
     (_, forward), (_, backward) = kernels.launches[-2:]
     for launch in (forward, backward):
-        keys = plan.schedule_views(launch.schedule, launch.rows)["key_bounds"].tolist()
+        keys = call_plan.schedule_views(launch.schedule, launch.rows)["key_bounds"].tolist()
         starts = schedules.document_tiles(mask, launch.kernel.tile_m, launch.kernel.tile_n)[1]
         assert keys == [*starts.tolist(), 1500] and 300 in keys and 1000 in keys
-    queries = plan.schedule_views(backward.schedule, backward.rows)["query_bounds"].tolist()
+    queries = call_plan.schedule_views(backward.schedule, backward.rows)["query_bounds"].tolist()
     starts = schedules.document_tiles(mask, backward.kernel.tile_m, backward.kernel.tile_n)[0]
     assert queries == [*starts.tolist(), 1500] and 300 in queries and 1000 in queries
     shape = forward.kernel.shape
     assert shape.document_rows != pack_gqa
     tiles = schedules.document_tiles(mask, shape.tile_m, shape.tile_n)[0] if not pack_gqa else range(0, 1500, shape.tile_m)
-    assert plan.schedule_views(forward.schedule, forward.rows)["query_bounds"].tolist() == [*tiles, 1500]
+    assert call_plan.schedule_views(forward.schedule, forward.rows)["query_bounds"].tolist() == [*tiles, 1500]
 
 
 def test_a_callers_dq_buffer_keeps_the_backwards_q_blocks_on_the_grid(cuda_on_cpu: Any) -> None:
@@ -590,9 +590,9 @@ def test_a_callers_dq_buffer_keeps_the_backwards_q_blocks_on_the_grid(cuda_on_cp
     the plan of the calls that own their dQ."""
     mask = Mask.from_cu_seqlens([0, 300, 1000, 1500], causal=True)
     target = _target()
-    own, grid = (plan.plan_backward(mask, target, torch.device("cpu"), grid_queries=g) for g in (False, True))
+    own, grid = (call_plan.plan_backward(mask, target, torch.device("cpu"), grid_queries=g) for g in (False, True))
     tile_m, tile_n = grid.kernel.tile_m, grid.kernel.tile_n
-    views = [plan.schedule_views(launch.schedule, launch.rows) for launch in (own, grid)]
+    views = [call_plan.schedule_views(launch.schedule, launch.rows) for launch in (own, grid)]
     starts = schedules.document_tiles(mask, tile_m, tile_n)
     assert views[0]["query_bounds"].tolist() == [*starts[0].tolist(), 1500]
     assert views[1]["query_bounds"].tolist() == [*range(0, 1500, tile_m), 1500]
@@ -605,8 +605,8 @@ def test_plan_errors_reach_the_caller(cuda_on_cpu: Any) -> None:
         maskc.attention(q, q[:, :2].contiguous(), q[:, :2].contiguous(), MASK, pack_gqa=True)
 
 
-def _target() -> plan.Target:
-    return plan.make_target((9, 0), 132, torch.bfloat16, HQ, HKV, HeadDim(D, D), False, False, False, None, False)
+def _target() -> call_plan.Target:
+    return call_plan.make_target((9, 0), 132, torch.bfloat16, HQ, HKV, HeadDim(D, D), False, False, False, None, False)
 
 
 def test_a_prepared_mask_crosses_a_process_boundary_and_needs_no_planning(cuda_on_cpu: Any) -> None:
@@ -641,17 +641,17 @@ def test_a_prepared_mask_carries_the_schedule_of_the_tall_tile(cuda_on_cpu: Any)
     shipped = pickle.loads(pickle.dumps(prepared.prepare(Mask.from_cu_seqlens([0, 8192]), target)))
     builds.clear()
     mask = masks.mask_of(shipped.table, shipped.plan)
-    request, _ = plan.forward_requests(mask, target)
+    request, _ = call_plan.forward_requests(mask, target)
     kernel = variant_for(request)  # the kernel the call runs, and the shape it launches with
     shape = registry.launch_shape({**request, "tile_m": kernel.tile_m, "tile_n": kernel.tile_n})
-    assert request["tall"] and kernel.tile_m == 192 and plan.forward_schedule(mask, shape, target.num_sms)
+    assert request["tall"] and kernel.tile_m == 192 and call_plan.forward_schedule(mask, shape, target.num_sms)
     assert builds == []
 
 
 def test_a_plan_for_another_target_is_ignored_and_planned_in_the_call(cuda_on_cpu: Any) -> None:
     _, _, builds = cuda_on_cpu
     mask = Mask.from_cu_seqlens([0, 700], causal=True)
-    other = plan.make_target((9, 0), 132, torch.bfloat16, HQ, HKV, HeadDim(64, 64), False, False, False, None, False)  # other tiles
+    other = call_plan.make_target((9, 0), 132, torch.bfloat16, HQ, HKV, HeadDim(64, 64), False, False, False, None, False)  # other tiles
     shipped = pickle.loads(pickle.dumps(prepared.prepare(mask, other)))
     builds.clear()
     q, k, v = _inputs(mask)

@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import maskc
-from maskc.dist import make_plan, runtime
-from maskc.dist.runtime import key_order, local_mask, plan_digest, stage_tables
+from maskc.dist import execute, make_plan
+from maskc.dist.execute import key_order, local_mask, plan_digest, stage_tables
 from maskc.ir import AttnSlice, Mask
 
 from test_ir import masks
@@ -182,13 +182,13 @@ def _counting_worker(rank: int, world: int, port: int, store: str, errors: mp.Qu
     try:
         _init_gloo(rank, world, port)
         steps: list[str] = []
-        issue = runtime._collective
+        issue = execute._collective
 
         def counting(step: str, *args, **kwargs):
             steps.append(step)
             return issue(step, *args, **kwargs)
 
-        runtime._collective = counting
+        execute._collective = counting
         plan = make_plan(MASKS["random"](), world, 16, num_stages=2, fuse_local=False)
         q, k, v = (torch.randn(SEQ, h, D, dtype=torch.float64, requires_grad=True) for h in (HQ, HKV, HKV))
         for _ in range(2):
@@ -225,7 +225,7 @@ def _absent_worker(rank: int, port: int, rank1_does: str, timeouts: tuple, resul
     maskc_timeout, group_timeout = timeouts
     _init_gloo(rank, 2, port)
     group = dist.new_group([0, 1], timeout=timedelta(seconds=group_timeout))
-    runtime.TIMEOUT, runtime._WORD_WAIT = maskc_timeout, 2.0
+    execute.TIMEOUT, execute._WORD_WAIT = maskc_timeout, 2.0
     plan = make_plan(MASKS["varlen_causal"](), 2, 16)
     q, k, v = (torch.randn(SEQ, h, D, dtype=torch.float64, requires_grad=True) for h in (HQ, HKV, HKV))
     try:

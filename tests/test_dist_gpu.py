@@ -19,7 +19,7 @@ import maskc
 from maskc.dist import make_plan
 from maskc.ir import Mask
 
-from test_dist_runtime import run_ranks
+from test_dist_execute import run_ranks
 
 pytestmark = pytest.mark.gpu
 

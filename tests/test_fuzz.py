@@ -17,13 +17,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import maskc
-from maskc.artifact.families import HeadDim
+from maskc.artifact.kernel_families import HeadDim
 from maskc.artifact.manifest import write_manifest
 from maskc.codegen import LoweredMask, write_artifact
 from maskc.errors import ArtifactError, MaskcError, MaskError
 from maskc.frontend import load
 from maskc.ir import AttnSlice, Mask
-from maskc.runtime import load_artifact, open_manifest, plan, plan_records, register_artifact, signing
+from maskc.runtime import call_plan, load_artifact, open_manifest, plan_records, register_artifact, signing
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,18 +307,18 @@ def test_padding_values_other_than_zero_and_one_are_refused(b: int, s: int, valu
 # ---- prepared plans ------------------------------------------------------------------------------
 
 PLAN_TARGETS = [
-    plan.make_target((9, 0), 132, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, deterministic)
+    call_plan.make_target((9, 0), 132, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, deterministic)
     for deterministic in (False, True)
 ] + [
-    plan.make_target((9, 0), 132, torch.bfloat16, 64, 1, HeadDim(64, 64), False, False, False, True, False),
-    plan.make_target((8, 0), 108, torch.bfloat16, 4, 4, HeadDim(64, 64), False, False, False, None, False),
-    plan.make_target((10, 0), 148, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, False, 0, False),
+    call_plan.make_target((9, 0), 132, torch.bfloat16, 64, 1, HeadDim(64, 64), False, False, False, True, False),
+    call_plan.make_target((8, 0), 108, torch.bfloat16, 4, 4, HeadDim(64, 64), False, False, False, None, False),
+    call_plan.make_target((10, 0), 148, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, False, 0, False),
 ]
 """Planning targets: SM90 (GQA, deterministic, MQA with PackGQA), portable, SM100 (experimental)."""
 
 
 @st.composite
-def prepared_masks(draw: st.DrawFn) -> tuple[Mask, plan.Target]:
+def prepared_masks(draw: st.DrawFn) -> tuple[Mask, call_plan.Target]:
     total = draw(st.integers(1, 3000))
     cuts = sorted(draw(st.lists(st.integers(0, total), max_size=6)))
     return Mask.from_cu_seqlens([0, *cuts, total], causal=draw(st.booleans())), draw(st.sampled_from(PLAN_TARGETS))
@@ -377,7 +377,7 @@ def test_corrupted_plans_are_refused_ignored_or_the_honest_plan(case: tuple, res
         assert got.keys() == honest.keys()
         for key, value in got.items():
             theirs = honest[key]
-            assert (torch.equal(value.flat, theirs.flat) and value[1:] == theirs[1:]) if isinstance(value, plan.HostSchedule) \
+            assert (torch.equal(value.flat, theirs.flat) and value[1:] == theirs[1:]) if isinstance(value, call_plan.HostSchedule) \
                 else value == theirs  # fmt: skip
 
 
@@ -389,7 +389,7 @@ def test_a_schedule_corrupted_before_it_is_signed_is_refused_or_still_fits(case:
     mask, target = case
     fresh = Mask.from_table(mask.table)
     maskc.prepare(fresh, target)
-    hosts = [v for k, v in fresh.memo.items() if isinstance(v, plan.HostSchedule) and k[0] in plan_records._SCHEDULES]
+    hosts = [v for k, v in fresh.memo.items() if isinstance(v, call_plan.HostSchedule) and k[0] in plan_records._SCHEDULES]
     host = data.draw(st.sampled_from(hosts))
     words = corrupt(host.flat.numpy(), data)
     assume(words.size == host.flat.numel())  # the arrays keep their lengths; their values are anything
@@ -423,7 +423,7 @@ def irregular_masks(draw: st.DrawFn) -> Mask:
 
 @FUZZ
 @given(irregular_masks(), st.sampled_from(PLAN_TARGETS))
-def test_every_plan_the_planner_makes_passes_its_checks(mask: Mask, target: plan.Target) -> None:
+def test_every_plan_the_planner_makes_passes_its_checks(mask: Mask, target: call_plan.Target) -> None:
     fresh = Mask.from_table(mask.table)
     taken = dict(plan_records.decode(maskc.prepare(fresh, target).plan, mask.table))
     assert taken and all(key in fresh.memo for key in taken)

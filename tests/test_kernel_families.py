@@ -1,4 +1,4 @@
-"""The kernel families table (maskc/artifact/families.py) is the one place the archs, head
+"""The kernel families table (maskc/artifact/kernel_families.py) is the one place the archs, head
 dims, dtypes, tile shapes and options are written: variants validate against it, compiles take
 their tiles from it, the command line offers what it lists, and the docs say what it says."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from maskc.artifact.families import (
+from maskc.artifact.kernel_families import (
     ARCH_NAMES,
     DIRECTIONS,
     DTYPE_NAMES,
@@ -97,7 +97,7 @@ def test_the_command_line_offers_what_the_table_lists(capsys) -> None:
 
 def test_docs_support_tables_are_generated_from_the_table() -> None:
     doc = (ROOT / "docs" / "support.md").read_text()
-    assert doc == with_support_table(doc), "run: python -m maskc.artifact.families docs/support.md"
+    assert doc == with_support_table(doc), "run: python -m maskc.artifact.kernel_families docs/support.md"
 
 
 def test_the_readme_lists_the_archs_head_dims_and_dtypes_of_the_table() -> None:

@@ -18,20 +18,20 @@ import pytest
 import torch
 
 import maskc
-from maskc.artifact.families import HeadDim
+from maskc.artifact.kernel_families import HeadDim
 from maskc.errors import PerformanceWarning
 from maskc.ir import Mask
-from maskc.runtime import masks, plan, plan_records, signing
+from maskc.runtime import call_plan, masks, plan_records, signing
 from maskc.runtime.prepared import PreparedMask
 
 #: An sm_90a target with 8:2 heads, d=128 (tall forward tile, PackGQA, split backward items).
-TARGET = plan.make_target((9, 0), 132, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, False)
-DETERMINISTIC = plan.make_target((9, 0), 132, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, True)
-PORTABLE = plan.make_target((8, 0), 108, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, False)
+TARGET = call_plan.make_target((9, 0), 132, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, False)
+DETERMINISTIC = call_plan.make_target((9, 0), 132, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, True)
+PORTABLE = call_plan.make_target((8, 0), 108, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, False)
 CAUSAL = Mask.from_cu_seqlens([0, 300, 1000, 1500], causal=True)
 
 
-def entries(mask: Mask, target: plan.Target = TARGET) -> tuple[torch.Tensor, dict]:
+def entries(mask: Mask, target: call_plan.Target = TARGET) -> tuple[torch.Tensor, dict]:
     """A fresh copy of `mask` prepared for `target`: its plan, and the memo entries it carries."""
     data = maskc.prepare(Mask.from_table(mask.table), target).plan
     return data, dict(plan_records.decode(data.clone(), mask.table))
@@ -65,7 +65,7 @@ def same(a: dict, b: dict) -> bool:
         return False
     for key in a:
         x, y = a[key], b[key]
-        if isinstance(x, plan.HostSchedule):
+        if isinstance(x, call_plan.HostSchedule):
             if not (torch.equal(x.flat, y.flat) and x[1:] == y[1:]):
                 return False
         elif x != y or type(x) is not type(y):
@@ -76,7 +76,7 @@ def same(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize("target", [TARGET, DETERMINISTIC, PORTABLE], ids=["sm90", "deterministic", "portable"])
 @pytest.mark.parametrize("mask", [CAUSAL, Mask.from_cu_seqlens([0, 8192]), Mask.from_cu_seqlens([0, 0, 40, 41])],
                          ids=["varlen_causal", "full_tall", "tiny"])  # fmt: skip
-def test_a_plan_carries_the_memo_entries_it_was_made_from(mask: Mask, target: plan.Target) -> None:
+def test_a_plan_carries_the_memo_entries_it_was_made_from(mask: Mask, target: call_plan.Target) -> None:
     fresh = Mask.from_table(mask.table)
     data = maskc.prepare(fresh, target).plan
     carried = decode(data, mask)
@@ -117,13 +117,13 @@ def test_a_flipped_partial_record_is_refused() -> None:
         decode(flipped, CAUSAL)
 
 
-def _planned(mask: Mask, target: plan.Target, builder: str) -> tuple[Mask, dict[str, np.ndarray]]:
+def _planned(mask: Mask, target: call_plan.Target, builder: str) -> tuple[Mask, dict[str, np.ndarray]]:
     """A fresh copy of `mask` planned for `target`, and the arrays of its `builder` schedule (views
     into the memo's schedule, to edit before the plan is made from the memo)."""
     fresh = Mask.from_table(mask.table)
     maskc.prepare(fresh, target)
-    (host,) = [v for k, v in fresh.memo.items() if isinstance(v, plan.HostSchedule) and k[0] == builder]
-    return fresh, {name: view.numpy() for name, view in plan.schedule_views(host.flat, host.rows).items()}
+    (host,) = [v for k, v in fresh.memo.items() if isinstance(v, call_plan.HostSchedule) and k[0] == builder]
+    return fresh, {name: view.numpy() for name, view in call_plan.schedule_views(host.flat, host.rows).items()}
 
 
 def _refused_at_encode(mask: Mask, why: str) -> None:
@@ -191,7 +191,7 @@ def _schedule_words(data: torch.Tensor, builder: str) -> tuple[int, dict[str, in
     arrays = int(data[value + 2])
     rows = data[value + 3 : value + 3 + arrays].tolist()
     starts, offset = {}, value + 3 + arrays
-    for arg, r in zip(plan.SCHEDULE_ARGS, rows):
+    for arg, r in zip(call_plan.SCHEDULE_ARGS, rows):
         starts[arg.name] = offset
         offset += r * math.prod(arg.shape[1:])
     return at, starts
@@ -215,7 +215,7 @@ def test_a_signed_record_that_is_malformed_is_refused(edit, why: str) -> None:
 
 def test_a_forward_choice_must_be_one_the_call_allows() -> None:
     """PackGQA chosen for a call that forbids it (pack_gqa=False) is refused, not run."""
-    plain = plan.make_target((9, 0), 132, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, False, False)
+    plain = call_plan.make_target((9, 0), 132, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, False, False)
     mask = Mask.from_cu_seqlens([0, 8192])  # tall tile or not: a choice is recorded
     data, honest = entries(mask, plain)
     (at, _, key_length), = [r for r in records(data) if r[1] == "forward"]
@@ -241,7 +241,7 @@ def test_writes_to_a_plan_after_it_is_taken_change_nothing() -> None:
     table = Mask.from_cu_seqlens([0, 1200, 1400], causal=True).table
     data = maskc.prepare(Mask.from_table(table), TARGET).plan
     mask = masks.mask_of(table.clone(), data)
-    kept = {k: v.flat.clone() for k, v in mask.memo.items() if isinstance(v, plan.HostSchedule)}
+    kept = {k: v.flat.clone() for k, v in mask.memo.items() if isinstance(v, call_plan.HostSchedule)}
     data.numpy()[10:] = 0
     assert kept and all(torch.equal(mask.memo[k].flat, v) for k, v in kept.items())
 
@@ -378,4 +378,4 @@ def test_a_pinned_plan_is_verified_in_the_pin_memory_thread_not_in_the_step(monk
     pinned = ready.pin_memory()
     assert signed == [1]
     mask = masks.mask_of(pinned.table, pinned.plan)
-    assert signed == [1] and any(isinstance(v, plan.HostSchedule) for v in mask.memo.values())
+    assert signed == [1] and any(isinstance(v, call_plan.HostSchedule) for v in mask.memo.values())

@@ -317,7 +317,7 @@ def test_functional_forward_and_backward_over_split_keys_give_the_whole_attentio
     """What maskc.dist's stages rely on: attending to two parts of the keys separately, merging
     by lse, and running each part's backward against the merged output and lse gives the whole
     attention's output, lse and gradients (softcap, sinks, an lse gradient included)."""
-    from maskc.dist.runtime import _merge
+    from maskc.dist.execute import _merge
     from maskc.reference import reference_backward, reference_forward
 
     torch.manual_seed(0)

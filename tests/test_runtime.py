@@ -17,12 +17,12 @@ import torch
 import maskc
 from maskc.artifact import source, toolchain
 from maskc.artifact.abi import BACKWARD_ABI, FORWARD_ABI, ScalarArg, TensorArg, abi_to_json
-from maskc.artifact.families import HeadDim
+from maskc.artifact.kernel_families import HeadDim
 from maskc.artifact.manifest import write_manifest
 from maskc.codegen import LoweredMask, write_artifact
 from maskc.errors import ArtifactError
 from maskc.ir import Mask
-from maskc.runtime import launch, plan, register_artifact, registry
+from maskc.runtime import call_plan, launch, register_artifact, registry
 
 from fake_kernels import FIELDS, KEY, fake_kernel
 
@@ -160,7 +160,7 @@ def test_a_launch_reads_the_schedule_it_was_given_also_after_another() -> None:
     runtime = _RecordingRuntime(FORWARD_ABI)
     kernel = launch.Kernel(runtime, b"", "attn_fwd", FORWARD_ABI)
     names = [a.name for a in FORWARD_ABI if isinstance(a, TensorArg)]
-    forward_schedule = plan.SCHEDULE_ARGS[:6]  # the forward's arrays (work_tile .. key_bounds)
+    forward_schedule = call_plan.SCHEDULE_ARGS[:6]  # the forward's arrays (work_tile .. key_bounds)
     schedules = [{a.name: torch.zeros(rows, *a.shape[1:], dtype=torch.int32) for a in forward_schedule} for rows in (3, 7)]
     schedules.append({name: t for name, t in schedules[0].items() if name != "key_bounds"})
     for i, which in enumerate((0, 1, 1, 0, 2, 2, 1)):
@@ -255,30 +255,30 @@ def test_the_unmasked_backward_serves_only_masks_without_partial_blocks(monkeypa
     monkeypatch.setattr(registry, "KERNELS", {})
     monkeypatch.setattr(registry, "LOADED", [])
     monkeypatch.setattr(source, "_source", compile_refused)
-    target = plan.make_target((9, 0), 132, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, False)
-    request = plan.backward_requests(Mask.from_cu_seqlens([0, 1000], causal=True), target)[0]
+    target = call_plan.make_target((9, 0), 132, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, False)
+    request = call_plan.backward_requests(Mask.from_cu_seqlens([0, 1000], causal=True), target)[0]
     entries = {}
     for unmasked in (False, True):
         fields = {**request, "unmasked": unmasked, "tile_m": 64, "tile_n": 128}
         entries[unmasked] = registry.KERNELS[registry.request_key(fields)] = registry.entry_for(None, fields)
     full, causal = Mask.from_cu_seqlens([0, 1000]), Mask.from_cu_seqlens([0, 1000], causal=True)
-    assert plan.backward_kernel(full, target) is entries[True]
-    assert plan.backward_kernel(causal, target) is entries[False]
-    assert plan.backward_kernel(Mask.from_cu_seqlens([0, 1000, 1100]), target) is entries[False]  # a boundary mid-block
-    assert plan.backward_kernel(Mask.from_cu_seqlens([0, 1024, 1100]), target) is entries[True]  # at a k tile edge
+    assert call_plan.backward_kernel(full, target) is entries[True]
+    assert call_plan.backward_kernel(causal, target) is entries[False]
+    assert call_plan.backward_kernel(Mask.from_cu_seqlens([0, 1000, 1100]), target) is entries[False]  # a boundary mid-block
+    assert call_plan.backward_kernel(Mask.from_cu_seqlens([0, 1024, 1100]), target) is entries[True]  # at a k tile edge
     del registry.KERNELS[registry.request_key({**request, "unmasked": True})]
-    assert plan.backward_kernel(full, target) is entries[False]
+    assert call_plan.backward_kernel(full, target) is entries[False]
     # The masked kernel compiled by the kernel source for an earlier call is no artifact of the
     # user's: with a source, the unmasked one is compiled; with none, the masked one serves.
     monkeypatch.setattr(registry, "FROM_SOURCE", {registry.request_key(request)})
     with pytest.raises(ArtifactError, match="would compile .*'unmasked': True"):
-        plan.backward_kernel(full, target)
+        call_plan.backward_kernel(full, target)
     monkeypatch.setattr(source, "_source", None)
-    assert plan.backward_kernel(full, target) is entries[False]
+    assert call_plan.backward_kernel(full, target) is entries[False]
     monkeypatch.setattr(source, "_source", compile_refused)
     del registry.KERNELS[registry.request_key(request)]
     with pytest.raises(ArtifactError, match="'unmasked': True"):
-        plan.backward_kernel(full, target)  # neither registered: compile the unmasked one
+        call_plan.backward_kernel(full, target)  # neither registered: compile the unmasked one
 
 
 def test_the_forward_takes_the_tall_tile_per_mask(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -291,20 +291,20 @@ def test_the_forward_takes_the_tall_tile_per_mask(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(registry, "KERNELS", {})
     monkeypatch.setattr(source, "_source", compile_refused)
-    target = plan.make_target((9, 0), 132, torch.bfloat16, 64, 8, HeadDim(128, 128), False, False, False, None, False)
+    target = call_plan.make_target((9, 0), 132, torch.bfloat16, 64, 8, HeadDim(128, 128), False, False, False, None, False)
     full = Mask.from_cu_seqlens([0, 16384])
-    request, alternative = plan.forward_requests(full, target)
+    request, alternative = call_plan.forward_requests(full, target)
     assert request["tall"] and not request["pack_gqa"] and alternative == {k: v for k, v in request.items() if k != "tall"}
     docs = Mask.from_cu_seqlens(list(range(0, 16385, 512)), causal=True)
-    request_docs, alternative_docs = plan.forward_requests(docs, target)
+    request_docs, alternative_docs = call_plan.forward_requests(docs, target)
     assert "tall" not in request_docs and request_docs["pack_gqa"] and not alternative_docs["pack_gqa"]
     fields = {**alternative, "tile_m": 128, "tile_n": 128}
     entry = registry.KERNELS[registry.request_key(fields)] = registry.entry_for(None, fields)
     assert registry.find_kernel(request, alternative) is entry
     with pytest.raises(ArtifactError, match="would compile .*'tall': True"):
         registry.find_kernel(request)
-    forced = plan.make_target((9, 0), 132, torch.bfloat16, 64, 8, HeadDim(128, 128), False, False, False, True, False)
-    assert plan.forward_requests(full, forced)[0]["pack_gqa"] and plan.forward_requests(full, forced)[0]["tall"]
+    forced = call_plan.make_target((9, 0), 132, torch.bfloat16, 64, 8, HeadDim(128, 128), False, False, False, True, False)
+    assert call_plan.forward_requests(full, forced)[0]["pack_gqa"] and call_plan.forward_requests(full, forced)[0]["tall"]
 
 
 def fake_gpu_without_compiler(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], num_sms: int):
@@ -312,7 +312,7 @@ def fake_gpu_without_compiler(monkeypatch: pytest.MonkeyPatch, capability: tuple
     each request in `asked`); `plan_call` plans a causal 16k-token call, 8:2 heads, d=128, bf16."""
     monkeypatch.setattr(registry, "KERNELS", {})
     monkeypatch.setattr(registry, "LOADED", [])
-    monkeypatch.setattr(plan, "_host_schedule", lambda mask, build, num_ctas, *params: plan.HostSchedule(
+    monkeypatch.setattr(call_plan, "_host_schedule", lambda mask, build, num_ctas, *params: call_plan.HostSchedule(
         torch.zeros(1, dtype=torch.int32), (1000, 0, 0, 0, 0), 0, num_ctas))  # fmt: skip
     asked = []
 
@@ -324,11 +324,11 @@ def fake_gpu_without_compiler(monkeypatch: pytest.MonkeyPatch, capability: tuple
     mask = Mask.from_cu_seqlens([0, 16384], causal=True)
 
     def plan_call(pack_gqa: bool | None, needs_grad: bool, deterministic: bool, sm_margin: int = 0,
-                  portable: bool | None = None) -> plan.Launch:  # fmt: skip
-        target = plan.make_target(capability, num_sms, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, pack_gqa,
-                                  deterministic, sm_margin, portable)  # fmt: skip
-        forward = plan.plan_forward(mask, target, torch.device("cpu"))
-        return plan.plan_backward(mask, target, torch.device("cpu")) if needs_grad else forward
+                  portable: bool | None = None) -> call_plan.Launch:  # fmt: skip
+        target = call_plan.make_target(capability, num_sms, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, pack_gqa,
+                                       deterministic, sm_margin, portable)  # fmt: skip
+        forward = call_plan.plan_forward(mask, target, torch.device("cpu"))
+        return call_plan.plan_backward(mask, target, torch.device("cpu")) if needs_grad else forward
 
     return asked, plan_call
 

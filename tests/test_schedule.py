@@ -367,7 +367,7 @@ def test_the_forward_build_takes_the_strategys_schedule_of_its_own_tiles(
 @pytest.mark.parametrize("mask", [Mask.from_cu_seqlens([0, 900, 1000, 5000], causal=True), Mask.from_cu_seqlens([0, 4096])])
 def test_a_decision_hands_its_schedule_to_the_build_after_it(mask: Mask, heads: tuple[int, int]) -> None:
     """The GQA strategy and the backward kernel's choice keep the schedule they built for the
-    build that comes next (maskc.runtime.plan), which takes it once: the same arrays as built
+    build that comes next (maskc.runtime.call_plan), which takes it once: the same arrays as built
     anew, and nothing left in the memo."""
 
     def fresh() -> Mask:

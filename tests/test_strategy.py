@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from maskc.artifact.families import pack_gqa_supported
+from maskc.artifact.kernel_families import pack_gqa_supported
 from maskc.frontend import load
 from maskc.ir import AttnSlice, Mask, strategy
 from maskc.ir.schedule import build_forward_schedule, build_schedule

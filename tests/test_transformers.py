@@ -261,7 +261,7 @@ def test_a_dense_mask_is_a_clear_error() -> None:
 def test_register_is_idempotent_and_import_maskc_stays_light() -> None:
     hf.register()
     hf.register()
-    assert transformers.AttentionInterface._global_mapping["maskc"] is hf.attention_forward
+    assert transformers.AttentionInterface._global_mapping["maskc"] is hf.transformers_attention
     code = "import sys, maskc; maskc.Mask; maskc.reference_attention; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -309,7 +309,7 @@ def test_chunked_attention_is_a_clear_error() -> None:
     layer = ours.model.layers[0].self_attn
     q, kv = torch.zeros(1, 4, 10, 16), torch.zeros(1, 2, 10, 16)
     with pytest.raises(hf.TransformersAttentionError, match="attends in chunks of 8 tokens"):
-        hf.attention_forward(layer, q, kv, kv, unsupported)
+        hf.transformers_attention(layer, q, kv, kv, unsupported)
 
 
 @pytest.mark.slow
@@ -349,9 +349,9 @@ def test_a_bidirectional_sliding_window_is_a_clear_error() -> None:
     layer = ours.model.layers[0].self_attn
     q, kv = torch.zeros(1, 4, 10, 16), torch.zeros(1, 2, 10, 16)
     with pytest.raises(hf.TransformersAttentionError, match="bidirectional sliding window"):
-        hf.attention_forward(layer, q, kv, kv, None, sliding_window=4, is_causal=False)
+        hf.transformers_attention(layer, q, kv, kv, None, sliding_window=4, is_causal=False)
     mask = maskc.Mask.from_cu_seqlens([0, 10])  # an explicit mask decides for itself
-    out, _ = hf.attention_forward(layer, q, kv, kv, None, sliding_window=4, is_causal=False, maskc_mask=mask)
+    out, _ = hf.transformers_attention(layer, q, kv, kv, None, sliding_window=4, is_causal=False, maskc_mask=mask)
     assert out.shape == (1, 10, 4, 16)
 
 

@@ -4,7 +4,7 @@ This table is the one place these facts are written. `KernelVariant` validates a
 compile takes its tile shapes from it, the renderer picks a family's templates by it, the
 runtime chooses between the GPU's own kernels and the portable ones with it, `maskc compile`
 offers its archs, head dims and dtypes, and docs/support.md's tables are generated from it
-(`support_table`; tests/test_families.py checks the committed copy).
+(`support_table`; tests/test_kernel_families.py checks the committed copy).
 
 Tile shapes were measured on an H200 (heads 64:8, bf16, 8k-16k tokens): at d=128, 128x128 tiles
 with two K/V stages (two consumer warpgroups) reach 600-690 TFLOP/s on full and causal masks,
@@ -502,6 +502,6 @@ def with_support_table(doc: str) -> str:
     return head + _BEGIN + support_table() + _END + tail
 
 
-if __name__ == "__main__":  # python -m maskc.artifact.families docs/support.md
+if __name__ == "__main__":  # python -m maskc.artifact.kernel_families docs/support.md
     doc = Path(sys.argv[1])
     doc.write_text(with_support_table(doc.read_text()))

@@ -24,7 +24,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from maskc.artifact.abi import ENTRY_POINTS
-from maskc.artifact.families import FLAGS
+from maskc.artifact.kernel_families import FLAGS
 from maskc.artifact.variant import KernelVariant
 from maskc.errors import ArtifactError, VariantError
 from maskc.files import write_atomic

@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from maskc.artifact.families import (
+from maskc.artifact.kernel_families import (
     ARCH_NAMES,
     DIRECTIONS,
     DTYPE_NAMES,

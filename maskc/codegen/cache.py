@@ -25,7 +25,7 @@ from importlib import resources
 from pathlib import Path
 
 import maskc.artifact.abi
-import maskc.artifact.families
+import maskc.artifact.kernel_families
 import maskc.artifact.variant
 from maskc.artifact.abi import ENTRY_POINTS, abi_to_json
 from maskc.artifact.manifest import MANIFEST_NAME, write_manifest
@@ -47,7 +47,7 @@ def source_files() -> list[tuple[Path, str]]:
     templates = Path(str(resources.files("maskc.templates")))
     files = [(p, p.relative_to(templates).as_posix()) for p in sorted(templates.rglob("*.jinja"))]
     files += [(p, f"codegen/{p.name}") for p in sorted(Path(__file__).parent.glob("*.py"))]
-    contract = (maskc.artifact.abi, maskc.artifact.families, maskc.artifact.variant)
+    contract = (maskc.artifact.abi, maskc.artifact.kernel_families, maskc.artifact.variant)
     return files + [(Path(m.__file__), f"artifact/{Path(m.__file__).name}") for m in contract]
 
 

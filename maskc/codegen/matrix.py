@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any, Sequence
 
-from maskc.artifact.families import PORTABLE, HeadDim, KernelFamily, native_family, pack_gqa_supported, select_tiles
+from maskc.artifact.kernel_families import PORTABLE, HeadDim, KernelFamily, native_family, pack_gqa_supported, select_tiles
 from maskc.ir import Mask
 from maskc.ir.schedule import backward_has_partial_blocks
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2
 
 from maskc.artifact.abi import ENTRY_POINTS, PACE_COUNTERS
-from maskc.artifact.families import DIRECTIONS, DTYPES, FAMILIES, SM100, WARPGROUP_ROWS
+from maskc.artifact.kernel_families import DIRECTIONS, DTYPES, FAMILIES, SM100, WARPGROUP_ROWS
 from maskc.artifact.variant import KernelVariant, variant_for
 
 _DTYPES = {d.name: d for d in DTYPES}

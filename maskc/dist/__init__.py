@@ -1,9 +1,9 @@
 """Context parallelism: which rank owns which chunks (`assign`), which key/value rows move where
 (`comm`), in how many overlapped stages (`stages`), all in one `Plan` (`plan`, pure CPU); and
-running it over torch.distributed (`runtime`: dispatch / undispatch of sequence tensors and
+running it over torch.distributed (`execute`: dispatch / undispatch of sequence tensors and
 distributed attention, forward and backward)."""
 
+from maskc.dist.execute import attention, dispatch, undispatch
 from maskc.dist.plan import Plan, make_plan
-from maskc.dist.runtime import attention, dispatch, undispatch
 
 __all__ = ["Plan", "attention", "dispatch", "make_plan", "undispatch"]

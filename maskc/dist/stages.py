@@ -1,7 +1,7 @@
 """Overlap stages: each rank's remote key/value rows fetched in stages that hide behind compute.
 
 A rank attends its queries to its own keys (the local call, no communication) and to the remote
-keys of stage 1, 2, ..., one kernel call per stage (maskc.dist.runtime). Forward: every stage's
+keys of stage 1, 2, ..., one kernel call per stage (maskc.dist.execute). Forward: every stage's
 all-to-all-v is issued up front and runs while the local call and the earlier stages compute;
 the partial outputs merge by lse. Backward: the received keys are kept from the forward (no
 fetch); stages 1..n compute first, each stage's dK/dV going back to their owners in an

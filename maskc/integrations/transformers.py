@@ -56,7 +56,7 @@ class _Unsupported:
 def register() -> None:
     """Register "maskc" with Transformers' attention and attention-mask interfaces (idempotent:
     registering again replaces the entries with the same functions)."""
-    AttentionInterface.register(NAME, attention_forward)
+    AttentionInterface.register(NAME, transformers_attention)
     AttentionMaskInterface.register(NAME, padding_mask)
 
 
@@ -90,7 +90,7 @@ def padding_mask(
     return None if bool(attention_mask.all()) else attention_mask
 
 
-def attention_forward(
+def transformers_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,

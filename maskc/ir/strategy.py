@@ -1,13 +1,13 @@
 """The forward strategy pass: per mask, plain kernels or PackGQA, and where the kernel family has
 a tall tile for the head dim, which tile, by comparing the estimated times of the schedules.
-(The tile shapes it compares are the kernel families', maskc/artifact/families.py.)
+(The tile shapes it compares are the kernel families', maskc/artifact/kernel_families.py.)
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from maskc.artifact.families import pack_gqa_supported
+from maskc.artifact.kernel_families import pack_gqa_supported
 from maskc.ir.mask import Mask
 from maskc.ir.schedule import Schedule, build_forward_schedule, forward_key, keep_schedule
 
