@@ -23,8 +23,9 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,12 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import maskc  # noqa: E402
-from maskc.dist import make_plan  # noqa: E402
-
-from kernel import D, HKV, HQ, build_masks, compiled_flex, flex_mask_mod  # noqa: E402
+from kernel import HKV, HQ, D, build_masks, compiled_flex, flex_mask_mod  # noqa: E402
 from record import RESULTS, Run, cpu_device  # noqa: E402
 from report import dist_tables  # noqa: E402
+
+import maskc  # noqa: E402
+from maskc.dist import make_plan  # noqa: E402
 
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "varlen_block_causal")
 

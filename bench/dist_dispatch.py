@@ -18,14 +18,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common import pack_documents, sample_doc_lengths, timed  # noqa: E402
+from record import RESULTS, Run, cpu_device  # noqa: E402
+
 from maskc.dist.assign import ALGORITHMS, imbalance, lower_bound, pad, padded_length, solve  # noqa: E402
 from maskc.dist.comm import build_comm_tables  # noqa: E402
 from maskc.dist.pieces import chunk_areas  # noqa: E402
 from maskc.frontend import load  # noqa: E402
 from maskc.ir import Mask  # noqa: E402
-
-from common import pack_documents, sample_doc_lengths, timed  # noqa: E402
-from record import RESULTS, Run, cpu_device  # noqa: E402
 
 
 def main() -> None:

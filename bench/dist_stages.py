@@ -17,13 +17,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common import sample_doc_lengths, timed  # noqa: E402
+from record import RESULTS, Run, cpu_device  # noqa: E402
+
 from maskc.dist.comm import remote_keys  # noqa: E402
 from maskc.dist.pieces import cut  # noqa: E402
 from maskc.dist.stages import CostModel, plan_stages  # noqa: E402
 from maskc.ir import Mask  # noqa: E402
-
-from common import sample_doc_lengths, timed  # noqa: E402
-from record import RESULTS, Run, cpu_device  # noqa: E402
 
 TOTAL = 1 << 20
 CP = 64

@@ -16,7 +16,6 @@ from collections.abc import Callable
 import cutlass
 import cutlass.cute as cute
 from flash_attn.cute.utils import scalar_to_ssa
-
 from kernel import GLOBALS, HALF_WINDOW, WINDOW
 
 

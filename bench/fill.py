@@ -21,9 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernel import HKV, HQ, MASKS, build_masks, parse_heads  # noqa: E402
-
 import torch  # noqa: E402
+from kernel import HKV, HQ, MASKS, build_masks, parse_heads  # noqa: E402
 
 from maskc.artifact.kernel_families import HEAD_DIMS, HeadDim  # noqa: E402
 from maskc.ir import Mask  # noqa: E402

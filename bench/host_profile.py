@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernel import D, HOST_TOKENS, HostCall, host_calls, host_times_us, inputs, warmed_pass
+from kernel import HOST_TOKENS, D, HostCall, host_calls, host_times_us, inputs, warmed_pass
 from report import markdown_table
 
 import maskc

@@ -26,9 +26,10 @@ import cProfile
 import io
 import pstats
 import sys
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 from unittest import mock
 
 import torch

@@ -17,11 +17,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from maskc.frontend import load  # noqa: E402
-from maskc.ir import Mask  # noqa: E402
-
 from common import sample_doc_lengths, timed  # noqa: E402
 from record import RESULTS, Run, cpu_device  # noqa: E402
+
+from maskc.frontend import load  # noqa: E402
+from maskc.ir import Mask  # noqa: E402
 
 FAMILY_FILE = ROOT / "examples" / "varlen_block_causal.mask"
 

@@ -21,18 +21,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
-
-from kernel import baselines, build_masks, forward_flops, inputs, maskc_call  # noqa: E402
-from kernel import parse_head_dims, parse_heads  # noqa: E402
+from kernel import baselines, build_masks, forward_flops, inputs, maskc_call, parse_head_dims, parse_heads  # noqa: E402  # noqa: E402
 from report import markdown_table  # noqa: E402
 
 import maskc  # noqa: E402

@@ -17,11 +17,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from maskc.ir import Mask  # noqa: E402
-from maskc.ir.schedule import build_backward_schedule, build_schedule  # noqa: E402
-
 from common import sample_doc_lengths  # noqa: E402
 from record import RESULTS, Run, cpu_device  # noqa: E402
+
+from maskc.ir import Mask  # noqa: E402
+from maskc.ir.schedule import build_backward_schedule, build_schedule  # noqa: E402
 
 TOTAL = 1 << 20
 

@@ -29,11 +29,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import maskc  # noqa: E402
-from maskc.ir import Mask  # noqa: E402
-
 from common import draw_doc_lengths  # noqa: E402
 from record import RESULTS, Run  # noqa: E402
+
+import maskc  # noqa: E402
+from maskc.ir import Mask  # noqa: E402
 
 TOKENS, LAYERS, HQ, HKV, D = 16384, 4, 32, 8, 128
 

@@ -29,8 +29,9 @@ import pickle
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,15 +39,15 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common import sample_doc_lengths  # noqa: E402
+from record import RESULTS, Run, cpu_device  # noqa: E402
+
 import maskc  # noqa: E402
 from maskc.artifact.kernel_families import HeadDim  # noqa: E402
 from maskc.frontend import load  # noqa: E402
 from maskc.ir import Mask  # noqa: E402
-from maskc.runtime import masks as runtime_masks  # noqa: E402
 from maskc.runtime import call_plan  # noqa: E402
-
-from common import sample_doc_lengths  # noqa: E402
-from record import RESULTS, Run, cpu_device  # noqa: E402
+from maskc.runtime import masks as runtime_masks  # noqa: E402
 
 FAMILY_FILE = ROOT / "examples" / "varlen_block_causal.mask"
 #: (label, tokens, documents, target ms for the host work of a new mask)

@@ -24,13 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from ab import Arm, add_run_command, alternate  # noqa: E402
+from record import read_results  # noqa: E402
+
 from maskc.artifact import kernel_families  # noqa: E402
 from maskc.artifact.kernel_families import HeadDim, Tiles  # noqa: E402
 from maskc.artifact.variant import KernelVariant  # noqa: E402
 from maskc.errors import VariantError  # noqa: E402
-
-from ab import Arm, add_run_command, alternate  # noqa: E402
-from record import read_results  # noqa: E402
 
 
 def parse_tiles(text: str, stages: int) -> Tiles:

@@ -58,11 +58,11 @@ from transformers.utils import import_utils
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import maskc.integrations.transformers  # noqa: E402 (registers attn_implementation="maskc")
-
 from common import pack_documents  # noqa: E402
 from record import RESULTS, Run, cpu_device  # noqa: E402
 from report import train_table  # noqa: E402
+
+import maskc.integrations.transformers  # noqa: E402 (registers attn_implementation="maskc")
 
 #: The implementations, as Transformers' attn_implementation names them; maskc runs first, as
 #: the others are checked against it.

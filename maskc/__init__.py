@@ -29,8 +29,9 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
     from pathlib import Path
-    from typing import Any, Mapping
+    from typing import Any
 
     from maskc.frontend.params import CuSeqLens, SeqLens
     from maskc.frontend.python_front import Builder, mask

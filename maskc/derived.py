@@ -13,7 +13,8 @@ library's view of its memory) is not seen.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Hashable, Sequence, TypeVar
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch

@@ -15,8 +15,8 @@ import contextlib
 import fcntl
 import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 def _temporary_name(directory: Path, name: str) -> Path:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from maskc.errors import MissingExtraError
 

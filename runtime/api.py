@@ -17,9 +17,9 @@ from maskc.errors import MaskcError, MaskError
 from maskc.ir import Mask
 from maskc.reference import AttentionMeta, check_attention_tensors, check_mask_lengths
 from maskc.runtime import ops
-from maskc.runtime.ops import Options
 from maskc.runtime.call_plan import TORCH_DTYPES, check_options, plan_backward, plan_forward
 from maskc.runtime.masks import PositionMask
+from maskc.runtime.ops import Options
 from maskc.runtime.prepared import PreparedMask
 
 _HEAD_DIM_PAIRS = frozenset((d.qk, d.v) for d in HEAD_DIMS)  # what a call checks its shapes against

@@ -8,9 +8,10 @@ GPUs is `maskc.dist.plan`'s `Plan`.)"""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Callable, NamedTuple, Sequence
+from functools import cache, lru_cache
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -51,7 +52,7 @@ SCHEDULE_ARGS = tuple(_ARGS[name] for name in ("work_tile", "work_ranges", "rang
 backward's nine, the deterministic backward's all eleven); every dim but the first has a fixed
 extent."""
 
-@lru_cache(maxsize=None)
+@cache
 def device_info(device: torch.device) -> tuple[tuple[int, int], int]:
     """(compute capability, multiprocessor count) of a GPU, asked once per process."""
     props = torch.cuda.get_device_properties(device)
@@ -88,7 +89,7 @@ class Target:
         return dict(self.base)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _target_tiles(target: Target, direction: str) -> Tiles:
     """`Target.tiles`, once per target (an eager call with gradients asks for the backward's)."""
     head_dim = HeadDim.of(target.fields)
@@ -177,7 +178,7 @@ def _choice_code(tall: bool, pack_gqa: bool) -> int:
     return 2 * tall + pack_gqa
 
 
-@lru_cache(maxsize=None)
+@cache
 def tall_tiles(target: Target) -> Tiles | None:
     """The tall forward tile of the target's head dims, None where the family has none."""
     return target.family.forward.tall_tiles.get(HeadDim.of(target.fields))

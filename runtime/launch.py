@@ -10,9 +10,9 @@ import ctypes
 import hashlib
 import os
 import threading
-from functools import lru_cache
+from collections.abc import Mapping
+from functools import cache
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
@@ -62,7 +62,7 @@ class CuteRuntime:
         return fn
 
 
-@lru_cache(maxsize=None)
+@cache
 def runtime_at(path: Path) -> CuteRuntime:
     """The library the user installed at `path` (`find_runtime_library`)."""
     if path.suffix == ".xz":

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from maskc.artifact.manifest import open_manifest
 from maskc.errors import ArtifactError, MaskError
 from maskc.ir import Mask
-from maskc.artifact.manifest import open_manifest
 
 
 @dataclass(frozen=True)

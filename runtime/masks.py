@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 import operator
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -23,8 +23,8 @@ from maskc.errors import MaskcError, MaskError
 from maskc.ir import Mask
 from maskc.ir.mask import window_band
 from maskc.runtime import plan_records
-from maskc.runtime.prepared import PreparedMask
 from maskc.runtime.call_plan import memoized
+from maskc.runtime.prepared import PreparedMask
 
 _BY_CONTENT: OrderedDict[bytes, Mask] = OrderedDict()
 """Masks by table content, for a table tensor that reaches an op as another tensor object than

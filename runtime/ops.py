@@ -16,9 +16,10 @@ dispatcher (`EagerAttention`).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Callable, NamedTuple, Sequence
+from functools import cache
+from typing import Any, NamedTuple
 
 import torch
 
@@ -260,14 +261,14 @@ def cast_in_place(accum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out[:n].view(accum.shape)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _no_rows(device: torch.device, heads: int) -> torch.Tensor:
     """A float32 [0, heads] on `device`: what the backward kernels take for an lse or a dlse
     they are not to read (made once: an allocation costs host time in every call)."""
     return torch.empty(0, heads, dtype=torch.float32, device=device)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _unused(device: torch.device) -> torch.Tensor:
     """Zeros standing in, on `device`, for the arrays a backward never touches: the ordering
     arrays of a kernel that is not deterministic, the split sums of a schedule with no split

@@ -8,15 +8,16 @@ decides the schedule the runtime builds for it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
+from maskc.artifact import toolchain
 from maskc.artifact.abi import ENTRY_POINTS, abi_to_json
 from maskc.artifact.kernel_families import HeadDim, family_of
 from maskc.artifact.manifest import Manifest, open_manifest
 from maskc.artifact.source import kernel_source
-from maskc.artifact import toolchain
 from maskc.errors import ArtifactError
 from maskc.lazy import install_command
 from maskc.runtime.launch import CuteRuntime, Kernel, runtime_at, runtime_of

@@ -4,9 +4,10 @@ describe without compiling anything."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from maskc.artifact.abi import ENTRY_POINTS, abi_to_json
 from maskc.artifact.manifest import exported_symbol

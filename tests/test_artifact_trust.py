@@ -14,11 +14,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable
+from typing import Any
 
 import pytest
+from fake_kernels import KEY, REQUEST, fake_kernel
 
 from maskc import cli
 from maskc.artifact import manifest as manifest_module
@@ -29,8 +31,6 @@ from maskc.codegen import LoweredMask, write
 from maskc.errors import ArtifactError
 from maskc.ir import Mask
 from maskc.runtime import load_artifact, open_manifest, register_artifact
-
-from fake_kernels import KEY, REQUEST, fake_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 MASKS = [LoweredMask("docs", {}, Mask.from_cu_seqlens([0, 3, 8], causal=True))]

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from fake_kernels import FIELDS, KEY, fake_kernel
 
 from maskc.artifact.manifest import sha256_of, write_manifest
 from maskc.codegen import LoweredMask, write_artifact
@@ -19,8 +20,6 @@ from maskc.errors import ArtifactError
 from maskc.files import write_atomic
 from maskc.ir import Mask
 from maskc.runtime import FORMAT_VERSION, load_artifact, open_manifest, read_manifest, register_artifact
-
-from fake_kernels import FIELDS, KEY, fake_kernel
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import ast
 import re
 
 import pytest
-
 from conftest import compile_variants
 from generated_source import assert_reads_top_to_bottom, entry_params, module_constants
+
 from maskc.artifact.variant import KernelVariant, variant_for
 from maskc.codegen.render import render
 from maskc.errors import VariantError
@@ -246,6 +246,7 @@ def test_p_v_reads_p_where_the_variant_keeps_it(compiled, name):
 
 def test_exported_structs_match_what_the_runtime_packs(compiled):
     from abi_check import assert_header_matches_abi
+
     from maskc.artifact.abi import FORWARD_ABI
 
     assert_header_matches_abi(compiled["d128_bf16_64x8_plain"].header_path.read_text(), FORWARD_ABI)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Callable
 
 import pytest
-
 from conftest import compile_variants
 from generated_source import assert_reads_top_to_bottom, entry_params, module_constants
+
 from maskc.artifact.kernel_families import backward_warpgroups
 from maskc.artifact.variant import KernelVariant
 from maskc.codegen.render import render
@@ -317,6 +317,7 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
 
 def test_exported_structs_match_what_the_runtime_packs(compiled):
     from abi_check import assert_header_matches_abi
+
     from maskc.artifact.abi import BACKWARD_ABI
 
     assert_header_matches_abi(compiled["d128_bf16_8x2"].header_path.read_text(), BACKWARD_ABI)

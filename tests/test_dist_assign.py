@@ -9,13 +9,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_ir import masks
 
 from maskc.dist.assign import ALGORITHMS, imbalance, lower_bound, pad, padded_length, rank_areas, solve
 from maskc.dist.pieces import chunk_areas
 from maskc.errors import MaskError, MaskParamError
 from maskc.ir import Mask
-
-from test_ir import masks
 
 
 @st.composite

@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_ir import masks
 
 from maskc.dist.comm import CommTables, build_comm_tables, needed_keys, remote_keys
 from maskc.dist.pieces import cut
 from maskc.errors import MaskError, MaskParamError
 from maskc.ir import AttnSlice, Mask
-
-from test_ir import masks
 
 
 @st.composite

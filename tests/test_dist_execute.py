@@ -17,13 +17,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_ir import masks
 
 import maskc
 from maskc.dist import execute, make_plan
 from maskc.dist.execute import key_order, local_mask, plan_digest, stage_tables
 from maskc.ir import AttnSlice, Mask
-
-from test_ir import masks
 
 
 @given(

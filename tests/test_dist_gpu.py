@@ -14,12 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_dist_execute import run_ranks
 
 import maskc
 from maskc.dist import make_plan
 from maskc.ir import Mask
-
-from test_dist_execute import run_ranks
 
 pytestmark = pytest.mark.gpu
 

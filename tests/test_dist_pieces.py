@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from maskc.errors import MaskError, MaskParamError
-from maskc.dist.pieces import chunk_areas, cut
-from maskc.ir import Mask
-
 from test_ir import masks
+
+from maskc.dist.pieces import chunk_areas, cut
+from maskc.errors import MaskError, MaskParamError
+from maskc.ir import Mask
 
 
 @given(masks(max_len=40, max_slices=6), st.sampled_from([1, 3, 7, 16]))

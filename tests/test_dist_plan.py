@@ -12,15 +12,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_ir import masks
 
 import maskc
-from maskc.dist.comm import build_comm_tables
 from maskc.dist.assign import pad
+from maskc.dist.comm import build_comm_tables
 from maskc.dist.plan import Plan, default_chunk_size, make_plan
 from maskc.errors import MaskError, MaskParamError
 from maskc.ir import AttnSlice, Mask
-
-from test_ir import masks
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARY_KEYS = {"imbalance", "ranks", "comm_rows_total", "ring_p2p_rows_total", "allgather_rows_total", "num_stages",

@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_ir import masks
 
 from maskc.dist.pieces import cut
 from maskc.dist.stages import DIRECTIONS, CostModel, StagePlan, critical_path, plan_stages, split_stages
 from maskc.errors import MaskError, MaskParamError
 from maskc.ir import Mask
-
-from test_ir import masks
 
 # Every unit 1: a pair costs 1 s forward and backward, a row 5 s on the wire, 1 s per collective,
 # and an extra kernel call nothing.

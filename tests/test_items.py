@@ -4,15 +4,31 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_schedule import piece_heads
 
 from maskc.ir import AttnSlice, Mask
 from maskc.ir.items import (
-    ASCENDING, COARSE_ITEMS_PER_CTA, HEADS_INNER, PIECE_OVERHEAD_STEPS, SECTION, SPLIT_GAIN, TAIL_ROUNDS, _free_times,
-    _makespan, _pieces, _unit_costs, deal, heads_inner, section_order, split, split_heavy, split_tail, sync_group_order,
+    ASCENDING,
+    COARSE_ITEMS_PER_CTA,
+    HEADS_INNER,
+    PIECE_OVERHEAD_STEPS,
+    SECTION,
+    SPLIT_GAIN,
+    TAIL_ROUNDS,
+    _free_times,
+    _makespan,
+    _pieces,
+    _unit_costs,
+    deal,
+    heads_inner,
+    section_order,
+    split,
+    split_heavy,
+    split_tail,
+    sync_group_order,
     whole,
 )  # fmt: skip
 from maskc.ir.schedule import build_backward_schedule
-from test_schedule import piece_heads
 
 
 def test_heads_inner_only_where_tiles_share_their_last_block() -> None:

@@ -32,7 +32,10 @@ from maskc.errors import VariantError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _request(family, direction, head_dim=HeadDim(128, 128), dtype="bf16", **flags) -> dict:
+D128 = HeadDim(128, 128)
+
+
+def _request(family, direction, head_dim=D128, dtype="bf16", **flags) -> dict:
     return {"arch": family.archs[0], "direction": direction, "head_dim": head_dim.qk, "head_dim_v": head_dim.v,
             "dtype": dtype, "num_heads_q": 8, "num_heads_kv": 2, "portable": family.portable, **flags}  # fmt: skip
 

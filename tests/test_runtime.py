@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_kernels import FIELDS, KEY, fake_kernel
 
 import maskc
 from maskc.artifact import source, toolchain
@@ -23,8 +24,6 @@ from maskc.codegen import LoweredMask, write_artifact
 from maskc.errors import ArtifactError
 from maskc.ir import Mask
 from maskc.runtime import call_plan, launch, register_artifact, registry
-
-from fake_kernels import FIELDS, KEY, fake_kernel
 
 
 def kernel_artifact(directory: Path, extra: dict[str, bytes] | None = None, toolchain: dict | None = None) -> Path:
@@ -76,7 +75,7 @@ def test_kernel_objects_run_as_the_bytes_that_were_verified(tmp_path: Path, runt
     verified = (art / f"{KEY}.o").read_bytes()
     register_artifact(art)
     (art / f"{KEY}.o").write_bytes(b"swapped in later")
-    registry.KERNELS[registry.request_key(FIELDS)].kernel
+    registry.KERNELS[registry.request_key(FIELDS)].kernel  # noqa: B018 (the lookup loads the kernel)
     assert built == [verified]
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_ir import masks
 
 from maskc.errors import MaskError
 from maskc.ir import AttnSlice, Mask
@@ -21,11 +22,8 @@ from maskc.ir.schedule import (
     build_schedule,
     document_starts,
     document_tiles,
-    tile_starts,
 )
 from maskc.ir.strategy import select_forward, select_pack_gqa
-
-from test_ir import masks
 
 
 def decode(s: Schedule, free_past_end: bool = False, whole_rows: bool = False, boxes: bool = False) -> torch.Tensor:

@@ -221,7 +221,7 @@ def test_cu_seq_lens_masks_are_kept_while_their_tensors_hold_them(monkeypatch: p
     tokens, _ = packed(DOCS)
 
     def forward() -> torch.Tensor:
-        return ours(tokens, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(DOCS), max_length_k=max(DOCS)).logits
+        return ours(tokens, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(DOCS), max_length_k=max(DOCS)).logits  # noqa: F821 (cu is deleted below, after the last call)
 
     first = forward()
     assert len(built) == 1  # two layers, one mask

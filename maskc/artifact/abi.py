@@ -13,7 +13,7 @@ the stream to a `cudaStream_t`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from maskc.artifact.variant import KernelVariant
@@ -33,7 +33,7 @@ PACE_COUNTERS = 2
 class TensorArg:
     name: str
     dtype: Literal["input", "float32", "int32"]  # "input": the variant's bf16/fp16
-    shape: tuple[Union[str, int], ...]
+    shape: tuple[str | int, ...]
     #: The kernel function's parameter.
     param: str
     #: Bytes the kernel may assume its data pointer is aligned to; None: 16 for the bf16/fp16
@@ -108,7 +108,7 @@ def _comment(described: str, doc: str, used_when: str | None, variant: KernelVar
     return described or doc
 
 
-Arg = Union[TensorArg, ScalarArg, StreamArg]
+Arg = TensorArg | ScalarArg | StreamArg
 
 
 def _schedule_and_launch(tile: str, runs: str, lines: str, keys: str, *bounds: TensorArg) -> tuple[Arg, ...]:

@@ -16,10 +16,11 @@ warpgroups) beats 128x128 by about 15% on full masks, and at d=96 (P through sha
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from maskc.errors import VariantError
 

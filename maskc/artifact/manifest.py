@@ -18,10 +18,11 @@ import hashlib
 import json
 import os
 import stat
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from maskc.artifact.abi import ENTRY_POINTS
 from maskc.artifact.kernel_families import FLAGS

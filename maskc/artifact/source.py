@@ -8,8 +8,9 @@ missing kernel is an error that says how to build one ahead of time.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 
 class KernelSource(Protocol):

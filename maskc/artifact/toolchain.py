@@ -8,9 +8,9 @@ import importlib.util
 import lzma
 import os
 import platform
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Mapping
 
 from maskc.errors import ArtifactError
 from maskc.version import __version__

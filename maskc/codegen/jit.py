@@ -4,8 +4,9 @@ kernel. `import maskc` registers `compile_request` as the runtime's kernel sourc
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from maskc.artifact.variant import variant_for
 from maskc.codegen.cache import cached_kernel

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import product
-from typing import Any, Sequence
+from typing import Any
 
 from maskc.artifact.kernel_families import PORTABLE, HeadDim, KernelFamily, native_family, pack_gqa_supported, select_tiles
 from maskc.ir import Mask

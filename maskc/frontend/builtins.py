@@ -13,8 +13,9 @@ per row), ranges as (starts, ends) arrays; a built-in called `once` per mask get
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 

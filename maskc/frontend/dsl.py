@@ -9,8 +9,8 @@ from pathlib import Path
 from maskc.errors import MaskcError, MaskParamError, MaskSemanticError, MaskSyntaxError
 from maskc.frontend import syntax as s
 from maskc.frontend.check import check_module, semantic_error
-from maskc.frontend.mask_family import MaskFamily
 from maskc.frontend.lower import constant, lower_mask
+from maskc.frontend.mask_family import MaskFamily
 from maskc.frontend.params import Param, coerce, plain_default
 from maskc.frontend.parser import parse
 

@@ -10,8 +10,8 @@ Built-in calls run through their entries in maskc/frontend/builtins.py, as the P
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping, Union
 
 import numpy as np
 
@@ -48,7 +48,7 @@ class DocsV:
         return DocsV(self.bounds, self.lo[index], self.hi[index])
 
 
-Value = Union[np.ndarray, RangeV, DocsV, Chunks, Seq]
+Value = np.ndarray | RangeV | DocsV | Chunks | Seq
 
 
 class Frame:

@@ -6,7 +6,8 @@ lowers checked values to a Mask; binding and validating the values happens here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from maskc.frontend.params import Param, ParamValue, bind_params
 

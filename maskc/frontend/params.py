@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import operator
 import sys
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal, Mapping, NamedTuple, Sequence
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import ast as pyast
 import functools
+from collections.abc import Iterator
 from importlib import resources
-from typing import Any, Iterator
+from typing import Any
 
 from maskc.errors import MaskSemanticError, MaskSyntaxError
 from maskc.frontend import syntax as s

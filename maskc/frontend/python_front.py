@@ -10,7 +10,8 @@ from __future__ import annotations
 import inspect
 import sys
 import typing
-from typing import Any, Callable, Iterator, Mapping, Union
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -55,8 +56,8 @@ class Ranges:
         return f"Ranges({len(self)} ranges)"
 
 
-RangeLike = Union[Range, tuple[Any, Any], range, Ranges]
-IntLike = Union[int, np.ndarray]
+RangeLike = Range | tuple[Any, Any] | range | Ranges
+IntLike = int | np.ndarray
 
 
 class Builder:

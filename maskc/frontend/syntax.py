@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 
 @dataclass(frozen=True)
@@ -123,7 +122,7 @@ class ListLit:
     items: tuple[Expr, ...]
 
 
-Expr = Union[Num, Name, RangeLit, Attr, Index, SliceOf, BinOp, Neg, Not, BoolOp, Compare, Call, ListLit]
+Expr = Num | Name | RangeLit | Attr | Index | SliceOf | BinOp | Neg | Not | BoolOp | Compare | Call | ListLit
 
 
 @dataclass(frozen=True)
@@ -163,7 +162,7 @@ class Assert:
     message: str | None
 
 
-Stmt = Union[Assign, CallStmt, For, If, Assert]
+Stmt = Assign | CallStmt | For | If | Assert
 
 
 @dataclass(frozen=True)

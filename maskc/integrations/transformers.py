@@ -19,8 +19,9 @@ under torch.compile takes new documents every step without recompiling.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -12,16 +12,17 @@ specialised to, so a new mask every step compiles nothing.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from functools import cached_property
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from maskc.errors import MaskError
-from maskc.limits import MAX_ROWS, MAX_TOKENS, check_count
 from maskc.ir.normalize import normalize_arrays
 from maskc.ir.slices import TYPE_NAMES, AttnSlice, RowLines, _range_pair, band_lines, slice_areas, type_id
+from maskc.limits import MAX_ROWS, MAX_TOKENS, check_count
 
 JSON_FORMAT = "maskc.mask/1"
 
