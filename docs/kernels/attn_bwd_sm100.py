@@ -27,7 +27,7 @@ stored once. One CTA of 448 threads loops over its items:
     warp 13     TMA: K and V per item, Q and dO per block through a 2-stage pipeline.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 
@@ -273,6 +273,31 @@ def load_stage(pipe, state, *copies):
 
 
 # ---------------------------------------------------------------------------------------------
+# The schedule's tensors, one value
+# ---------------------------------------------------------------------------------------------
+class Schedule(NamedTuple):
+    """The tile schedule's tensors (maskc/ir/schedule.py), named as the entry point's arguments
+    (maskc/artifact/abi.py): the host function bundles them into this one value, which the
+    kernel and every function that walks the schedule take instead of the tensors one by one.
+    The DSL passes a NamedTuple's tensors to the kernel as its parameters and rebuilds it
+    inside; a field left None (one the variant does not read) takes no parameter and leaves no
+    trace in the kernel. One struct serves both directions, whose schedules share the first
+    five fields: the forward leaves the backward's own (items .. block_rank) None."""
+
+    work_tile: cute.Tensor  # [W] the work item's q tile (backward: k tile)
+    work_ranges: cute.Tensor  # [W+1] CSR offsets into ranges
+    ranges: cute.Tensor  # [R, 4] runs of blocks: (begin, end, partial, first key / query)
+    work_lines: cute.Tensor  # [W+1] CSR offsets into lines
+    lines: cute.Tensor  # [L, 6] (r0, r1, lo_a, lo_s, hi_a, hi_s)
+    key_bounds: Optional[cute.Tensor] = None  # [NK1] first key of each k block (backward: tile)
+    query_bounds: Optional[cute.Tensor] = None  # [NQ1] first query of each q tile (backward: block)
+    items: Optional[cute.Tensor] = None  # [I, 6] the backward's items by CTA (maskc.ir.items)
+    cta_items: Optional[cute.Tensor] = None  # [G+1] CSR offsets of each CTA's items
+    work_blocks: Optional[cute.Tensor] = None  # [WB] deterministic backward: CSR offsets into block_rank
+    block_rank: Optional[cute.Tensor] = None  # [B] lower k tiles adding to the same q block
+
+
+# ---------------------------------------------------------------------------------------------
 # Masking of partial blocks by the work item's lines
 # ---------------------------------------------------------------------------------------------
 MASK_PERIOD_LOG2 = MASK_PERIOD.bit_length() - 1  # x >> MASK_PERIOD_LOG2 is x // MASK_PERIOD
@@ -342,13 +367,13 @@ def load_line_bounds(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     l_begin: Int32,
     l_end: Int32,
 ):
     """Once per work item: bounds[i, slot] = (e_lo, e_hi), the elements allowed in row i by
-    line l_begin + slot, numbered as in elements_left_of (empty when the line does not cover
-    the row or does not exist)."""
+    line l_begin + slot of schedule.lines, numbered as in elements_left_of (empty when the line
+    does not cover the row or does not exist)."""
     for slot in cutlass.range_constexpr(MASK_SLOTS):
         line = l_begin + slot
         r0 = Int32(0)
@@ -358,12 +383,12 @@ def load_line_bounds(
         hi_a = Int32(0)
         hi_s = Int32(0)
         if line < l_end:
-            r0 = mLines[line, 0]
-            r1 = mLines[line, 1]
-            lo_a = mLines[line, 2]
-            lo_s = mLines[line, 3]
-            hi_a = mLines[line, 4]
-            hi_s = mLines[line, 5]
+            r0 = schedule.lines[line, 0]
+            r1 = schedule.lines[line, 1]
+            lo_a = schedule.lines[line, 2]
+            lo_s = schedule.lines[line, 3]
+            hi_a = schedule.lines[line, 4]
+            hi_s = schedule.lines[line, 5]
         for i in cutlass.range_constexpr(ROWS_PER_THREAD):
             row = rows[i]
             e_lo = elements_left_of(lo_a + lo_s * row - first_col0)
@@ -378,16 +403,15 @@ def load_item_lines(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
-    mWorkLines: cute.Tensor,
+    schedule: Schedule,
     work: Int32,
 ):
     """Once per work item: its lines' bounds (load_line_bounds), and the tuple of
     line_mask_bits' arguments after the block that mask_block takes."""
-    l_begin = mWorkLines[work]
-    l_end = mWorkLines[work + 1]
-    load_line_bounds(bounds, first_col0, rows, mLines, l_begin, l_end)
-    return (bounds, first_col0, rows, mLines, l_begin, l_end)
+    l_begin = schedule.work_lines[work]
+    l_end = schedule.work_lines[work + 1]
+    load_line_bounds(bounds, first_col0, rows, schedule, l_begin, l_end)
+    return (bounds, first_col0, rows, schedule, l_begin, l_end)
 
 
 @cute.jit
@@ -397,16 +421,17 @@ def line_mask_bits(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     l_begin: Int32,
     l_end: Int32,
-    key_bounds: Optional[cute.Tensor] = None,
-    off_grid=False,
+    off_grid=None,
 ):
-    """bits[i, chunk]: the keep mask of row i in block n (bit k of chunk c: column 32 c + k).
-    Block n's box starts at column n * TILE_N, or `off_grid` (a run the schedule marks 2:
-    blocks per document) at key_bounds[n], its own columns ending at key_bounds[n + 1] and the
-    rest of its box cleared; the slots' bounds, counted on the grid, hold only for the former.
+    """bits[i, chunk]: the keep mask of row i in block n (bit k of chunk c: column 32 c + k),
+    from lines l_begin .. l_end of schedule.lines. Block n's box starts at column n * TILE_N,
+    or if `off_grid` (a run the schedule marks 2: blocks per document) at
+    schedule.key_bounds[n], its own columns ending at key_bounds[n + 1] and the rest of its box
+    cleared; the slots' bounds, counted on the grid, hold only for the former. `off_grid` is
+    None in the kernels whose blocks all lie on the grid.
 
     Integer work only: callers may issue it while a matrix product is in flight."""
     base = n * COLS_PER_THREAD
@@ -420,20 +445,20 @@ def line_mask_bits(
     # for a block off the grid.
     first_col = first_col0 + n * TILE_N
     first_line = l_begin + MASK_SLOTS
-    if const_expr(key_bounds is not None):
+    if const_expr(off_grid is not None):
         if off_grid:
-            first_col = first_col0 + key_bounds[n]
+            first_col = first_col0 + schedule.key_bounds[n]
             first_line = l_begin
             for i in cutlass.range_constexpr(ROWS_PER_THREAD):
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = Uint32(0)
     for line in cutlass.range(first_line, l_end, unroll=1):
-        r0 = mLines[line, 0]
-        r1 = mLines[line, 1]
-        lo_a = mLines[line, 2]
-        lo_s = mLines[line, 3]
-        hi_a = mLines[line, 4]
-        hi_s = mLines[line, 5]
+        r0 = schedule.lines[line, 0]
+        r1 = schedule.lines[line, 1]
+        lo_a = schedule.lines[line, 2]
+        lo_s = schedule.lines[line, 3]
+        hi_a = schedule.lines[line, 4]
+        hi_s = schedule.lines[line, 5]
         for i in cutlass.range_constexpr(ROWS_PER_THREAD):
             row = rows[i]
             e_lo = elements_left_of(lo_a + lo_s * row - first_col)
@@ -441,9 +466,9 @@ def line_mask_bits(
             if row >= r0 and row < r1:
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = bits[i, c] | run_bits(e_lo, e_hi, c)
-    if const_expr(key_bounds is not None):
+    if const_expr(off_grid is not None):
         if off_grid:  # a document's last block: its box reaches into the next block's columns
-            e_end = elements_left_of(key_bounds[n + 1] - first_col)
+            e_end = elements_left_of(schedule.key_bounds[n + 1] - first_col)
             for i in cutlass.range_constexpr(ROWS_PER_THREAD):
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = bits[i, c] & run_bits(0, e_end, c)
@@ -740,11 +765,7 @@ def loader(
     thr_kq,
     pipe_kv,
     pipe_qdo,
-    mItems: cute.Tensor,
-    mCtaItems: cute.Tensor,
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
+    schedule: Schedule,
 ):
     """Per item K and V (once the previous item's MMAs are done with them), then per (q block,
     query head) Q and dO into the next free stage. Rows past the sequences are zero-filled by
@@ -752,23 +773,23 @@ def loader(
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
     qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, NUM_STAGES)
     cta = Int32(cute.arch.block_idx()[0])
-    for item in cutlass.range(mCtaItems[cta], mCtaItems[cta + 1], unroll=1):
-        work = mItems[item, 0]
-        head_kv = mItems[item, 1]
-        q_heads = mItems[item, 4]
-        slot = mItems[item, 5]
+    for item in cutlass.range(schedule.cta_items[cta], schedule.cta_items[cta + 1], unroll=1):
+        work = schedule.items[item, 0]
+        head_kv = schedule.items[item, 1]
+        q_heads = schedule.items[item, 4]
+        slot = schedule.items[item, 5]
         num_heads = Int32(QHEADS_PER_KVHEAD) if q_heads < 0 else q_heads
-        head_first = head_kv * QHEADS_PER_KVHEAD + mItems[item, 3]
-        n_tile = mWorkTile[work]
-        r_first = mWorkRanges[work]
-        r_last = mWorkRanges[work + 1]
+        head_first = head_kv * QHEADS_PER_KVHEAD + schedule.items[item, 3]
+        n_tile = schedule.work_tile[work]
+        r_first = schedule.work_ranges[work]
+        r_last = schedule.work_ranges[work + 1]
         has_blocks = r_first < r_last
         if has_blocks:
             k_tiles = (TILE_K, HEAD_DIM)
             tKsK, tKgK = tma_blocks(tma_k, sK, cute.local_tile(tK[None, None, head_kv], k_tiles, (None, 0)), thr_kq, "A")
             tVsV, tVgV = tma_blocks(tma_v, sV, cute.local_tile(tV[None, None, head_kv], k_tiles, (None, 0)), thr_kq, "A")
             kv_state = load_stage(pipe_kv, kv_state, (tma_k, tKgK, tKsK, n_tile), (tma_v, tVgV, tVsV, n_tile))
-            flags = mItems[item, 2]
+            flags = schedule.items[item, 2]
             heads_inner = (flags & 1) != 0
             up = (flags >> 1) & 1  # 1: first to last
             dm = 2 * up - 1  # the walk's step through runs and blocks
@@ -776,13 +797,13 @@ def loader(
             r_stop = r_first - 1 + (r_last - r_first + 1) * up  # one past the last run walked
             blocks = Int32(0)
             for rr in cutlass.range(r_first, r_last, unroll=1):
-                blocks += mRanges[rr, 1] - mRanges[rr, 0]
+                blocks += schedule.ranges[rr, 1] - schedule.ranges[rr, 0]
             r = r_start
-            lo = mRanges[r, 0]
-            hi = mRanges[r, 1]
+            lo = schedule.ranges[r, 0]
+            hi = schedule.ranges[r, 1]
             m = hi - 1 + (lo - hi + 1) * up
             m_stop = lo - 1 + (hi - lo + 1) * up  # one past the run's last block walked
-            partial = mRanges[r, 2]
+            partial = schedule.ranges[r, 2]
             g = Int32(0)
             for step in cutlass.range(blocks * num_heads, unroll=1):
                 head = head_first + g
@@ -805,11 +826,11 @@ def loader(
                         if r == r_stop:  # past the last run: heads outermost, the next head
                             r = r_start
                             g += 1
-                        lo = mRanges[r, 0]
-                        hi = mRanges[r, 1]
+                        lo = schedule.ranges[r, 0]
+                        hi = schedule.ranges[r, 1]
                         m = hi - 1 + (lo - hi + 1) * up
                         m_stop = lo - 1 + (hi - lo + 1) * up
-                        partial = mRanges[r, 2]
+                        partial = schedule.ranges[r, 2]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -890,11 +911,7 @@ def mma_warp(
     pipe_ds,
     pipe_dq,
     pipe_dkv,
-    mItems: cute.Tensor,
-    mCtaItems: cute.Tensor,
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
+    schedule: Schedule,
 ):
     """Per item, once the previous item's dK and dV are stored: per block, S^T; then the
     previous block's dQ and dK (finish_block: the compute warps made its dS^T while this S^T
@@ -911,23 +928,23 @@ def mma_warp(
     dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
     dkv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
     cta = Int32(cute.arch.block_idx()[0])
-    for item in cutlass.range(mCtaItems[cta], mCtaItems[cta + 1], unroll=1):
-        work = mItems[item, 0]
-        head_kv = mItems[item, 1]
-        q_heads = mItems[item, 4]
-        slot = mItems[item, 5]
+    for item in cutlass.range(schedule.cta_items[cta], schedule.cta_items[cta + 1], unroll=1):
+        work = schedule.items[item, 0]
+        head_kv = schedule.items[item, 1]
+        q_heads = schedule.items[item, 4]
+        slot = schedule.items[item, 5]
         num_heads = Int32(QHEADS_PER_KVHEAD) if q_heads < 0 else q_heads
-        head_first = head_kv * QHEADS_PER_KVHEAD + mItems[item, 3]
-        n_tile = mWorkTile[work]
-        r_first = mWorkRanges[work]
-        r_last = mWorkRanges[work + 1]
+        head_first = head_kv * QHEADS_PER_KVHEAD + schedule.items[item, 3]
+        n_tile = schedule.work_tile[work]
+        r_first = schedule.work_ranges[work]
+        r_last = schedule.work_ranges[work + 1]
         has_blocks = r_first < r_last
         if has_blocks:
             pipe_kv.consumer_wait(kv_state)
             pipe_dkv.producer_acquire(dkv_state)
             pending = cutlass.Boolean(False)  # a block of this item waits for its dQ and dK
             dk_accumulate = cutlass.Boolean(False)
-            flags = mItems[item, 2]
+            flags = schedule.items[item, 2]
             heads_inner = (flags & 1) != 0
             up = (flags >> 1) & 1  # 1: first to last
             dm = 2 * up - 1  # the walk's step through runs and blocks
@@ -935,13 +952,13 @@ def mma_warp(
             r_stop = r_first - 1 + (r_last - r_first + 1) * up  # one past the last run walked
             blocks = Int32(0)
             for rr in cutlass.range(r_first, r_last, unroll=1):
-                blocks += mRanges[rr, 1] - mRanges[rr, 0]
+                blocks += schedule.ranges[rr, 1] - schedule.ranges[rr, 0]
             r = r_start
-            lo = mRanges[r, 0]
-            hi = mRanges[r, 1]
+            lo = schedule.ranges[r, 0]
+            hi = schedule.ranges[r, 1]
             m = hi - 1 + (lo - hi + 1) * up
             m_stop = lo - 1 + (hi - lo + 1) * up  # one past the run's last block walked
-            partial = mRanges[r, 2]
+            partial = schedule.ranges[r, 2]
             g = Int32(0)
             for step in cutlass.range(blocks * num_heads, unroll=1):
                 head = head_first + g
@@ -973,11 +990,11 @@ def mma_warp(
                         if r == r_stop:  # past the last run: heads outermost, the next head
                             r = r_start
                             g += 1
-                        lo = mRanges[r, 0]
-                        hi = mRanges[r, 1]
+                        lo = schedule.ranges[r, 0]
+                        hi = schedule.ranges[r, 1]
                         m = hi - 1 + (lo - hi + 1) * up
                         m_stop = lo - 1 + (hi - lo + 1) * up
-                        partial = mRanges[r, 2]
+                        partial = schedule.ranges[r, 2]
             mma_dk, mma_dq, qdo_done, ds_state, dq_state = finish_block(
                 mma_dk, mma_dq, tdKt, tdQt, tKrdS, tKrQ, tQrdS, tQrK,
                 pipe_qdo, qdo_done, pipe_ds, ds_state, pipe_dq, dq_state, dk_accumulate,
@@ -1081,13 +1098,7 @@ def compute_warps(
     mDelta: cute.Tensor,
     mdK: cute.Tensor,
     mdV: cute.Tensor,
-    mItems: cute.Tensor,
-    mCtaItems: cute.Tensor,
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
-    mWorkLines: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     score_scale_log2: Float32,
     softmax_scale: Float32,
     softcap_in: Float32 | None,
@@ -1107,22 +1118,22 @@ def compute_warps(
     bounds = cute.make_rmem_tensor((ROWS_PER_THREAD, max(MASK_SLOTS, 1), 2), Int32)
     first_col0 = half * COLS_PER_THREAD  # query of this thread's column 0 in q block 0
     cta = Int32(cute.arch.block_idx()[0])
-    for item in cutlass.range(mCtaItems[cta], mCtaItems[cta + 1], unroll=1):
-        work = mItems[item, 0]
-        head_kv = mItems[item, 1]
-        q_heads = mItems[item, 4]
-        slot = mItems[item, 5]
+    for item in cutlass.range(schedule.cta_items[cta], schedule.cta_items[cta + 1], unroll=1):
+        work = schedule.items[item, 0]
+        head_kv = schedule.items[item, 1]
+        q_heads = schedule.items[item, 4]
+        slot = schedule.items[item, 5]
         num_heads = Int32(QHEADS_PER_KVHEAD) if q_heads < 0 else q_heads
-        head_first = head_kv * QHEADS_PER_KVHEAD + mItems[item, 3]
-        n_tile = mWorkTile[work]
-        r_first = mWorkRanges[work]
-        r_last = mWorkRanges[work + 1]
+        head_first = head_kv * QHEADS_PER_KVHEAD + schedule.items[item, 3]
+        n_tile = schedule.work_tile[work]
+        r_first = schedule.work_ranges[work]
+        r_last = schedule.work_ranges[work + 1]
         has_blocks = r_first < r_last
         key = n_tile * TILE_K + row
         rows[0] = key  # keys: the rows the transposed lines see
-        item_lines = load_item_lines(bounds, first_col0, rows, mLines, mWorkLines, work)
+        item_lines = load_item_lines(bounds, first_col0, rows, schedule, work)
         if has_blocks:
-            flags = mItems[item, 2]
+            flags = schedule.items[item, 2]
             heads_inner = (flags & 1) != 0
             up = (flags >> 1) & 1  # 1: first to last
             dm = 2 * up - 1  # the walk's step through runs and blocks
@@ -1130,13 +1141,13 @@ def compute_warps(
             r_stop = r_first - 1 + (r_last - r_first + 1) * up  # one past the last run walked
             blocks = Int32(0)
             for rr in cutlass.range(r_first, r_last, unroll=1):
-                blocks += mRanges[rr, 1] - mRanges[rr, 0]
+                blocks += schedule.ranges[rr, 1] - schedule.ranges[rr, 0]
             r = r_start
-            lo = mRanges[r, 0]
-            hi = mRanges[r, 1]
+            lo = schedule.ranges[r, 0]
+            hi = schedule.ranges[r, 1]
             m = hi - 1 + (lo - hi + 1) * up
             m_stop = lo - 1 + (hi - lo + 1) * up  # one past the run's last block walked
-            partial = mRanges[r, 2]
+            partial = schedule.ranges[r, 2]
             g = Int32(0)
             for step in cutlass.range(blocks * num_heads, unroll=1):
                 head = head_first + g
@@ -1159,11 +1170,11 @@ def compute_warps(
                         if r == r_stop:  # past the last run: heads outermost, the next head
                             r = r_start
                             g += 1
-                        lo = mRanges[r, 0]
-                        hi = mRanges[r, 1]
+                        lo = schedule.ranges[r, 0]
+                        hi = schedule.ranges[r, 1]
                         m = hi - 1 + (lo - hi + 1) * up
                         m_stop = lo - 1 + (hi - lo + 1) * up
-                        partial = mRanges[r, 2]
+                        partial = schedule.ranges[r, 2]
             pipe_dkv.consumer_wait(dkv_state)
             for acc, out, scale in ((tdKt, mdK, softmax_scale), (tdVt, mdV, Float32(1.0))):
                 dst = cute.local_tile(out[key, head_kv, None], (HALF_DIM,), (half,))
@@ -1186,13 +1197,7 @@ def dq_warps(
     mdQ: cute.Tensor,
     mLSE: cute.Tensor,
     mSemaphore: cute.Tensor | None,
-    mWorkBlocks: cute.Tensor | None,
-    mBlockRank: cute.Tensor | None,
-    mItems: cute.Tensor,
-    mCtaItems: cute.Tensor,
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
+    schedule: Schedule,
     softmax_scale: Float32,
     row: Int32,
 ):
@@ -1203,19 +1208,19 @@ def dq_warps(
     dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
     seqlen_q = mdQ.shape[0]
     cta = Int32(cute.arch.block_idx()[0])
-    for item in cutlass.range(mCtaItems[cta], mCtaItems[cta + 1], unroll=1):
-        work = mItems[item, 0]
-        head_kv = mItems[item, 1]
-        q_heads = mItems[item, 4]
-        slot = mItems[item, 5]
+    for item in cutlass.range(schedule.cta_items[cta], schedule.cta_items[cta + 1], unroll=1):
+        work = schedule.items[item, 0]
+        head_kv = schedule.items[item, 1]
+        q_heads = schedule.items[item, 4]
+        slot = schedule.items[item, 5]
         num_heads = Int32(QHEADS_PER_KVHEAD) if q_heads < 0 else q_heads
-        head_first = head_kv * QHEADS_PER_KVHEAD + mItems[item, 3]
-        n_tile = mWorkTile[work]
-        r_first = mWorkRanges[work]
-        r_last = mWorkRanges[work + 1]
+        head_first = head_kv * QHEADS_PER_KVHEAD + schedule.items[item, 3]
+        n_tile = schedule.work_tile[work]
+        r_first = schedule.work_ranges[work]
+        r_last = schedule.work_ranges[work + 1]
         has_blocks = r_first < r_last
         if has_blocks:
-            flags = mItems[item, 2]
+            flags = schedule.items[item, 2]
             heads_inner = (flags & 1) != 0
             up = (flags >> 1) & 1  # 1: first to last
             dm = 2 * up - 1  # the walk's step through runs and blocks
@@ -1223,13 +1228,13 @@ def dq_warps(
             r_stop = r_first - 1 + (r_last - r_first + 1) * up  # one past the last run walked
             blocks = Int32(0)
             for rr in cutlass.range(r_first, r_last, unroll=1):
-                blocks += mRanges[rr, 1] - mRanges[rr, 0]
+                blocks += schedule.ranges[rr, 1] - schedule.ranges[rr, 0]
             r = r_start
-            lo = mRanges[r, 0]
-            hi = mRanges[r, 1]
+            lo = schedule.ranges[r, 0]
+            hi = schedule.ranges[r, 1]
             m = hi - 1 + (lo - hi + 1) * up
             m_stop = lo - 1 + (hi - lo + 1) * up  # one past the run's last block walked
-            partial = mRanges[r, 2]
+            partial = schedule.ranges[r, 2]
             g = Int32(0)
             for step in cutlass.range(blocks * num_heads, unroll=1):
                 head = head_first + g
@@ -1239,7 +1244,7 @@ def dq_warps(
                     semaphore = mSemaphore.iterator + (head * (mLSE.shape[0] // NUM_HEADS_Q) + m * TILE_Q) // TILE_Q
                     if row == 0:
                         landed = load_acquire(semaphore)
-                        while landed != mBlockRank[pair]:
+                        while landed != schedule.block_rank[pair]:
                             landed = load_acquire(semaphore)
                     pipeline.NamedBarrier(barrier_id=3, num_threads=REDUCE_THREADS).arrive_and_wait()
                 for c in cutlass.range_constexpr(HEAD_DIM // CHUNK):
@@ -1271,11 +1276,11 @@ def dq_warps(
                         if r == r_stop:  # past the last run: heads outermost, the next head
                             r = r_start
                             g += 1
-                        lo = mRanges[r, 0]
-                        hi = mRanges[r, 1]
+                        lo = schedule.ranges[r, 0]
+                        hi = schedule.ranges[r, 1]
                         m = hi - 1 + (lo - hi + 1) * up
                         m_stop = lo - 1 + (hi - lo + 1) * up
-                        partial = mRanges[r, 2]
+                        partial = schedule.ranges[r, 2]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1297,15 +1302,7 @@ def attn_bwd_kernel(
     mdK: cute.Tensor,
     mdV: cute.Tensor,
     mSemaphore: cute.Tensor | None,
-    mWorkBlocks: cute.Tensor | None,
-    mBlockRank: cute.Tensor | None,
-    mItems: cute.Tensor,
-    mCtaItems: cute.Tensor,
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
-    mWorkLines: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,  # work_blocks and block_rank with DETERMINISTIC
     score_scale_log2: Float32,
     softmax_scale: Float32,
     softcap_in: Float32 | None,
@@ -1356,8 +1353,7 @@ def attn_bwd_kernel(
 
     if warp_idx == LOAD_WARP:
         loader(
-            tma_k, tK, tma_v, tV, tma_q, tQ, tma_do, tdO, sK, sV, sQ, sdO, thr_kq, pipe_kv, pipe_qdo,
-            mItems, mCtaItems, mWorkTile, mWorkRanges, mRanges,
+            tma_k, tK, tma_v, tV, tma_q, tQ, tma_do, tdO, sK, sV, sQ, sdO, thr_kq, pipe_kv, pipe_qdo, schedule,
         )
     else:
         tmem.allocate(TMEM_COLS)  # by warp 0, the allocator
@@ -1391,11 +1387,7 @@ def attn_bwd_kernel(
                 tdKt,
                 tdQt,
                 *pipes,
-                mItems,
-                mCtaItems,
-                mWorkTile,
-                mWorkRanges,
-                mRanges,
+                schedule,
             )
         else:
             if warp_idx < COMPUTE_THREADS // 32:
@@ -1414,13 +1406,7 @@ def attn_bwd_kernel(
                     mDelta,
                     mdK,
                     mdV,
-                    mItems,
-                    mCtaItems,
-                    mWorkTile,
-                    mWorkRanges,
-                    mRanges,
-                    mWorkLines,
-                    mLines,
+                    schedule,
                     score_scale_log2,
                     softmax_scale,
                     softcap_in,
@@ -1434,13 +1420,7 @@ def attn_bwd_kernel(
                     mdQ,
                     mLSE,
                     mSemaphore,
-                    mWorkBlocks,
-                    mBlockRank,
-                    mItems,
-                    mCtaItems,
-                    mWorkTile,
-                    mWorkRanges,
-                    mRanges,
+                    schedule,
                     softmax_scale,
                     tidx - COMPUTE_THREADS,
                 )
@@ -1539,15 +1519,11 @@ def attn_bwd(
         mdK,
         mdV,
         mSemaphore if const_expr(DETERMINISTIC) else None,
-        mWorkBlocks if const_expr(DETERMINISTIC) else None,
-        mBlockRank if const_expr(DETERMINISTIC) else None,
-        mItems,
-        mCtaItems,
-        mWorkTile,
-        mWorkRanges,
-        mRanges,
-        mWorkLines,
-        mLines,
+        Schedule(
+            mWorkTile, mWorkRanges, mRanges, mWorkLines, mLines, items=mItems, cta_items=mCtaItems,
+            work_blocks=mWorkBlocks if const_expr(DETERMINISTIC) else None,
+            block_rank=mBlockRank if const_expr(DETERMINISTIC) else None,
+        ),
         score_scale_log2,
         softmax_scale,
         softcap_in if const_expr(HAS_SOFTCAP) else None,

@@ -17,7 +17,7 @@ dK += dS^T Q with P^T and dS^T as register operands, then dS^T through shared me
 dQ^T = K^T dS^T, added to the fp32 dQ by L2 reductions.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 
@@ -206,6 +206,31 @@ def store_tile(acc: cute.Tensor, sX: cute.Tensor, mX_head: cute.Tensor, tile: In
 
 
 # ---------------------------------------------------------------------------------------------
+# The schedule's tensors, one value
+# ---------------------------------------------------------------------------------------------
+class Schedule(NamedTuple):
+    """The tile schedule's tensors (maskc/ir/schedule.py), named as the entry point's arguments
+    (maskc/artifact/abi.py): the host function bundles them into this one value, which the
+    kernel and every function that walks the schedule take instead of the tensors one by one.
+    The DSL passes a NamedTuple's tensors to the kernel as its parameters and rebuilds it
+    inside; a field left None (one the variant does not read) takes no parameter and leaves no
+    trace in the kernel. One struct serves both directions, whose schedules share the first
+    five fields: the forward leaves the backward's own (items .. block_rank) None."""
+
+    work_tile: cute.Tensor  # [W] the work item's q tile (backward: k tile)
+    work_ranges: cute.Tensor  # [W+1] CSR offsets into ranges
+    ranges: cute.Tensor  # [R, 4] runs of blocks: (begin, end, partial, first key / query)
+    work_lines: cute.Tensor  # [W+1] CSR offsets into lines
+    lines: cute.Tensor  # [L, 6] (r0, r1, lo_a, lo_s, hi_a, hi_s)
+    key_bounds: Optional[cute.Tensor] = None  # [NK1] first key of each k block (backward: tile)
+    query_bounds: Optional[cute.Tensor] = None  # [NQ1] first query of each q tile (backward: block)
+    items: Optional[cute.Tensor] = None  # [I, 6] the backward's items by CTA (maskc.ir.items)
+    cta_items: Optional[cute.Tensor] = None  # [G+1] CSR offsets of each CTA's items
+    work_blocks: Optional[cute.Tensor] = None  # [WB] deterministic backward: CSR offsets into block_rank
+    block_rank: Optional[cute.Tensor] = None  # [B] lower k tiles adding to the same q block
+
+
+# ---------------------------------------------------------------------------------------------
 # Masking of partial blocks by the work item's lines
 # ---------------------------------------------------------------------------------------------
 MASK_PERIOD_LOG2 = MASK_PERIOD.bit_length() - 1  # x >> MASK_PERIOD_LOG2 is x // MASK_PERIOD
@@ -275,13 +300,13 @@ def load_line_bounds(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     l_begin: Int32,
     l_end: Int32,
 ):
     """Once per work item: bounds[i, slot] = (e_lo, e_hi), the elements allowed in row i by
-    line l_begin + slot, numbered as in elements_left_of (empty when the line does not cover
-    the row or does not exist)."""
+    line l_begin + slot of schedule.lines, numbered as in elements_left_of (empty when the line
+    does not cover the row or does not exist)."""
     for slot in cutlass.range_constexpr(MASK_SLOTS):
         line = l_begin + slot
         r0 = Int32(0)
@@ -291,12 +316,12 @@ def load_line_bounds(
         hi_a = Int32(0)
         hi_s = Int32(0)
         if line < l_end:
-            r0 = mLines[line, 0]
-            r1 = mLines[line, 1]
-            lo_a = mLines[line, 2]
-            lo_s = mLines[line, 3]
-            hi_a = mLines[line, 4]
-            hi_s = mLines[line, 5]
+            r0 = schedule.lines[line, 0]
+            r1 = schedule.lines[line, 1]
+            lo_a = schedule.lines[line, 2]
+            lo_s = schedule.lines[line, 3]
+            hi_a = schedule.lines[line, 4]
+            hi_s = schedule.lines[line, 5]
         for i in cutlass.range_constexpr(ROWS_PER_THREAD):
             row = rows[i]
             e_lo = elements_left_of(lo_a + lo_s * row - first_col0)
@@ -311,16 +336,15 @@ def load_item_lines(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
-    mWorkLines: cute.Tensor,
+    schedule: Schedule,
     work: Int32,
 ):
     """Once per work item: its lines' bounds (load_line_bounds), and the tuple of
     line_mask_bits' arguments after the block that mask_block takes."""
-    l_begin = mWorkLines[work]
-    l_end = mWorkLines[work + 1]
-    load_line_bounds(bounds, first_col0, rows, mLines, l_begin, l_end)
-    return (bounds, first_col0, rows, mLines, l_begin, l_end)
+    l_begin = schedule.work_lines[work]
+    l_end = schedule.work_lines[work + 1]
+    load_line_bounds(bounds, first_col0, rows, schedule, l_begin, l_end)
+    return (bounds, first_col0, rows, schedule, l_begin, l_end)
 
 
 @cute.jit
@@ -330,16 +354,17 @@ def line_mask_bits(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     l_begin: Int32,
     l_end: Int32,
-    key_bounds: Optional[cute.Tensor] = None,
-    off_grid=False,
+    off_grid=None,
 ):
-    """bits[i, chunk]: the keep mask of row i in block n (bit k of chunk c: column 32 c + k).
-    Block n's box starts at column n * TILE_N, or `off_grid` (a run the schedule marks 2:
-    blocks per document) at key_bounds[n], its own columns ending at key_bounds[n + 1] and the
-    rest of its box cleared; the slots' bounds, counted on the grid, hold only for the former.
+    """bits[i, chunk]: the keep mask of row i in block n (bit k of chunk c: column 32 c + k),
+    from lines l_begin .. l_end of schedule.lines. Block n's box starts at column n * TILE_N,
+    or if `off_grid` (a run the schedule marks 2: blocks per document) at
+    schedule.key_bounds[n], its own columns ending at key_bounds[n + 1] and the rest of its box
+    cleared; the slots' bounds, counted on the grid, hold only for the former. `off_grid` is
+    None in the kernels whose blocks all lie on the grid.
 
     Integer work only: callers may issue it while a matrix product is in flight."""
     base = n * COLS_PER_THREAD
@@ -353,20 +378,20 @@ def line_mask_bits(
     # for a block off the grid.
     first_col = first_col0 + n * TILE_N
     first_line = l_begin + MASK_SLOTS
-    if const_expr(key_bounds is not None):
+    if const_expr(off_grid is not None):
         if off_grid:
-            first_col = first_col0 + key_bounds[n]
+            first_col = first_col0 + schedule.key_bounds[n]
             first_line = l_begin
             for i in cutlass.range_constexpr(ROWS_PER_THREAD):
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = Uint32(0)
     for line in cutlass.range(first_line, l_end, unroll=1):
-        r0 = mLines[line, 0]
-        r1 = mLines[line, 1]
-        lo_a = mLines[line, 2]
-        lo_s = mLines[line, 3]
-        hi_a = mLines[line, 4]
-        hi_s = mLines[line, 5]
+        r0 = schedule.lines[line, 0]
+        r1 = schedule.lines[line, 1]
+        lo_a = schedule.lines[line, 2]
+        lo_s = schedule.lines[line, 3]
+        hi_a = schedule.lines[line, 4]
+        hi_s = schedule.lines[line, 5]
         for i in cutlass.range_constexpr(ROWS_PER_THREAD):
             row = rows[i]
             e_lo = elements_left_of(lo_a + lo_s * row - first_col)
@@ -374,9 +399,9 @@ def line_mask_bits(
             if row >= r0 and row < r1:
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = bits[i, c] | run_bits(e_lo, e_hi, c)
-    if const_expr(key_bounds is not None):
+    if const_expr(off_grid is not None):
         if off_grid:  # a document's last block: its box reaches into the next block's columns
-            e_end = elements_left_of(key_bounds[n + 1] - first_col)
+            e_end = elements_left_of(schedule.key_bounds[n + 1] - first_col)
             for i in cutlass.range_constexpr(ROWS_PER_THREAD):
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = bits[i, c] & run_bits(0, e_end, c)
@@ -577,7 +602,7 @@ def bwd_step(
     softcap_in: Float32 | None,
     softcap_out: Float32 | None,
     mSemaphore: cute.Tensor | None,
-    mBlockRank: cute.Tensor | None,
+    schedule: Schedule,
     pair: Int32 | None,
     item_lines: tuple | None,
 ):
@@ -585,10 +610,10 @@ def bwd_step(
     dK and dV accumulate in registers, dQ (times the scale) goes to mdQ by L2 reductions. A
     partial block gets the item's lines (load_item_lines' tuple; None for
     a full block). DETERMINISTIC: the dQ additions wait until the lower k tiles adding to this
-    q block (their number: mBlockRank[pair]) have added theirs (the q block's semaphore in
-    mSemaphore counts them), so the sums are the same in every run."""
+    q block (their number: schedule.block_rank[pair]) have added theirs (the q block's
+    semaphore in mSemaphore counts them), so the sums are the same in every run."""
     if const_expr(DETERMINISTIC):
-        rank = mBlockRank[pair]
+        rank = schedule.block_rank[pair]
     thr_mma = tiled_mma.get_slice(tidx)
     seqlen_q = mQ.shape[0]
     blk = (TILE_Q, HEAD_DIM)
@@ -761,15 +786,7 @@ def attn_bwd_kernel(
     mdK: cute.Tensor,
     mdV: cute.Tensor,
     mSemaphore: cute.Tensor | None,
-    mWorkBlocks: cute.Tensor | None,
-    mBlockRank: cute.Tensor | None,
-    mItems: cute.Tensor,
-    mCtaItems: cute.Tensor,
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
-    mWorkLines: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,  # work_blocks and block_rank with DETERMINISTIC
     score_scale_log2: Float32,
     softmax_scale: Float32,
     softcap_in: Float32 | None,
@@ -803,21 +820,21 @@ def attn_bwd_kernel(
     bounds = cute.make_rmem_tensor((ROWS_PER_THREAD, max(MASK_SLOTS, 1), 2), Int32)
 
     cta = Int32(cute.arch.block_idx()[0])
-    for item in cutlass.range(mCtaItems[cta], mCtaItems[cta + 1], unroll=1):
-        work = mItems[item, 0]
-        head_kv = mItems[item, 1]
-        q_heads = mItems[item, 4]
-        slot = mItems[item, 5]
+    for item in cutlass.range(schedule.cta_items[cta], schedule.cta_items[cta + 1], unroll=1):
+        work = schedule.items[item, 0]
+        head_kv = schedule.items[item, 1]
+        q_heads = schedule.items[item, 4]
+        slot = schedule.items[item, 5]
         num_heads = Int32(QHEADS_PER_KVHEAD) if q_heads < 0 else q_heads
-        head_first = head_kv * QHEADS_PER_KVHEAD + mItems[item, 3]
-        n_tile = mWorkTile[work]
-        r_first = mWorkRanges[work]
-        r_last = mWorkRanges[work + 1]
+        head_first = head_kv * QHEADS_PER_KVHEAD + schedule.items[item, 3]
+        n_tile = schedule.work_tile[work]
+        r_first = schedule.work_ranges[work]
+        r_last = schedule.work_ranges[work + 1]
         has_blocks = r_first < r_last
         for i in cutlass.range_constexpr(ROWS_PER_THREAD):
             rows[i] = n_tile * TILE_K + tScS[i, 0][0]  # keys: the rows the transposed lines see
         first_col0 = tScS[0, 0][1]  # query of this thread's column 0 in q block 0
-        item_lines = load_item_lines(bounds, first_col0, rows, mLines, mWorkLines, work)
+        item_lines = load_item_lines(bounds, first_col0, rows, schedule, work)
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         mdK_head = mdK[None, head_kv, None]
@@ -829,7 +846,7 @@ def attn_bwd_kernel(
             load_rows(g2s, tidx, cute.local_tile(mK[None, head_kv, None], blk, (n_tile, 0)), coords, sK, seqlen_k)
             load_rows(g2s, tidx, cute.local_tile(mV[None, head_kv, None], blk, (n_tile, 0)), coords, sV, seqlen_k)
             cute.arch.cp_async_commit_group()
-            flags = mItems[item, 2]
+            flags = schedule.items[item, 2]
             heads_inner = (flags & 1) != 0
             up = (flags >> 1) & 1  # 1: first to last
             dm = 2 * up - 1  # the walk's step through runs and blocks
@@ -837,13 +854,13 @@ def attn_bwd_kernel(
             r_stop = r_first - 1 + (r_last - r_first + 1) * up  # one past the last run walked
             blocks = Int32(0)
             for rr in cutlass.range(r_first, r_last, unroll=1):
-                blocks += mRanges[rr, 1] - mRanges[rr, 0]
+                blocks += schedule.ranges[rr, 1] - schedule.ranges[rr, 0]
             r = r_start
-            lo = mRanges[r, 0]
-            hi = mRanges[r, 1]
+            lo = schedule.ranges[r, 0]
+            hi = schedule.ranges[r, 1]
             m = hi - 1 + (lo - hi + 1) * up
             m_stop = lo - 1 + (hi - lo + 1) * up  # one past the run's last block walked
-            partial = mRanges[r, 2]
+            partial = schedule.ranges[r, 2]
             g = Int32(0)
             for step in cutlass.range(blocks * num_heads, unroll=1):
                 head = head_first + g
@@ -852,13 +869,13 @@ def attn_bwd_kernel(
                     bwd_step(
                         tiled_mma, g2s, s2r_a, s2r_b, s2r_at, s2r_bt, sK, sV, sQ, sdO, sdS, acc_dK, acc_dV, tScS, mQ, mdO, mLSE,
                         mDelta, mdQ, m, head, tidx, score_scale_log2, softmax_scale, softcap_in, softcap_out, mSemaphore,
-                        mBlockRank, rank_pair, item_lines,
+                        schedule, rank_pair, item_lines,
                     )
                 else:
                     bwd_step(
                         tiled_mma, g2s, s2r_a, s2r_b, s2r_at, s2r_bt, sK, sV, sQ, sdO, sdS, acc_dK, acc_dV, tScS, mQ, mdO, mLSE,
                         mDelta, mdQ, m, head, tidx, score_scale_log2, softmax_scale, softcap_in, softcap_out, mSemaphore,
-                        mBlockRank, rank_pair, None,
+                        schedule, rank_pair, None,
                     )
 
                 # The next (run, q block, head) of the walk.
@@ -875,11 +892,11 @@ def attn_bwd_kernel(
                         if r == r_stop:  # past the last run: heads outermost, the next head
                             r = r_start
                             g += 1
-                        lo = mRanges[r, 0]
-                        hi = mRanges[r, 1]
+                        lo = schedule.ranges[r, 0]
+                        hi = schedule.ranges[r, 1]
                         m = hi - 1 + (lo - hi + 1) * up
                         m_stop = lo - 1 + (hi - lo + 1) * up
-                        partial = mRanges[r, 2]
+                        partial = schedule.ranges[r, 2]
             acc_dK.store(acc_dK.load() * softmax_scale)
             store_tile(acc_dK, sK, mdK_head, n_tile, tiled_mma, tidx)
             store_tile(acc_dV, sV, mdV_head, n_tile, tiled_mma, tidx)
@@ -946,15 +963,11 @@ def attn_bwd(
         mdK,
         mdV,
         mSemaphore if const_expr(DETERMINISTIC) else None,
-        mWorkBlocks if const_expr(DETERMINISTIC) else None,
-        mBlockRank if const_expr(DETERMINISTIC) else None,
-        mItems,
-        mCtaItems,
-        mWorkTile,
-        mWorkRanges,
-        mRanges,
-        mWorkLines,
-        mLines,
+        Schedule(
+            mWorkTile, mWorkRanges, mRanges, mWorkLines, mLines, items=mItems, cta_items=mCtaItems,
+            work_blocks=mWorkBlocks if const_expr(DETERMINISTIC) else None,
+            block_rank=mBlockRank if const_expr(DETERMINISTIC) else None,
+        ),
         score_scale_log2,
         softmax_scale,
         softcap_in if const_expr(HAS_SOFTCAP) else None,

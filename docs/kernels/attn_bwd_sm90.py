@@ -34,7 +34,7 @@ item's last query heads stores the sums. One CTA has 384 threads:
 """
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 
@@ -436,6 +436,31 @@ def tma_pipeline(barriers, stages: int, consumers: int, tx_bytes: int):
 
 
 # ---------------------------------------------------------------------------------------------
+# The schedule's tensors, one value
+# ---------------------------------------------------------------------------------------------
+class Schedule(NamedTuple):
+    """The tile schedule's tensors (maskc/ir/schedule.py), named as the entry point's arguments
+    (maskc/artifact/abi.py): the host function bundles them into this one value, which the
+    kernel and every function that walks the schedule take instead of the tensors one by one.
+    The DSL passes a NamedTuple's tensors to the kernel as its parameters and rebuilds it
+    inside; a field left None (one the variant does not read) takes no parameter and leaves no
+    trace in the kernel. One struct serves both directions, whose schedules share the first
+    five fields: the forward leaves the backward's own (items .. block_rank) None."""
+
+    work_tile: cute.Tensor  # [W] the work item's q tile (backward: k tile)
+    work_ranges: cute.Tensor  # [W+1] CSR offsets into ranges
+    ranges: cute.Tensor  # [R, 4] runs of blocks: (begin, end, partial, first key / query)
+    work_lines: cute.Tensor  # [W+1] CSR offsets into lines
+    lines: cute.Tensor  # [L, 6] (r0, r1, lo_a, lo_s, hi_a, hi_s)
+    key_bounds: Optional[cute.Tensor] = None  # [NK1] first key of each k block (backward: tile)
+    query_bounds: Optional[cute.Tensor] = None  # [NQ1] first query of each q tile (backward: block)
+    items: Optional[cute.Tensor] = None  # [I, 6] the backward's items by CTA (maskc.ir.items)
+    cta_items: Optional[cute.Tensor] = None  # [G+1] CSR offsets of each CTA's items
+    work_blocks: Optional[cute.Tensor] = None  # [WB] deterministic backward: CSR offsets into block_rank
+    block_rank: Optional[cute.Tensor] = None  # [B] lower k tiles adding to the same q block
+
+
+# ---------------------------------------------------------------------------------------------
 # Masking of partial blocks by the work item's lines
 # ---------------------------------------------------------------------------------------------
 MASK_PERIOD_LOG2 = MASK_PERIOD.bit_length() - 1  # x >> MASK_PERIOD_LOG2 is x // MASK_PERIOD
@@ -505,13 +530,13 @@ def load_line_bounds(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     l_begin: Int32,
     l_end: Int32,
 ):
     """Once per work item: bounds[i, slot] = (e_lo, e_hi), the elements allowed in row i by
-    line l_begin + slot, numbered as in elements_left_of (empty when the line does not cover
-    the row or does not exist)."""
+    line l_begin + slot of schedule.lines, numbered as in elements_left_of (empty when the line
+    does not cover the row or does not exist)."""
     for slot in cutlass.range_constexpr(MASK_SLOTS):
         line = l_begin + slot
         r0 = Int32(0)
@@ -521,12 +546,12 @@ def load_line_bounds(
         hi_a = Int32(0)
         hi_s = Int32(0)
         if line < l_end:
-            r0 = mLines[line, 0]
-            r1 = mLines[line, 1]
-            lo_a = mLines[line, 2]
-            lo_s = mLines[line, 3]
-            hi_a = mLines[line, 4]
-            hi_s = mLines[line, 5]
+            r0 = schedule.lines[line, 0]
+            r1 = schedule.lines[line, 1]
+            lo_a = schedule.lines[line, 2]
+            lo_s = schedule.lines[line, 3]
+            hi_a = schedule.lines[line, 4]
+            hi_s = schedule.lines[line, 5]
         for i in cutlass.range_constexpr(ROWS_PER_THREAD):
             row = rows[i]
             e_lo = elements_left_of(lo_a + lo_s * row - first_col0)
@@ -541,16 +566,15 @@ def load_item_lines(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
-    mWorkLines: cute.Tensor,
+    schedule: Schedule,
     work: Int32,
 ):
     """Once per work item: its lines' bounds (load_line_bounds), and the tuple of
     line_mask_bits' arguments after the block that mask_block takes."""
-    l_begin = mWorkLines[work]
-    l_end = mWorkLines[work + 1]
-    load_line_bounds(bounds, first_col0, rows, mLines, l_begin, l_end)
-    return (bounds, first_col0, rows, mLines, l_begin, l_end)
+    l_begin = schedule.work_lines[work]
+    l_end = schedule.work_lines[work + 1]
+    load_line_bounds(bounds, first_col0, rows, schedule, l_begin, l_end)
+    return (bounds, first_col0, rows, schedule, l_begin, l_end)
 
 
 @cute.jit
@@ -560,16 +584,17 @@ def line_mask_bits(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     l_begin: Int32,
     l_end: Int32,
-    key_bounds: Optional[cute.Tensor] = None,
-    off_grid=False,
+    off_grid=None,
 ):
-    """bits[i, chunk]: the keep mask of row i in block n (bit k of chunk c: column 32 c + k).
-    Block n's box starts at column n * TILE_N, or `off_grid` (a run the schedule marks 2:
-    blocks per document) at key_bounds[n], its own columns ending at key_bounds[n + 1] and the
-    rest of its box cleared; the slots' bounds, counted on the grid, hold only for the former.
+    """bits[i, chunk]: the keep mask of row i in block n (bit k of chunk c: column 32 c + k),
+    from lines l_begin .. l_end of schedule.lines. Block n's box starts at column n * TILE_N,
+    or if `off_grid` (a run the schedule marks 2: blocks per document) at
+    schedule.key_bounds[n], its own columns ending at key_bounds[n + 1] and the rest of its box
+    cleared; the slots' bounds, counted on the grid, hold only for the former. `off_grid` is
+    None in the kernels whose blocks all lie on the grid.
 
     Integer work only: callers may issue it while a matrix product is in flight."""
     base = n * COLS_PER_THREAD
@@ -583,20 +608,20 @@ def line_mask_bits(
     # for a block off the grid.
     first_col = first_col0 + n * TILE_N
     first_line = l_begin + MASK_SLOTS
-    if const_expr(key_bounds is not None):
+    if const_expr(off_grid is not None):
         if off_grid:
-            first_col = first_col0 + key_bounds[n]
+            first_col = first_col0 + schedule.key_bounds[n]
             first_line = l_begin
             for i in cutlass.range_constexpr(ROWS_PER_THREAD):
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = Uint32(0)
     for line in cutlass.range(first_line, l_end, unroll=1):
-        r0 = mLines[line, 0]
-        r1 = mLines[line, 1]
-        lo_a = mLines[line, 2]
-        lo_s = mLines[line, 3]
-        hi_a = mLines[line, 4]
-        hi_s = mLines[line, 5]
+        r0 = schedule.lines[line, 0]
+        r1 = schedule.lines[line, 1]
+        lo_a = schedule.lines[line, 2]
+        lo_s = schedule.lines[line, 3]
+        hi_a = schedule.lines[line, 4]
+        hi_s = schedule.lines[line, 5]
         for i in cutlass.range_constexpr(ROWS_PER_THREAD):
             row = rows[i]
             e_lo = elements_left_of(lo_a + lo_s * row - first_col)
@@ -604,9 +629,9 @@ def line_mask_bits(
             if row >= r0 and row < r1:
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = bits[i, c] | run_bits(e_lo, e_hi, c)
-    if const_expr(key_bounds is not None):
+    if const_expr(off_grid is not None):
         if off_grid:  # a document's last block: its box reaches into the next block's columns
-            e_end = elements_left_of(key_bounds[n + 1] - first_col)
+            e_end = elements_left_of(schedule.key_bounds[n + 1] - first_col)
             for i in cutlass.range_constexpr(ROWS_PER_THREAD):
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = bits[i, c] & run_bits(0, e_end, c)
@@ -1079,13 +1104,7 @@ def bwd_producer(
     pipe_kv,
     pipe_q,
     pipe_do,
-    mItems: cute.Tensor,
-    mCtaItems: cute.Tensor,
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
-    mKeyBounds: cute.Tensor,
-    mQueryBounds: cute.Tensor,
+    schedule: Schedule,
     mPace: cute.Tensor,
 ):
     """TMA loads in the order the consumers use them: the item's K and V tile, then for each
@@ -1103,19 +1122,19 @@ def bwd_producer(
         num_ctas = Int32(cute.arch.grid_dim()[0])
         paced = Int32(0)
     cta = Int32(cute.arch.block_idx()[0])
-    for item in cutlass.range(mCtaItems[cta], mCtaItems[cta + 1], unroll=1):
-        work = mItems[item, 0]
-        head_kv = mItems[item, 1]
-        q_heads = mItems[item, 4]
-        slot = mItems[item, 5]
+    for item in cutlass.range(schedule.cta_items[cta], schedule.cta_items[cta + 1], unroll=1):
+        work = schedule.items[item, 0]
+        head_kv = schedule.items[item, 1]
+        q_heads = schedule.items[item, 4]
+        slot = schedule.items[item, 5]
         num_heads = Int32(QHEADS_PER_KVHEAD) if q_heads < 0 else q_heads
-        head_first = head_kv * QHEADS_PER_KVHEAD + mItems[item, 3]
-        n_tile = mWorkTile[work]
-        r_first = mWorkRanges[work]
-        r_last = mWorkRanges[work + 1]
+        head_first = head_kv * QHEADS_PER_KVHEAD + schedule.items[item, 3]
+        n_tile = schedule.work_tile[work]
+        r_first = schedule.work_ranges[work]
+        r_last = schedule.work_ranges[work + 1]
         has_blocks = r_first < r_last
         if has_blocks:
-            key0 = mKeyBounds[n_tile]  # the k tile's first key (any key: tiles start at each document)
+            key0 = schedule.key_bounds[n_tile]  # the k tile's first key (any key: tiles start at each document)
             pipe_kv.producer_acquire(kv_state)
             for b in cutlass.range_constexpr(KEY_BLOCKS):
                 tKsK, tKgK = tma_box(tma_k, sK, tK, head_kv, key0 + b * WG_ROWS, WG_ROWS)
@@ -1123,7 +1142,7 @@ def bwd_producer(
                 cute.copy(tma_k, tKgK, tKsK[None, b], tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
                 cute.copy(tma_v, tVgV, tVsV[None, b], tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
             kv_state.advance()
-            flags = mItems[item, 2]
+            flags = schedule.items[item, 2]
             heads_inner = (flags & 1) != 0
             up = (flags >> 1) & 1  # 1: first to last
             dm = 2 * up - 1  # the walk's step through runs and blocks
@@ -1131,17 +1150,17 @@ def bwd_producer(
             r_stop = r_first - 1 + (r_last - r_first + 1) * up  # one past the last run walked
             blocks = Int32(0)
             for rr in cutlass.range(r_first, r_last, unroll=1):
-                blocks += mRanges[rr, 1] - mRanges[rr, 0]
+                blocks += schedule.ranges[rr, 1] - schedule.ranges[rr, 0]
             r = r_start
-            lo = mRanges[r, 0]
-            hi = mRanges[r, 1]
+            lo = schedule.ranges[r, 0]
+            hi = schedule.ranges[r, 1]
             m = hi - 1 + (lo - hi + 1) * up
             m_stop = lo - 1 + (hi - lo + 1) * up  # one past the run's last block walked
-            partial = mRanges[r, 2]
+            partial = schedule.ranges[r, 2]
             g = Int32(0)
             for step in cutlass.range(blocks * num_heads, unroll=1):
                 head = head_first + g
-                box = mQueryBounds[m]
+                box = schedule.query_bounds[m]
                 tQsQ, tQgQ = tma_box(tma_q, sQ, tQ, head, box, TILE_Q)
                 tdOsdO, tdOgdO = tma_box(tma_do, sdO, tdO, head, box, TILE_Q)
                 stat_box = box - box % STAT_PAD
@@ -1195,11 +1214,11 @@ def bwd_producer(
                         if r == r_stop:  # past the last run: heads outermost, the next head
                             r = r_start
                             g += 1
-                        lo = mRanges[r, 0]
-                        hi = mRanges[r, 1]
+                        lo = schedule.ranges[r, 0]
+                        hi = schedule.ranges[r, 1]
                         m = hi - 1 + (lo - hi + 1) * up
                         m_stop = lo - 1 + (hi - lo + 1) * up
-                        partial = mRanges[r, 2]
+                        partial = schedule.ranges[r, 2]
 
     if const_expr(PACED):
         pace_done(mPace, num_ctas)
@@ -1465,17 +1484,9 @@ def bwd_consumer(
     tma_dv: cute.CopyAtom,
     tdV: cute.Tensor,
     mdV: cute.Tensor,
-    mKeyBounds: cute.Tensor,
-    mQueryBounds: cute.Tensor,
     mdKVAccum: cute.Tensor,
     mdKVCount: cute.Tensor,
-    mItems: cute.Tensor,
-    mCtaItems: cute.Tensor,
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
-    mWorkLines: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     sQ: cute.Tensor,
     sdO: cute.Tensor,
     sK: cute.Tensor,
@@ -1564,18 +1575,18 @@ def bwd_consumer(
     if const_expr(SEPARATE_DO):
         states = (*states, pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DO_STAGES))
     cta = Int32(cute.arch.block_idx()[0])
-    for item in cutlass.range(mCtaItems[cta], mCtaItems[cta + 1], unroll=1):
-        work = mItems[item, 0]
-        head_kv = mItems[item, 1]
-        q_heads = mItems[item, 4]
-        slot = mItems[item, 5]
+    for item in cutlass.range(schedule.cta_items[cta], schedule.cta_items[cta + 1], unroll=1):
+        work = schedule.items[item, 0]
+        head_kv = schedule.items[item, 1]
+        q_heads = schedule.items[item, 4]
+        slot = schedule.items[item, 5]
         num_heads = Int32(QHEADS_PER_KVHEAD) if q_heads < 0 else q_heads
-        head_first = head_kv * QHEADS_PER_KVHEAD + mItems[item, 3]
-        n_tile = mWorkTile[work]
-        r_first = mWorkRanges[work]
-        r_last = mWorkRanges[work + 1]
+        head_first = head_kv * QHEADS_PER_KVHEAD + schedule.items[item, 3]
+        n_tile = schedule.work_tile[work]
+        r_first = schedule.work_ranges[work]
+        r_last = schedule.work_ranges[work + 1]
         has_blocks = r_first < r_last
-        key0 = mKeyBounds[n_tile] + key_block * WG_ROWS  # this warpgroup's first key of K, V, dK, dV
+        key0 = schedule.key_bounds[n_tile] + key_block * WG_ROWS  # this warpgroup's first key of K, V, dK, dV
         for i in cutlass.range_constexpr(ROWS_PER_THREAD):
             # Keys: the rows the transposed lines see (the item's lines end at its tile's end, so a
             # short tile's keys past it are masked).
@@ -1585,14 +1596,14 @@ def bwd_consumer(
         # a block's statistics sit at its offset from a multiple of STAT_PAD in their stage.
         q_shift = Int32(0)
         if has_blocks:
-            q_shift = mQueryBounds[mRanges[r_first, 0]] % TILE_Q
+            q_shift = schedule.query_bounds[schedule.ranges[r_first, 0]] % TILE_Q
         first_col0 = tScS[0, 0][1] + q_shift  # query of this thread's column 0 in the block at query q_shift
-        l_begin = mWorkLines[work]
-        l_end = mWorkLines[work + 1]
+        l_begin = schedule.work_lines[work]
+        l_end = schedule.work_lines[work + 1]
         if const_expr(not UNMASKED):
-            load_line_bounds(bounds, first_col0, rows, mLines, l_begin, l_end)
+            load_line_bounds(bounds, first_col0, rows, schedule, l_begin, l_end)
         mask_bits = functools.partial(
-            line_mask_bits, bounds=bounds, first_col0=first_col0, rows=rows, mLines=mLines, l_begin=l_begin, l_end=l_end
+            line_mask_bits, bounds=bounds, first_col0=first_col0, rows=rows, schedule=schedule, l_begin=l_begin, l_end=l_end
         )
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
@@ -1636,7 +1647,7 @@ def bwd_consumer(
             # d=128 kernel reloaded 18 spilled values a step, without it 5: SASS of the block loop).
             blocks = Int32(0)
             for rr in cutlass.range(r_first, r_last, unroll=1):
-                blocks += mRanges[rr, 1] - mRanges[rr, 0]
+                blocks += schedule.ranges[rr, 1] - schedule.ranges[rr, 0]
             for step in cutlass.range(blocks * num_heads, unroll=1):
                 if const_expr(UNMASKED):  # every block is full: the runtime gives this kernel no other schedule
                     states = block_step(states, sBlock, bits)
@@ -1655,7 +1666,7 @@ def bwd_consumer(
             if slot >= 0:
                 owner = add_piece(acc_dK, acc_dV, mdKVAccum, mdKVCount, sRank, slot, num_heads, wg, wg_tidx)
             if owner:
-                key_end = mKeyBounds[n_tile + 1]
+                key_end = schedule.key_bounds[n_tile + 1]
                 store_o_own_rows(acc_dK, sK_wg, tma_dk, tdK, mdK, tiled_mma_dk, head_kv, key0, key_end, wg, wg_tidx, part,
                                  QUERY_ROWS)  # fmt: skip
                 store_o_own_rows(acc_dV, sV_wg, tma_dv, tdV, mdV, tiled_mma_dv, head_kv, key0, key_end, wg, wg_tidx, part,
@@ -1664,7 +1675,7 @@ def bwd_consumer(
                 pipe_kv.consumer_release(kv_state)  # the K/V tile is free for the next item
             kv_state.advance()
         else:  # no block (no query sees these keys): dK = dV = 0 from registers (the producer loaded no K / V for it)
-            key_end = mKeyBounds[n_tile + 1]
+            key_end = schedule.key_bounds[n_tile + 1]
             store_o_zero(mdK, head_kv, key0, wg_tidx, key_end)
             store_o_zero(mdV, head_kv, key0, wg_tidx, key_end)
 
@@ -1741,14 +1752,7 @@ def bwd_dq_writer(
     tdQ: tuple,
     sdQ: cute.Tensor,
     mSemaphore: cute.Tensor,
-    mWorkBlocks: cute.Tensor,
-    mBlockRank: cute.Tensor,
-    mItems: cute.Tensor,
-    mCtaItems: cute.Tensor,
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
-    mQueryBounds: cute.Tensor,
+    schedule: Schedule,
     mdQ: cute.Tensor,
 ):
     """Walks the blocks in the consumers' order and, for each consumer warpgroup's staged dQ
@@ -1764,19 +1768,19 @@ def bwd_dq_writer(
         pending = cute.make_rmem_tensor((DQ_WARPGROUPS,), Int32)  # semaphores of additions not yet counted
         pending.fill(-1)
     cta = Int32(cute.arch.block_idx()[0])
-    for item in cutlass.range(mCtaItems[cta], mCtaItems[cta + 1], unroll=1):
-        work = mItems[item, 0]
-        head_kv = mItems[item, 1]
-        q_heads = mItems[item, 4]
-        slot = mItems[item, 5]
+    for item in cutlass.range(schedule.cta_items[cta], schedule.cta_items[cta + 1], unroll=1):
+        work = schedule.items[item, 0]
+        head_kv = schedule.items[item, 1]
+        q_heads = schedule.items[item, 4]
+        slot = schedule.items[item, 5]
         num_heads = Int32(QHEADS_PER_KVHEAD) if q_heads < 0 else q_heads
-        head_first = head_kv * QHEADS_PER_KVHEAD + mItems[item, 3]
-        n_tile = mWorkTile[work]
-        r_first = mWorkRanges[work]
-        r_last = mWorkRanges[work + 1]
+        head_first = head_kv * QHEADS_PER_KVHEAD + schedule.items[item, 3]
+        n_tile = schedule.work_tile[work]
+        r_first = schedule.work_ranges[work]
+        r_last = schedule.work_ranges[work + 1]
         has_blocks = r_first < r_last
         if has_blocks:
-            flags = mItems[item, 2]
+            flags = schedule.items[item, 2]
             heads_inner = (flags & 1) != 0
             up = (flags >> 1) & 1  # 1: first to last
             dm = 2 * up - 1  # the walk's step through runs and blocks
@@ -1784,23 +1788,24 @@ def bwd_dq_writer(
             r_stop = r_first - 1 + (r_last - r_first + 1) * up  # one past the last run walked
             blocks = Int32(0)
             for rr in cutlass.range(r_first, r_last, unroll=1):
-                blocks += mRanges[rr, 1] - mRanges[rr, 0]
+                blocks += schedule.ranges[rr, 1] - schedule.ranges[rr, 0]
             r = r_start
-            lo = mRanges[r, 0]
-            hi = mRanges[r, 1]
+            lo = schedule.ranges[r, 0]
+            hi = schedule.ranges[r, 1]
             m = hi - 1 + (lo - hi + 1) * up
             m_stop = lo - 1 + (hi - lo + 1) * up  # one past the run's last block walked
-            partial = mRanges[r, 2]
+            partial = schedule.ranges[r, 2]
             g = Int32(0)
             for step in cutlass.range(blocks * num_heads, unroll=1):
                 head = head_first + g
-                first = mQueryBounds[m]  # the block's first row, read once (the barriers below keep it from being hoisted)
+                # The block's first row, read once (the barriers below keep it from being hoisted).
+                first = schedule.query_bounds[m]
                 for wg in cutlass.range_constexpr(DQ_WARPGROUPS):
                     for c in cutlass.range_constexpr(DQ_CHUNKS):
                         cute.arch.barrier(barrier_id=BAR_DQ_FULL + wg, number_of_threads=DQ_SYNC_THREADS)
                         if const_expr(DETERMINISTIC and c == 0):  # the block's later chunks go in the same turn
                             semaphore = (head * blocks_per_head + m) * NUM_MMA_WG + wg
-                            wait_turn(mSemaphore, pending, semaphore, mBlockRank[pair], wg)
+                            wait_turn(mSemaphore, pending, semaphore, schedule.block_rank[pair], wg)
                         dq_rows, dq_cols = dq_part(wg)
                         cols = (head * DQ_COL_PARTS + dq_cols) * DQ_CHUNKS + c
                         sdQ_wg = cute.group_modes(sdQ[None, None, wg], 0, 2)
@@ -1832,11 +1837,11 @@ def bwd_dq_writer(
                         if r == r_stop:  # past the last run: heads outermost, the next head
                             r = r_start
                             g += 1
-                        lo = mRanges[r, 0]
-                        hi = mRanges[r, 1]
+                        lo = schedule.ranges[r, 0]
+                        hi = schedule.ranges[r, 1]
                         m = hi - 1 + (lo - hi + 1) * up
                         m_stop = lo - 1 + (hi - lo + 1) * up
-                        partial = mRanges[r, 2]
+                        partial = schedule.ranges[r, 2]
             if const_expr(DETERMINISTIC):
                 # Count the item's last additions before leaving it: a CTA may hold back a signal only
                 # while it works on the same item, or a lower item waiting for it could wait on a higher one.
@@ -1939,20 +1944,10 @@ def attn_bwd_kernel(
     tma_dq: tuple,
     tdQ: tuple,
     mdQ: cute.Tensor,
-    mKeyBounds: cute.Tensor,
-    mQueryBounds: cute.Tensor,
     mSemaphore: cute.Tensor,
-    mWorkBlocks: cute.Tensor,
-    mBlockRank: cute.Tensor,
     mdKVAccum: cute.Tensor,
     mdKVCount: cute.Tensor,
-    mItems: cute.Tensor,
-    mCtaItems: cute.Tensor,
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
-    mWorkLines: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     score_scale_log2: Float32,
     softmax_scale: Float32,
     softcap_in: Optional[Float32],  # HAS_SOFTCAP
@@ -1997,14 +1992,10 @@ def attn_bwd_kernel(
         if warp_idx == 0:
             bwd_producer(
                 tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, tma_lse, tLSE, tma_delta, tDelta,
-                sQ, sdO, sK, sV, sLSE, sDelta, sBlock, pipe_kv, pipe_q, pipe_do,
-                mItems, mCtaItems, mWorkTile, mWorkRanges, mRanges, mKeyBounds, mQueryBounds, mdKVCount,
+                sQ, sdO, sK, sV, sLSE, sDelta, sBlock, pipe_kv, pipe_q, pipe_do, schedule, mdKVCount,
             )
         if warp_idx == 1:
-            bwd_dq_writer(
-                tma_dq, tdQ, sdQ, mSemaphore, mWorkBlocks, mBlockRank, mItems, mCtaItems, mWorkTile, mWorkRanges, mRanges,
-                mQueryBounds, mdQ,
-            )
+            bwd_dq_writer(tma_dq, tdQ, sdQ, mSemaphore, schedule, mdQ)
     else:
         consumer = functools.partial(
             bwd_consumer,
@@ -2018,17 +2009,9 @@ def attn_bwd_kernel(
             tma_dv,
             tdV,
             mdV,
-            mKeyBounds,
-            mQueryBounds,
             mdKVAccum,
             mdKVCount,
-            mItems,
-            mCtaItems,
-            mWorkTile,
-            mWorkRanges,
-            mRanges,
-            mWorkLines,
-            mLines,
+            schedule,
             sQ,
             sdO,
             sK,
@@ -2168,6 +2151,10 @@ def attn_bwd(
         logit_scale = softmax_scale  # used by HAS_MAX_LOGITS only (the kernel gets None otherwise)
     if const_expr(not HAS_SOFTCAP):
         softcap_in, softcap_out = None, None  # reach the kernel as None (and leave no trace in it)
+    schedule = Schedule(
+        mWorkTile, mWorkRanges, mRanges, mWorkLines, mLines, key_bounds=mKeyBounds, query_bounds=mQueryBounds,
+        items=mItems, cta_items=mCtaItems, work_blocks=mWorkBlocks, block_rank=mBlockRank,
+    )
 
     attn_bwd_kernel(
         tma_q,
@@ -2191,20 +2178,10 @@ def attn_bwd(
         tma_dq,
         tdQ,
         mdQ,
-        mKeyBounds,
-        mQueryBounds,
         mSemaphore,
-        mWorkBlocks,
-        mBlockRank,
         mdKVAccum,
         mdKVCount,
-        mItems,
-        mCtaItems,
-        mWorkTile,
-        mWorkRanges,
-        mRanges,
-        mWorkLines,
-        mLines,
+        schedule,
         score_scale_log2,
         softmax_scale,
         softcap_in,

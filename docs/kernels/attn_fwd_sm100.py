@@ -23,7 +23,7 @@ maskc kernel):
                 them (K of block j+1 before V of block j), through a 3-stage pipeline.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 
@@ -265,6 +265,31 @@ def load_stage(pipe, state, *copies):
 
 
 # ---------------------------------------------------------------------------------------------
+# The schedule's tensors, one value
+# ---------------------------------------------------------------------------------------------
+class Schedule(NamedTuple):
+    """The tile schedule's tensors (maskc/ir/schedule.py), named as the entry point's arguments
+    (maskc/artifact/abi.py): the host function bundles them into this one value, which the
+    kernel and every function that walks the schedule take instead of the tensors one by one.
+    The DSL passes a NamedTuple's tensors to the kernel as its parameters and rebuilds it
+    inside; a field left None (one the variant does not read) takes no parameter and leaves no
+    trace in the kernel. One struct serves both directions, whose schedules share the first
+    five fields: the forward leaves the backward's own (items .. block_rank) None."""
+
+    work_tile: cute.Tensor  # [W] the work item's q tile (backward: k tile)
+    work_ranges: cute.Tensor  # [W+1] CSR offsets into ranges
+    ranges: cute.Tensor  # [R, 4] runs of blocks: (begin, end, partial, first key / query)
+    work_lines: cute.Tensor  # [W+1] CSR offsets into lines
+    lines: cute.Tensor  # [L, 6] (r0, r1, lo_a, lo_s, hi_a, hi_s)
+    key_bounds: Optional[cute.Tensor] = None  # [NK1] first key of each k block (backward: tile)
+    query_bounds: Optional[cute.Tensor] = None  # [NQ1] first query of each q tile (backward: block)
+    items: Optional[cute.Tensor] = None  # [I, 6] the backward's items by CTA (maskc.ir.items)
+    cta_items: Optional[cute.Tensor] = None  # [G+1] CSR offsets of each CTA's items
+    work_blocks: Optional[cute.Tensor] = None  # [WB] deterministic backward: CSR offsets into block_rank
+    block_rank: Optional[cute.Tensor] = None  # [B] lower k tiles adding to the same q block
+
+
+# ---------------------------------------------------------------------------------------------
 # Work schedule
 # ---------------------------------------------------------------------------------------------
 # Every work item is repeated over the heads that read its rows: each query head, or with PackGQA
@@ -292,7 +317,7 @@ def kv_group_log2(num_work: Int32) -> Int32:
 
 
 @cute.jit
-def decode_item(item: Int32, num_work: Int32, group_log2: Int32, mWorkTile: cute.Tensor):
+def decode_item(item: Int32, num_work: Int32, group_log2: Int32, schedule: Schedule):
     """Persistent item -> (work index, head, K/V head, q tile); `head` is the query head, or
     with PackGQA the K/V head.
 
@@ -331,7 +356,7 @@ def decode_item(item: Int32, num_work: Int32, group_log2: Int32, mWorkTile: cute
     work = first_work + w
     head_kv = head_kv + k
     head = head_kv * ITEM_HEADS_PER_KVHEAD + (rest - w * ITEM_HEADS_PER_KVHEAD)
-    return work, head, head_kv, mWorkTile[work]
+    return work, head, head_kv, schedule.work_tile[work]
 
 
 @cute.jit
@@ -350,13 +375,13 @@ def dealt_item(slot: Int32, grid: Int32, num_items: Int32) -> Int32:
 
 
 @cute.jit
-def block_range(mRanges: cute.Tensor, r: Int32, r_first: Int32):
-    """Row r of mRanges as (n_begin, n_end, partial); the work item's first block is handled
-    before the walk, so the first range (r == r_first) starts one block later."""
-    n_begin = mRanges[r, 0]
+def block_range(schedule: Schedule, r: Int32, r_first: Int32):
+    """Row r of schedule.ranges as (n_begin, n_end, partial); the work item's first block is
+    handled before the walk, so the first range (r == r_first) starts one block later."""
+    n_begin = schedule.ranges[r, 0]
     if r == r_first:
         n_begin = n_begin + 1
-    return n_begin, mRanges[r, 1], mRanges[r, 2]
+    return n_begin, schedule.ranges[r, 1], schedule.ranges[r, 2]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,13 +454,13 @@ def load_line_bounds(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     l_begin: Int32,
     l_end: Int32,
 ):
     """Once per work item: bounds[i, slot] = (e_lo, e_hi), the elements allowed in row i by
-    line l_begin + slot, numbered as in elements_left_of (empty when the line does not cover
-    the row or does not exist)."""
+    line l_begin + slot of schedule.lines, numbered as in elements_left_of (empty when the line
+    does not cover the row or does not exist)."""
     for slot in cutlass.range_constexpr(MASK_SLOTS):
         line = l_begin + slot
         r0 = Int32(0)
@@ -445,12 +470,12 @@ def load_line_bounds(
         hi_a = Int32(0)
         hi_s = Int32(0)
         if line < l_end:
-            r0 = mLines[line, 0]
-            r1 = mLines[line, 1]
-            lo_a = mLines[line, 2]
-            lo_s = mLines[line, 3]
-            hi_a = mLines[line, 4]
-            hi_s = mLines[line, 5]
+            r0 = schedule.lines[line, 0]
+            r1 = schedule.lines[line, 1]
+            lo_a = schedule.lines[line, 2]
+            lo_s = schedule.lines[line, 3]
+            hi_a = schedule.lines[line, 4]
+            hi_s = schedule.lines[line, 5]
         for i in cutlass.range_constexpr(ROWS_PER_THREAD):
             row = rows[i]
             e_lo = elements_left_of(lo_a + lo_s * row - first_col0)
@@ -465,16 +490,15 @@ def load_item_lines(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
-    mWorkLines: cute.Tensor,
+    schedule: Schedule,
     work: Int32,
 ):
     """Once per work item: its lines' bounds (load_line_bounds), and the tuple of
     line_mask_bits' arguments after the block that mask_block takes."""
-    l_begin = mWorkLines[work]
-    l_end = mWorkLines[work + 1]
-    load_line_bounds(bounds, first_col0, rows, mLines, l_begin, l_end)
-    return (bounds, first_col0, rows, mLines, l_begin, l_end)
+    l_begin = schedule.work_lines[work]
+    l_end = schedule.work_lines[work + 1]
+    load_line_bounds(bounds, first_col0, rows, schedule, l_begin, l_end)
+    return (bounds, first_col0, rows, schedule, l_begin, l_end)
 
 
 @cute.jit
@@ -484,16 +508,17 @@ def line_mask_bits(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     l_begin: Int32,
     l_end: Int32,
-    key_bounds: Optional[cute.Tensor] = None,
-    off_grid=False,
+    off_grid=None,
 ):
-    """bits[i, chunk]: the keep mask of row i in block n (bit k of chunk c: column 32 c + k).
-    Block n's box starts at column n * TILE_N, or `off_grid` (a run the schedule marks 2:
-    blocks per document) at key_bounds[n], its own columns ending at key_bounds[n + 1] and the
-    rest of its box cleared; the slots' bounds, counted on the grid, hold only for the former.
+    """bits[i, chunk]: the keep mask of row i in block n (bit k of chunk c: column 32 c + k),
+    from lines l_begin .. l_end of schedule.lines. Block n's box starts at column n * TILE_N,
+    or if `off_grid` (a run the schedule marks 2: blocks per document) at
+    schedule.key_bounds[n], its own columns ending at key_bounds[n + 1] and the rest of its box
+    cleared; the slots' bounds, counted on the grid, hold only for the former. `off_grid` is
+    None in the kernels whose blocks all lie on the grid.
 
     Integer work only: callers may issue it while a matrix product is in flight."""
     base = n * COLS_PER_THREAD
@@ -507,20 +532,20 @@ def line_mask_bits(
     # for a block off the grid.
     first_col = first_col0 + n * TILE_N
     first_line = l_begin + MASK_SLOTS
-    if const_expr(key_bounds is not None):
+    if const_expr(off_grid is not None):
         if off_grid:
-            first_col = first_col0 + key_bounds[n]
+            first_col = first_col0 + schedule.key_bounds[n]
             first_line = l_begin
             for i in cutlass.range_constexpr(ROWS_PER_THREAD):
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = Uint32(0)
     for line in cutlass.range(first_line, l_end, unroll=1):
-        r0 = mLines[line, 0]
-        r1 = mLines[line, 1]
-        lo_a = mLines[line, 2]
-        lo_s = mLines[line, 3]
-        hi_a = mLines[line, 4]
-        hi_s = mLines[line, 5]
+        r0 = schedule.lines[line, 0]
+        r1 = schedule.lines[line, 1]
+        lo_a = schedule.lines[line, 2]
+        lo_s = schedule.lines[line, 3]
+        hi_a = schedule.lines[line, 4]
+        hi_s = schedule.lines[line, 5]
         for i in cutlass.range_constexpr(ROWS_PER_THREAD):
             row = rows[i]
             e_lo = elements_left_of(lo_a + lo_s * row - first_col)
@@ -528,9 +553,9 @@ def line_mask_bits(
             if row >= r0 and row < r1:
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = bits[i, c] | run_bits(e_lo, e_hi, c)
-    if const_expr(key_bounds is not None):
+    if const_expr(off_grid is not None):
         if off_grid:  # a document's last block: its box reaches into the next block's columns
-            e_end = elements_left_of(key_bounds[n + 1] - first_col)
+            e_end = elements_left_of(schedule.key_bounds[n + 1] - first_col)
             for i in cutlass.range_constexpr(ROWS_PER_THREAD):
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = bits[i, c] & run_bits(0, e_end, c)
@@ -802,24 +827,22 @@ def loader(
     thr_pv,
     pipe_q,
     pipe_kv,
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
+    schedule: Schedule,
 ):
     """Q, K of the first block, then per further block j: K_j, V_{j-1}; finally V of the last
     block (the order the MMA warp consumes them). Rows past the sequence are zero-filled by TMA
     and masked by the lines."""
     q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, NUM_STAGES)
-    num_work = mWorkTile.shape[0]
+    num_work = schedule.work_tile.shape[0]
     num_items = num_work * ITEM_HEADS
     group_log2 = kv_group_log2(num_work)
     grid = Int32(cute.arch.grid_dim()[0])
     slot = Int32(cute.arch.block_idx()[0])
     while slot < num_items:
-        work, head, head_kv, m_tile = decode_item(dealt_item(slot, grid, num_items), num_work, group_log2, mWorkTile)
-        r_first = mWorkRanges[work]
-        r_last = mWorkRanges[work + 1]
+        work, head, head_kv, m_tile = decode_item(dealt_item(slot, grid, num_items), num_work, group_log2, schedule)
+        r_first = schedule.work_ranges[work]
+        r_last = schedule.work_ranges[work + 1]
         has_blocks = r_first < r_last
         tQsQ, tQgQ = tma_blocks(
             tma_q, sQ, cute.local_tile(tQ[None, None, head], (TILE_M, HEAD_DIM), (None, 0)), thr_qk, "A"
@@ -832,10 +855,10 @@ def loader(
         )
         if has_blocks:
             q_state = load_stage(pipe_q, q_state, (tma_q, tQgQ, tQsQ, m_tile))
-            n_prev = mRanges[r_first, 0]
+            n_prev = schedule.ranges[r_first, 0]
             kv_state = load_stage(pipe_kv, kv_state, (tma_k, tKgK, tKsK, n_prev))
             for r in cutlass.range(r_first, r_last, unroll=1):
-                n_begin, n_end, partial = block_range(mRanges, r, r_first)
+                n_begin, n_end, partial = block_range(schedule, r, r_first)
                 for n in cutlass.range(n_begin, n_end, unroll=1):
                     kv_state = load_stage(pipe_kv, kv_state, (tma_k, tKgK, tKsK, n))
                     kv_state = load_stage(pipe_kv, kv_state, (tma_v, tVgV, tVsV, n_prev))
@@ -888,9 +911,7 @@ def mma_warp(
     pipe_kv,
     pipe_s,
     pipe_p,
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
+    schedule: Schedule,
 ):
     """Per work item: S of the first block; then per block j: S of block j+1 (if any) into the
     other score buffer, and O += P_j V_j once the softmax has written P_j (the first product of
@@ -899,15 +920,15 @@ def mma_warp(
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, NUM_STAGES)
     s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
     p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-    num_work = mWorkTile.shape[0]
+    num_work = schedule.work_tile.shape[0]
     num_items = num_work * ITEM_HEADS
     group_log2 = kv_group_log2(num_work)
     grid = Int32(cute.arch.grid_dim()[0])
     slot = Int32(cute.arch.block_idx()[0])
     while slot < num_items:
-        work, head, head_kv, m_tile = decode_item(dealt_item(slot, grid, num_items), num_work, group_log2, mWorkTile)
-        r_first = mWorkRanges[work]
-        r_last = mWorkRanges[work + 1]
+        work, head, head_kv, m_tile = decode_item(dealt_item(slot, grid, num_items), num_work, group_log2, schedule)
+        r_first = schedule.work_ranges[work]
+        r_last = schedule.work_ranges[work + 1]
         has_blocks = r_first < r_last
         if has_blocks:
             pipe_q.consumer_wait(q_state)
@@ -916,7 +937,7 @@ def mma_warp(
             )
             accumulate = cutlass.Boolean(False)
             for r in cutlass.range(r_first, r_last, unroll=1):
-                n_begin, n_end, partial = block_range(mRanges, r, r_first)
+                n_begin, n_end, partial = block_range(schedule, r, r_first)
                 for n in cutlass.range(n_begin, n_end, unroll=1):
                     tiled_mma_qk, kv_state, s_state = issue_scores(
                         tiled_mma_qk, tStS, tSrQ, tSrK, pipe_kv, kv_state, pipe_s, s_state
@@ -1010,11 +1031,7 @@ def softmax_warps(
     mLSE2: cute.Tensor,
     mRowMax: cute.Tensor | None,
     mSink: cute.Tensor | None,
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
-    mWorkLines: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     score_scale_log2: Float32,
     lse_log2_offset: Float32,
     logit_scale: Float32 | None,
@@ -1033,28 +1050,28 @@ def softmax_warps(
     rows = cute.make_rmem_tensor(ROWS_PER_THREAD, Int32)
     bounds = cute.make_rmem_tensor((ROWS_PER_THREAD, max(MASK_SLOTS, 1), 2), Int32)
     first_col0 = Int32(0)  # a thread holds every column of its row
-    num_work = mWorkTile.shape[0]
+    num_work = schedule.work_tile.shape[0]
     num_items = num_work * ITEM_HEADS
     group_log2 = kv_group_log2(num_work)
     grid = Int32(cute.arch.grid_dim()[0])
     slot = Int32(cute.arch.block_idx()[0])
     while slot < num_items:
-        work, head, head_kv, m_tile = decode_item(dealt_item(slot, grid, num_items), num_work, group_log2, mWorkTile)
-        r_first = mWorkRanges[work]
-        r_last = mWorkRanges[work + 1]
+        work, head, head_kv, m_tile = decode_item(dealt_item(slot, grid, num_items), num_work, group_log2, schedule)
+        r_first = schedule.work_ranges[work]
+        r_last = schedule.work_ranges[work + 1]
         has_blocks = r_first < r_last
         rows[0] = m_tile * TILE_M + tidx
-        item_lines = load_item_lines(bounds, first_col0, rows, mLines, mWorkLines, work)
+        item_lines = load_item_lines(bounds, first_col0, rows, schedule, work)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         sink_lse_log2 = sink_logsumexp_log2(mSink, head) if const_expr(HAS_SINK) else None
         if has_blocks:
             s_state, p_state = softmax_block(
                 tStS, tOtO, tmem_p, pipe_s, s_state, pipe_p, p_state, True, row_max, row_sum, tidx, score_scale_log2,
-                softcap_in, softcap_out, mRanges[r_first, 0], mRanges[r_first, 2] != 0, item_lines,
+                softcap_in, softcap_out, schedule.ranges[r_first, 0], schedule.ranges[r_first, 2] != 0, item_lines,
             )
             for r in cutlass.range(r_first, r_last, unroll=1):
-                n_begin, n_end, partial = block_range(mRanges, r, r_first)
+                n_begin, n_end, partial = block_range(schedule, r, r_first)
                 for n in cutlass.range(n_begin, n_end, unroll=1):
                     s_state, p_state = softmax_block(
                         tStS, tOtO, tmem_p, pipe_s, s_state, pipe_p, p_state, False, row_max, row_sum, tidx, score_scale_log2,
@@ -1109,11 +1126,7 @@ def attn_fwd_kernel(
     mLSE2: cute.Tensor,
     mRowMax: cute.Tensor | None,
     mSink: cute.Tensor | None,
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
-    mWorkLines: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     score_scale_log2: Float32,
     lse_log2_offset: Float32,
     logit_scale: Float32 | None,
@@ -1149,8 +1162,7 @@ def attn_fwd_kernel(
 
     if warp_idx == LOAD_WARP:
         loader(
-            tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, thr_qk, thr_pv, pipe_q, pipe_kv,
-            mWorkTile, mWorkRanges, mRanges,
+            tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, thr_qk, thr_pv, pipe_q, pipe_kv, schedule,
         )
     else:
         tmem.allocate(TMEM_COLS)  # by warp 0, the allocator
@@ -1173,9 +1185,7 @@ def attn_fwd_kernel(
                 pipe_kv,
                 pipe_s,
                 pipe_p,
-                mWorkTile,
-                mWorkRanges,
-                mRanges,
+                schedule,
             )
         else:
             softmax_warps(
@@ -1189,11 +1199,7 @@ def attn_fwd_kernel(
                 mLSE2,
                 mRowMax,
                 mSink,
-                mWorkTile,
-                mWorkRanges,
-                mRanges,
-                mWorkLines,
-                mLines,
+                schedule,
                 score_scale_log2,
                 lse_log2_offset,
                 logit_scale,
@@ -1265,11 +1271,7 @@ def attn_fwd(
         mLSE2,
         mRowMax if const_expr(HAS_MAX_LOGITS) else None,
         mSink if const_expr(HAS_SINK) else None,
-        mWorkTile,
-        mWorkRanges,
-        mRanges,
-        mWorkLines,
-        mLines,
+        Schedule(mWorkTile, mWorkRanges, mRanges, mWorkLines, mLines),
         score_scale_log2,
         lse_log2_offset,
         logit_scale if const_expr(HAS_MAX_LOGITS) else None,

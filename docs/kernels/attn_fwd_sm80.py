@@ -16,7 +16,7 @@ blocks only, online softmax in registers, O += P V with P converted in registers
 through shared memory to global memory, with the LSE.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 
@@ -206,6 +206,31 @@ def store_tile(acc: cute.Tensor, sX: cute.Tensor, mX_head: cute.Tensor, tile: In
 
 
 # ---------------------------------------------------------------------------------------------
+# The schedule's tensors, one value
+# ---------------------------------------------------------------------------------------------
+class Schedule(NamedTuple):
+    """The tile schedule's tensors (maskc/ir/schedule.py), named as the entry point's arguments
+    (maskc/artifact/abi.py): the host function bundles them into this one value, which the
+    kernel and every function that walks the schedule take instead of the tensors one by one.
+    The DSL passes a NamedTuple's tensors to the kernel as its parameters and rebuilds it
+    inside; a field left None (one the variant does not read) takes no parameter and leaves no
+    trace in the kernel. One struct serves both directions, whose schedules share the first
+    five fields: the forward leaves the backward's own (items .. block_rank) None."""
+
+    work_tile: cute.Tensor  # [W] the work item's q tile (backward: k tile)
+    work_ranges: cute.Tensor  # [W+1] CSR offsets into ranges
+    ranges: cute.Tensor  # [R, 4] runs of blocks: (begin, end, partial, first key / query)
+    work_lines: cute.Tensor  # [W+1] CSR offsets into lines
+    lines: cute.Tensor  # [L, 6] (r0, r1, lo_a, lo_s, hi_a, hi_s)
+    key_bounds: Optional[cute.Tensor] = None  # [NK1] first key of each k block (backward: tile)
+    query_bounds: Optional[cute.Tensor] = None  # [NQ1] first query of each q tile (backward: block)
+    items: Optional[cute.Tensor] = None  # [I, 6] the backward's items by CTA (maskc.ir.items)
+    cta_items: Optional[cute.Tensor] = None  # [G+1] CSR offsets of each CTA's items
+    work_blocks: Optional[cute.Tensor] = None  # [WB] deterministic backward: CSR offsets into block_rank
+    block_rank: Optional[cute.Tensor] = None  # [B] lower k tiles adding to the same q block
+
+
+# ---------------------------------------------------------------------------------------------
 # Work schedule
 # ---------------------------------------------------------------------------------------------
 # Every work item is repeated over the heads that read its rows: each query head, or with PackGQA
@@ -233,7 +258,7 @@ def kv_group_log2(num_work: Int32) -> Int32:
 
 
 @cute.jit
-def decode_item(item: Int32, num_work: Int32, group_log2: Int32, mWorkTile: cute.Tensor):
+def decode_item(item: Int32, num_work: Int32, group_log2: Int32, schedule: Schedule):
     """Persistent item -> (work index, head, K/V head, q tile); `head` is the query head, or
     with PackGQA the K/V head.
 
@@ -272,7 +297,7 @@ def decode_item(item: Int32, num_work: Int32, group_log2: Int32, mWorkTile: cute
     work = first_work + w
     head_kv = head_kv + k
     head = head_kv * ITEM_HEADS_PER_KVHEAD + (rest - w * ITEM_HEADS_PER_KVHEAD)
-    return work, head, head_kv, mWorkTile[work]
+    return work, head, head_kv, schedule.work_tile[work]
 
 
 @cute.jit
@@ -291,13 +316,13 @@ def dealt_item(slot: Int32, grid: Int32, num_items: Int32) -> Int32:
 
 
 @cute.jit
-def block_range(mRanges: cute.Tensor, r: Int32, r_first: Int32):
-    """Row r of mRanges as (n_begin, n_end, partial); the work item's first block is handled
-    before the walk, so the first range (r == r_first) starts one block later."""
-    n_begin = mRanges[r, 0]
+def block_range(schedule: Schedule, r: Int32, r_first: Int32):
+    """Row r of schedule.ranges as (n_begin, n_end, partial); the work item's first block is
+    handled before the walk, so the first range (r == r_first) starts one block later."""
+    n_begin = schedule.ranges[r, 0]
     if r == r_first:
         n_begin = n_begin + 1
-    return n_begin, mRanges[r, 1], mRanges[r, 2]
+    return n_begin, schedule.ranges[r, 1], schedule.ranges[r, 2]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,13 +395,13 @@ def load_line_bounds(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     l_begin: Int32,
     l_end: Int32,
 ):
     """Once per work item: bounds[i, slot] = (e_lo, e_hi), the elements allowed in row i by
-    line l_begin + slot, numbered as in elements_left_of (empty when the line does not cover
-    the row or does not exist)."""
+    line l_begin + slot of schedule.lines, numbered as in elements_left_of (empty when the line
+    does not cover the row or does not exist)."""
     for slot in cutlass.range_constexpr(MASK_SLOTS):
         line = l_begin + slot
         r0 = Int32(0)
@@ -386,12 +411,12 @@ def load_line_bounds(
         hi_a = Int32(0)
         hi_s = Int32(0)
         if line < l_end:
-            r0 = mLines[line, 0]
-            r1 = mLines[line, 1]
-            lo_a = mLines[line, 2]
-            lo_s = mLines[line, 3]
-            hi_a = mLines[line, 4]
-            hi_s = mLines[line, 5]
+            r0 = schedule.lines[line, 0]
+            r1 = schedule.lines[line, 1]
+            lo_a = schedule.lines[line, 2]
+            lo_s = schedule.lines[line, 3]
+            hi_a = schedule.lines[line, 4]
+            hi_s = schedule.lines[line, 5]
         for i in cutlass.range_constexpr(ROWS_PER_THREAD):
             row = rows[i]
             e_lo = elements_left_of(lo_a + lo_s * row - first_col0)
@@ -406,16 +431,15 @@ def load_item_lines(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
-    mWorkLines: cute.Tensor,
+    schedule: Schedule,
     work: Int32,
 ):
     """Once per work item: its lines' bounds (load_line_bounds), and the tuple of
     line_mask_bits' arguments after the block that mask_block takes."""
-    l_begin = mWorkLines[work]
-    l_end = mWorkLines[work + 1]
-    load_line_bounds(bounds, first_col0, rows, mLines, l_begin, l_end)
-    return (bounds, first_col0, rows, mLines, l_begin, l_end)
+    l_begin = schedule.work_lines[work]
+    l_end = schedule.work_lines[work + 1]
+    load_line_bounds(bounds, first_col0, rows, schedule, l_begin, l_end)
+    return (bounds, first_col0, rows, schedule, l_begin, l_end)
 
 
 @cute.jit
@@ -425,16 +449,17 @@ def line_mask_bits(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     l_begin: Int32,
     l_end: Int32,
-    key_bounds: Optional[cute.Tensor] = None,
-    off_grid=False,
+    off_grid=None,
 ):
-    """bits[i, chunk]: the keep mask of row i in block n (bit k of chunk c: column 32 c + k).
-    Block n's box starts at column n * TILE_N, or `off_grid` (a run the schedule marks 2:
-    blocks per document) at key_bounds[n], its own columns ending at key_bounds[n + 1] and the
-    rest of its box cleared; the slots' bounds, counted on the grid, hold only for the former.
+    """bits[i, chunk]: the keep mask of row i in block n (bit k of chunk c: column 32 c + k),
+    from lines l_begin .. l_end of schedule.lines. Block n's box starts at column n * TILE_N,
+    or if `off_grid` (a run the schedule marks 2: blocks per document) at
+    schedule.key_bounds[n], its own columns ending at key_bounds[n + 1] and the rest of its box
+    cleared; the slots' bounds, counted on the grid, hold only for the former. `off_grid` is
+    None in the kernels whose blocks all lie on the grid.
 
     Integer work only: callers may issue it while a matrix product is in flight."""
     base = n * COLS_PER_THREAD
@@ -448,20 +473,20 @@ def line_mask_bits(
     # for a block off the grid.
     first_col = first_col0 + n * TILE_N
     first_line = l_begin + MASK_SLOTS
-    if const_expr(key_bounds is not None):
+    if const_expr(off_grid is not None):
         if off_grid:
-            first_col = first_col0 + key_bounds[n]
+            first_col = first_col0 + schedule.key_bounds[n]
             first_line = l_begin
             for i in cutlass.range_constexpr(ROWS_PER_THREAD):
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = Uint32(0)
     for line in cutlass.range(first_line, l_end, unroll=1):
-        r0 = mLines[line, 0]
-        r1 = mLines[line, 1]
-        lo_a = mLines[line, 2]
-        lo_s = mLines[line, 3]
-        hi_a = mLines[line, 4]
-        hi_s = mLines[line, 5]
+        r0 = schedule.lines[line, 0]
+        r1 = schedule.lines[line, 1]
+        lo_a = schedule.lines[line, 2]
+        lo_s = schedule.lines[line, 3]
+        hi_a = schedule.lines[line, 4]
+        hi_s = schedule.lines[line, 5]
         for i in cutlass.range_constexpr(ROWS_PER_THREAD):
             row = rows[i]
             e_lo = elements_left_of(lo_a + lo_s * row - first_col)
@@ -469,9 +494,9 @@ def line_mask_bits(
             if row >= r0 and row < r1:
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = bits[i, c] | run_bits(e_lo, e_hi, c)
-    if const_expr(key_bounds is not None):
+    if const_expr(off_grid is not None):
         if off_grid:  # a document's last block: its box reaches into the next block's columns
-            e_end = elements_left_of(key_bounds[n + 1] - first_col)
+            e_end = elements_left_of(schedule.key_bounds[n + 1] - first_col)
             for i in cutlass.range_constexpr(ROWS_PER_THREAD):
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = bits[i, c] & run_bits(0, e_end, c)
@@ -701,14 +726,14 @@ def store_o_zero(mO: cute.Tensor, head: Int32, first_row: Int32, tidx: Int32, ro
 # One k block
 # ---------------------------------------------------------------------------------------------
 @cute.jit
-def next_block(mRanges: cute.Tensor, r: Int32, n: Int32, r_last: Int32):
+def next_block(schedule: Schedule, r: Int32, n: Int32, r_last: Int32):
     """The block the walk visits after block n of range r, and whether there is one."""
     n_next = n + 1
     has_next = True
-    if n_next == mRanges[r, 1]:
+    if n_next == schedule.ranges[r, 1]:
         has_next = r + 1 < r_last
         if has_next:
-            n_next = mRanges[r + 1, 0]
+            n_next = schedule.ranges[r + 1, 0]
     return n_next, has_next
 
 
@@ -741,7 +766,7 @@ def walk_block(
     cKV: cute.Tensor,
     sK: cute.Tensor,
     sV: cute.Tensor,
-    mRanges: cute.Tensor,
+    schedule: Schedule,
     r: Int32,
     n: Int32,
     r_last: Int32,
@@ -756,7 +781,7 @@ def walk_block(
     start into the other stage, then S = Q K^T, the line mask (partial blocks: the caller
     passes the item's lines, load_item_lines' tuple; None for a full
     block), online softmax and O += P V. Returns the next block's stage."""
-    n_next, has_next = next_block(mRanges, r, n, r_last)
+    n_next, has_next = next_block(schedule, r, n, r_last)
     if has_next:
         load_kv(g2s, tidx, mK_head, mV_head, cKV, sK, sV, n_next, 1 - stage)
     cute.arch.cp_async_commit_group()
@@ -800,11 +825,7 @@ def attn_fwd_kernel(
     mLSE2: cute.Tensor,
     mRowMax: cute.Tensor | None,
     mSink: cute.Tensor | None,
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
-    mWorkLines: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     score_scale_log2: Float32,
     lse_log2_offset: Float32,
     logit_scale: Float32 | None,
@@ -844,20 +865,20 @@ def attn_fwd_kernel(
     rows = cute.make_rmem_tensor(ROWS_PER_THREAD, Int32)
     bounds = cute.make_rmem_tensor((ROWS_PER_THREAD, max(MASK_SLOTS, 1), 2), Int32)
 
-    num_work = mWorkTile.shape[0]
+    num_work = schedule.work_tile.shape[0]
     num_items = num_work * ITEM_HEADS
     group_log2 = kv_group_log2(num_work)
     grid = Int32(cute.arch.grid_dim()[0])
     slot = Int32(cute.arch.block_idx()[0])
     while slot < num_items:
-        work, head, head_kv, m_tile = decode_item(dealt_item(slot, grid, num_items), num_work, group_log2, mWorkTile)
-        r_first = mWorkRanges[work]
-        r_last = mWorkRanges[work + 1]
+        work, head, head_kv, m_tile = decode_item(dealt_item(slot, grid, num_items), num_work, group_log2, schedule)
+        r_first = schedule.work_ranges[work]
+        r_last = schedule.work_ranges[work + 1]
         has_blocks = r_first < r_last
         for i in cutlass.range_constexpr(ROWS_PER_THREAD):
             rows[i] = m_tile * TILE_M + tScS[i, 0][0]
         first_col0 = tScS[0, 0][1]  # key of this thread's column 0 in block 0
-        item_lines = load_item_lines(bounds, first_col0, rows, mLines, mWorkLines, work)
+        item_lines = load_item_lines(bounds, first_col0, rows, schedule, work)
         acc_O.fill(0.0)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
@@ -875,7 +896,7 @@ def attn_fwd_kernel(
                 cute.local_tile(cute.make_identity_tensor(mQ_head.shape), blk, (m_tile, 0)), sQ, seqlen_q,
             )
             cute.arch.cp_async_commit_group()
-            n = mRanges[r_first, 0]
+            n = schedule.ranges[r_first, 0]
             load_kv(g2s, tidx, mK_head, mV_head, cKV, sK, sV, n, 0)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)  # Q (K and V may still fly)
@@ -885,18 +906,18 @@ def attn_fwd_kernel(
             # The blocks range by range: partial ones with the line mask.
             stage = Int32(0)
             for r in cutlass.range(r_first, r_last, unroll=1):
-                if mRanges[r, 2] != 0:
-                    for n in cutlass.range(mRanges[r, 0], mRanges[r, 1], unroll=1):
+                if schedule.ranges[r, 2] != 0:
+                    for n in cutlass.range(schedule.ranges[r, 0], schedule.ranges[r, 1], unroll=1):
                         stage = walk_block(
                             tiled_mma, g2s, s2r_k, s2r_v, tSrQ, tSsK, tSrK, tOsV, tOrV, acc_O, row_max, row_sum, mK_head,
-                            mV_head, cKV, sK, sV, mRanges, r, n, r_last, stage, tidx, score_scale_log2, softcap_in,
+                            mV_head, cKV, sK, sV, schedule, r, n, r_last, stage, tidx, score_scale_log2, softcap_in,
                             softcap_out, item_lines,
                         )
                 else:
-                    for n in cutlass.range(mRanges[r, 0], mRanges[r, 1], unroll=1):
+                    for n in cutlass.range(schedule.ranges[r, 0], schedule.ranges[r, 1], unroll=1):
                         stage = walk_block(
                             tiled_mma, g2s, s2r_k, s2r_v, tSrQ, tSsK, tSrK, tOsV, tOrV, acc_O, row_max, row_sum, mK_head,
-                            mV_head, cKV, sK, sV, mRanges, r, n, r_last, stage, tidx, score_scale_log2, softcap_in,
+                            mV_head, cKV, sK, sV, schedule, r, n, r_last, stage, tidx, score_scale_log2, softcap_in,
                             softcap_out, None,
                         )
 
@@ -975,11 +996,7 @@ def attn_fwd(
         mLSE2,
         mRowMax if const_expr(HAS_MAX_LOGITS) else None,
         mSink if const_expr(HAS_SINK) else None,
-        mWorkTile,
-        mWorkRanges,
-        mRanges,
-        mWorkLines,
-        mLines,
+        Schedule(mWorkTile, mWorkRanges, mRanges, mWorkLines, mLines),
         score_scale_log2,
         lse_log2_offset,
         logit_scale if const_expr(HAS_MAX_LOGITS) else None,

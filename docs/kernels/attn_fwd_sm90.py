@@ -23,7 +23,7 @@ first; items that run together share a K/V head, so its K and V stay in L2):
 """
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 
@@ -271,6 +271,31 @@ def tma_pipeline(barriers, stages: int, consumers: int, tx_bytes: int):
 
 
 # ---------------------------------------------------------------------------------------------
+# The schedule's tensors, one value
+# ---------------------------------------------------------------------------------------------
+class Schedule(NamedTuple):
+    """The tile schedule's tensors (maskc/ir/schedule.py), named as the entry point's arguments
+    (maskc/artifact/abi.py): the host function bundles them into this one value, which the
+    kernel and every function that walks the schedule take instead of the tensors one by one.
+    The DSL passes a NamedTuple's tensors to the kernel as its parameters and rebuilds it
+    inside; a field left None (one the variant does not read) takes no parameter and leaves no
+    trace in the kernel. One struct serves both directions, whose schedules share the first
+    five fields: the forward leaves the backward's own (items .. block_rank) None."""
+
+    work_tile: cute.Tensor  # [W] the work item's q tile (backward: k tile)
+    work_ranges: cute.Tensor  # [W+1] CSR offsets into ranges
+    ranges: cute.Tensor  # [R, 4] runs of blocks: (begin, end, partial, first key / query)
+    work_lines: cute.Tensor  # [W+1] CSR offsets into lines
+    lines: cute.Tensor  # [L, 6] (r0, r1, lo_a, lo_s, hi_a, hi_s)
+    key_bounds: Optional[cute.Tensor] = None  # [NK1] first key of each k block (backward: tile)
+    query_bounds: Optional[cute.Tensor] = None  # [NQ1] first query of each q tile (backward: block)
+    items: Optional[cute.Tensor] = None  # [I, 6] the backward's items by CTA (maskc.ir.items)
+    cta_items: Optional[cute.Tensor] = None  # [G+1] CSR offsets of each CTA's items
+    work_blocks: Optional[cute.Tensor] = None  # [WB] deterministic backward: CSR offsets into block_rank
+    block_rank: Optional[cute.Tensor] = None  # [B] lower k tiles adding to the same q block
+
+
+# ---------------------------------------------------------------------------------------------
 # Work schedule
 # ---------------------------------------------------------------------------------------------
 # Every work item is repeated over the heads that read its rows: each query head, or with PackGQA
@@ -298,7 +323,7 @@ def kv_group_log2(num_work: Int32) -> Int32:
 
 
 @cute.jit
-def decode_item(item: Int32, num_work: Int32, group_log2: Int32, mWorkTile: cute.Tensor):
+def decode_item(item: Int32, num_work: Int32, group_log2: Int32, schedule: Schedule):
     """Persistent item -> (work index, head, K/V head, q tile); `head` is the query head, or
     with PackGQA the K/V head.
 
@@ -337,7 +362,7 @@ def decode_item(item: Int32, num_work: Int32, group_log2: Int32, mWorkTile: cute
     work = first_work + w
     head_kv = head_kv + k
     head = head_kv * ITEM_HEADS_PER_KVHEAD + (rest - w * ITEM_HEADS_PER_KVHEAD)
-    return work, head, head_kv, mWorkTile[work]
+    return work, head, head_kv, schedule.work_tile[work]
 
 
 @cute.jit
@@ -356,13 +381,13 @@ def dealt_item(slot: Int32, grid: Int32, num_items: Int32) -> Int32:
 
 
 @cute.jit
-def block_range(mRanges: cute.Tensor, r: Int32, r_first: Int32):
-    """Row r of mRanges as (n_begin, n_end, partial); the work item's first block is handled
-    before the walk, so the first range (r == r_first) starts one block later."""
-    n_begin = mRanges[r, 0]
+def block_range(schedule: Schedule, r: Int32, r_first: Int32):
+    """Row r of schedule.ranges as (n_begin, n_end, partial); the work item's first block is
+    handled before the walk, so the first range (r == r_first) starts one block later."""
+    n_begin = schedule.ranges[r, 0]
     if r == r_first:
         n_begin = n_begin + 1
-    return n_begin, mRanges[r, 1], mRanges[r, 2]
+    return n_begin, schedule.ranges[r, 1], schedule.ranges[r, 2]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,13 +460,13 @@ def load_line_bounds(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     l_begin: Int32,
     l_end: Int32,
 ):
     """Once per work item: bounds[i, slot] = (e_lo, e_hi), the elements allowed in row i by
-    line l_begin + slot, numbered as in elements_left_of (empty when the line does not cover
-    the row or does not exist)."""
+    line l_begin + slot of schedule.lines, numbered as in elements_left_of (empty when the line
+    does not cover the row or does not exist)."""
     for slot in cutlass.range_constexpr(MASK_SLOTS):
         line = l_begin + slot
         r0 = Int32(0)
@@ -451,12 +476,12 @@ def load_line_bounds(
         hi_a = Int32(0)
         hi_s = Int32(0)
         if line < l_end:
-            r0 = mLines[line, 0]
-            r1 = mLines[line, 1]
-            lo_a = mLines[line, 2]
-            lo_s = mLines[line, 3]
-            hi_a = mLines[line, 4]
-            hi_s = mLines[line, 5]
+            r0 = schedule.lines[line, 0]
+            r1 = schedule.lines[line, 1]
+            lo_a = schedule.lines[line, 2]
+            lo_s = schedule.lines[line, 3]
+            hi_a = schedule.lines[line, 4]
+            hi_s = schedule.lines[line, 5]
         for i in cutlass.range_constexpr(ROWS_PER_THREAD):
             row = rows[i]
             e_lo = elements_left_of(lo_a + lo_s * row - first_col0)
@@ -471,16 +496,15 @@ def load_item_lines(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
-    mWorkLines: cute.Tensor,
+    schedule: Schedule,
     work: Int32,
 ):
     """Once per work item: its lines' bounds (load_line_bounds), and the tuple of
     line_mask_bits' arguments after the block that mask_block takes."""
-    l_begin = mWorkLines[work]
-    l_end = mWorkLines[work + 1]
-    load_line_bounds(bounds, first_col0, rows, mLines, l_begin, l_end)
-    return (bounds, first_col0, rows, mLines, l_begin, l_end)
+    l_begin = schedule.work_lines[work]
+    l_end = schedule.work_lines[work + 1]
+    load_line_bounds(bounds, first_col0, rows, schedule, l_begin, l_end)
+    return (bounds, first_col0, rows, schedule, l_begin, l_end)
 
 
 @cute.jit
@@ -490,16 +514,17 @@ def line_mask_bits(
     bounds: cute.Tensor,
     first_col0: Int32,
     rows: cute.Tensor,
-    mLines: cute.Tensor,
+    schedule: Schedule,
     l_begin: Int32,
     l_end: Int32,
-    key_bounds: Optional[cute.Tensor] = None,
-    off_grid=False,
+    off_grid=None,
 ):
-    """bits[i, chunk]: the keep mask of row i in block n (bit k of chunk c: column 32 c + k).
-    Block n's box starts at column n * TILE_N, or `off_grid` (a run the schedule marks 2:
-    blocks per document) at key_bounds[n], its own columns ending at key_bounds[n + 1] and the
-    rest of its box cleared; the slots' bounds, counted on the grid, hold only for the former.
+    """bits[i, chunk]: the keep mask of row i in block n (bit k of chunk c: column 32 c + k),
+    from lines l_begin .. l_end of schedule.lines. Block n's box starts at column n * TILE_N,
+    or if `off_grid` (a run the schedule marks 2: blocks per document) at
+    schedule.key_bounds[n], its own columns ending at key_bounds[n + 1] and the rest of its box
+    cleared; the slots' bounds, counted on the grid, hold only for the former. `off_grid` is
+    None in the kernels whose blocks all lie on the grid.
 
     Integer work only: callers may issue it while a matrix product is in flight."""
     base = n * COLS_PER_THREAD
@@ -513,20 +538,20 @@ def line_mask_bits(
     # for a block off the grid.
     first_col = first_col0 + n * TILE_N
     first_line = l_begin + MASK_SLOTS
-    if const_expr(key_bounds is not None):
+    if const_expr(off_grid is not None):
         if off_grid:
-            first_col = first_col0 + key_bounds[n]
+            first_col = first_col0 + schedule.key_bounds[n]
             first_line = l_begin
             for i in cutlass.range_constexpr(ROWS_PER_THREAD):
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = Uint32(0)
     for line in cutlass.range(first_line, l_end, unroll=1):
-        r0 = mLines[line, 0]
-        r1 = mLines[line, 1]
-        lo_a = mLines[line, 2]
-        lo_s = mLines[line, 3]
-        hi_a = mLines[line, 4]
-        hi_s = mLines[line, 5]
+        r0 = schedule.lines[line, 0]
+        r1 = schedule.lines[line, 1]
+        lo_a = schedule.lines[line, 2]
+        lo_s = schedule.lines[line, 3]
+        hi_a = schedule.lines[line, 4]
+        hi_s = schedule.lines[line, 5]
         for i in cutlass.range_constexpr(ROWS_PER_THREAD):
             row = rows[i]
             e_lo = elements_left_of(lo_a + lo_s * row - first_col)
@@ -534,9 +559,9 @@ def line_mask_bits(
             if row >= r0 and row < r1:
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = bits[i, c] | run_bits(e_lo, e_hi, c)
-    if const_expr(key_bounds is not None):
+    if const_expr(off_grid is not None):
         if off_grid:  # a document's last block: its box reaches into the next block's columns
-            e_end = elements_left_of(key_bounds[n + 1] - first_col)
+            e_end = elements_left_of(schedule.key_bounds[n + 1] - first_col)
             for i in cutlass.range_constexpr(ROWS_PER_THREAD):
                 for c in cutlass.range_constexpr(MASK_CHUNKS):
                     bits[i, c] = bits[i, c] & run_bits(0, e_end, c)
@@ -948,29 +973,25 @@ def producer(
     pipe_q,
     pipe_k,
     pipe_v,
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
-    mKeyBounds: cute.Tensor,
-    mQueryBounds: Optional[cute.Tensor],
+    schedule: Schedule,
 ):
     """TMA loads in the order the consumers use them: K of the first block, Q, then for each
     further block j its K together with V of block j-1, and finally V of the last block. Block
-    n's keys start at mKeyBounds[n] (ranges give their first block's), with DOCUMENT_ROWS q
-    tile m's rows at mQueryBounds[m]. Out-of-bounds rows of a box are zero-filled by TMA (and
-    masked by the lines)."""
+    n's keys start at schedule.key_bounds[n] (ranges give their first block's), with
+    DOCUMENT_ROWS q tile m's rows at schedule.query_bounds[m]. Out-of-bounds rows of a box are
+    zero-filled by TMA (and masked by the lines)."""
     q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
     k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, NUM_STAGES)
     v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, NUM_STAGES)
-    num_work = mWorkTile.shape[0]
+    num_work = schedule.work_tile.shape[0]
     num_items = num_work * ITEM_HEADS
     group_log2 = kv_group_log2(num_work)
     grid = Int32(cute.arch.grid_dim()[0])
     slot = Int32(cute.arch.block_idx()[0])
     while slot < num_items:
-        work, head, head_kv, m_tile = decode_item(dealt_item(slot, grid, num_items), num_work, group_log2, mWorkTile)
-        r_first = mWorkRanges[work]
-        r_last = mWorkRanges[work + 1]
+        work, head, head_kv, m_tile = decode_item(dealt_item(slot, grid, num_items), num_work, group_log2, schedule)
+        r_first = schedule.work_ranges[work]
+        r_last = schedule.work_ranges[work + 1]
         has_blocks = r_first < r_last
         if const_expr(not DOCUMENT_ROWS):
             # TMA view of this head: (box, 64-row Q tile) for Q on the grid (PackGQA: head is the K/V
@@ -978,25 +999,25 @@ def producer(
             tQsQ, tQgQ = tma_tiles(tma_q, sQ, tQ, head, WG_ROWS)
         if has_blocks:
             # K of the first block; then Q, into a buffer whose previous O tile has left smem
-            key_prev = mRanges[r_first, 3]
+            key_prev = schedule.ranges[r_first, 3]
             k_state = load_block(tma_k, tK, sK, head_kv, key_prev, pipe_k, k_state)
             pipe_q.producer_acquire(q_state)
             for wg in cutlass.range_constexpr(NUM_MMA_WG):
                 if const_expr(DOCUMENT_ROWS):
-                    buffers, box = tma_box(tma_q, sQ, tQ, head, mQueryBounds[m_tile] + wg * WG_ROWS, WG_ROWS)
+                    buffers, box = tma_box(tma_q, sQ, tQ, head, schedule.query_bounds[m_tile] + wg * WG_ROWS, WG_ROWS)
                 else:
                     buffers, box = tQsQ, tQgQ[None, m_tile * NUM_MMA_WG + wg]
                 buffer = buffers[None, q_state.index * NUM_MMA_WG + wg]
                 cute.copy(tma_q, box, buffer, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
             for r in cutlass.range(r_first, r_last, unroll=1):
-                n_begin, n_end, partial = block_range(mRanges, r, r_first)
+                n_begin, n_end, partial = block_range(schedule, r, r_first)
                 # Blocks follow each other at TILE_N keys from the range's first, except in a range with a
                 # block off the grid (partial 2: blocks per document), whose keys are read block by block.
-                key = mRanges[r, 3] + (n_begin - mRanges[r, 0]) * TILE_N
+                key = schedule.ranges[r, 3] + (n_begin - schedule.ranges[r, 0]) * TILE_N
                 for n in cutlass.range(n_begin, n_end, unroll=1):
                     if partial == 2:
-                        key = mKeyBounds[n]
+                        key = schedule.key_bounds[n]
                     k_state = load_block(tma_k, tK, sK, head_kv, key, pipe_k, k_state)
                     v_state = load_block(tma_v, tV, sV, head_kv, key_prev, pipe_v, v_state)
                     key_prev = key
@@ -1110,13 +1131,7 @@ def consumer(
     mLSE2: cute.Tensor,
     mRowMax: Optional[cute.Tensor],
     mSink: Optional[cute.Tensor],
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
-    mWorkLines: cute.Tensor,
-    mLines: cute.Tensor,
-    mKeyBounds: cute.Tensor,
-    mQueryBounds: Optional[cute.Tensor],
+    schedule: Schedule,
     sQ: cute.Tensor,
     sK: cute.Tensor,
     sV: cute.Tensor,
@@ -1174,22 +1189,22 @@ def consumer(
         if wg == 0:
             cute.arch.barrier_arrive(barrier_id=BAR_PINGPONG, number_of_threads=2 * 128)
 
-    num_work = mWorkTile.shape[0]
+    num_work = schedule.work_tile.shape[0]
     num_items = num_work * ITEM_HEADS
     group_log2 = kv_group_log2(num_work)
     grid = Int32(cute.arch.grid_dim()[0])
     slot = Int32(cute.arch.block_idx()[0])
     while slot < num_items:
-        work, head, head_kv, m_tile = decode_item(dealt_item(slot, grid, num_items), num_work, group_log2, mWorkTile)
-        r_first = mWorkRanges[work]
-        r_last = mWorkRanges[work + 1]
+        work, head, head_kv, m_tile = decode_item(dealt_item(slot, grid, num_items), num_work, group_log2, schedule)
+        r_first = schedule.work_ranges[work]
+        r_last = schedule.work_ranges[work + 1]
         has_blocks = r_first < r_last
         # This warpgroup's first row of Q and O (PackGQA: packed row), and where the tile's own rows end.
         o_row = (m_tile * NUM_MMA_WG + wg) * WG_ROWS
         row_end = seqlen_q
         if const_expr(DOCUMENT_ROWS):
-            o_row = mQueryBounds[m_tile] + wg * WG_ROWS
-            row_end = mQueryBounds[m_tile + 1]
+            o_row = schedule.query_bounds[m_tile] + wg * WG_ROWS
+            row_end = schedule.query_bounds[m_tile + 1]
         for i in cutlass.range_constexpr(ROWS_PER_THREAD):
             if const_expr(PACK_GQA):
                 packed_row = o_row + tScS[i, 0][0]  # token * PACK_G + g
@@ -1198,12 +1213,11 @@ def consumer(
             else:
                 rows[i] = o_row + tScS[i, 0][0]
         first_col0 = tScS[0, 0][1]  # key of this thread's column 0 in block 0
-        l_begin = mWorkLines[work]
-        l_end = mWorkLines[work + 1]
-        load_line_bounds(bounds, first_col0, rows, mLines, l_begin, l_end)
+        l_begin = schedule.work_lines[work]
+        l_end = schedule.work_lines[work + 1]
+        load_line_bounds(bounds, first_col0, rows, schedule, l_begin, l_end)
         mask_bits = functools.partial(
-            line_mask_bits, bounds=bounds, first_col0=first_col0, rows=rows, mLines=mLines, l_begin=l_begin, l_end=l_end,
-            key_bounds=mKeyBounds,
+            line_mask_bits, bounds=bounds, first_col0=first_col0, rows=rows, schedule=schedule, l_begin=l_begin, l_end=l_end
         )
         acc_O.fill(0.0)
         row_max.fill(-Float32.inf)
@@ -1227,8 +1241,8 @@ def consumer(
 
             # First block: S = Q K^T alone (nothing to multiply with V yet), in this warpgroup's turn
             # at the tensor cores, so one warpgroup's first softmax overlaps the other's first product.
-            n_first = mRanges[r_first, 0]
-            first_partial = mRanges[r_first, 2]
+            n_first = schedule.ranges[r_first, 0]
+            first_partial = schedule.ranges[r_first, 2]
             pipe_k.consumer_wait(k_state)
             pingpong_wait(wg)
             acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((WG_ROWS, TILE_N)), Float32)
@@ -1242,7 +1256,7 @@ def consumer(
             s = acc_rows_cols(acc_S)
             if const_expr(HAS_SOFTCAP):
                 apply_softcap(s, softcap_in, softcap_out)
-            if mRanges[r_first, 2] != 0:
+            if schedule.ranges[r_first, 2] != 0:
                 apply_line_mask(s, bits0)
             online_softmax(s, row_max, row_sum, row_scale, score_scale_log2, is_first=True)
             store_p(acc_S)
@@ -1268,7 +1282,7 @@ def consumer(
                 softcap_out,
             )
             for r in cutlass.range(r_first, r_last, unroll=1):
-                n_begin, n_end, partial = block_range(mRanges, r, r_first)
+                n_begin, n_end, partial = block_range(schedule, r, r_first)
                 if partial != 0:
                     range_bits = functools.partial(mask_bits, off_grid=partial == 2)
                     for n in cutlass.range(n_begin, n_end, unroll=1):
@@ -1332,13 +1346,7 @@ def attn_fwd_kernel(
     mLSE2: cute.Tensor,
     mRowMax: Optional[cute.Tensor],  # HAS_MAX_LOGITS
     mSink: Optional[cute.Tensor],  # HAS_SINK
-    mWorkTile: cute.Tensor,
-    mWorkRanges: cute.Tensor,
-    mRanges: cute.Tensor,
-    mWorkLines: cute.Tensor,
-    mLines: cute.Tensor,
-    mKeyBounds: cute.Tensor,
-    mQueryBounds: Optional[cute.Tensor],  # DOCUMENT_ROWS
+    schedule: Schedule,  # query_bounds with DOCUMENT_ROWS
     score_scale_log2: Float32,
     lse_log2_offset: Float32,
     logit_scale: Optional[Float32],  # HAS_MAX_LOGITS
@@ -1374,8 +1382,7 @@ def attn_fwd_kernel(
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if warp_idx == 0:
             producer(
-                tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-                mWorkTile, mWorkRanges, mRanges, mKeyBounds, mQueryBounds,
+                tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, pipe_q, pipe_k, pipe_v, schedule,
             )
     else:
         cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -1389,13 +1396,7 @@ def attn_fwd_kernel(
             mLSE2,
             mRowMax,
             mSink,
-            mWorkTile,
-            mWorkRanges,
-            mRanges,
-            mWorkLines,
-            mLines,
-            mKeyBounds,
-            mQueryBounds,
+            schedule,
             sQ,
             sK,
             sV,
@@ -1486,8 +1487,10 @@ def attn_fwd(
         mSink = None
     if const_expr(not HAS_SOFTCAP):
         softcap_in, softcap_out = None, None
-    if const_expr(not DOCUMENT_ROWS):
-        mQueryBounds = None
+    schedule = Schedule(
+        mWorkTile, mWorkRanges, mRanges, mWorkLines, mLines, key_bounds=mKeyBounds,
+        query_bounds=mQueryBounds if const_expr(DOCUMENT_ROWS) else None,
+    )
 
     attn_fwd_kernel(
         tma_q,
@@ -1503,13 +1506,7 @@ def attn_fwd(
         mLSE2,
         mRowMax,
         mSink,
-        mWorkTile,
-        mWorkRanges,
-        mRanges,
-        mWorkLines,
-        mLines,
-        mKeyBounds,
-        mQueryBounds,
+        schedule,
         score_scale_log2,
         lse_log2_offset,
         logit_scale,
