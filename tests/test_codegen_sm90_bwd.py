@@ -305,13 +305,15 @@ def test_ptx_uses_wgmma_tma_reductions_and_setmaxnreg(compiled, name):
     products = v.head_dim // 16 + v.head_dim_v // 16 + dkv_tiles * (v.tile_m // 16)
     dq_products = v.tile_n // 16 * dq_chunks
     assert ptx.count("wgmma.mma_async") == copies * products + dq_products
-    # Softcap's scale pair is the only optional argument: off, it reaches the kernel as None.
+    # Softcap's scale pair and the deterministic dQ's work blocks and block ranks (fields of the
+    # schedule) are the optional arguments: off, they reach the kernel as None.
     # dq_accum reaches it through one TMA view (atom and tensor) per first row of a q block mod
     # 8, one where the q blocks stay on the grid (deterministic), and as itself (the rows the
     # views cannot reach); dk and dv as their TMA store atoms and tensors, and as themselves (a
     # short k tile's own rows).
     dq_views = 1 if v.deterministic else 8
-    assert sum(entry_params(ptx, "attn_bwd_kernel").values()) == 39 + 2 * dq_views + 2 * v.has_softcap
+    params = 37 + 2 * dq_views + 2 * v.has_softcap + 2 * v.deterministic
+    assert sum(entry_params(ptx, "attn_bwd_kernel").values()) == params
     assert ".local" not in ptx  # register tensors stay in registers (no local-memory arrays)
 
 

@@ -1947,7 +1947,7 @@ def attn_bwd_kernel(
     mSemaphore: cute.Tensor,
     mdKVAccum: cute.Tensor,
     mdKVCount: cute.Tensor,
-    schedule: Schedule,
+    schedule: Schedule,  # work_blocks and block_rank with DETERMINISTIC
     score_scale_log2: Float32,
     softmax_scale: Float32,
     softcap_in: Optional[Float32],  # HAS_SOFTCAP
@@ -2153,7 +2153,8 @@ def attn_bwd(
         softcap_in, softcap_out = None, None  # reach the kernel as None (and leave no trace in it)
     schedule = Schedule(
         mWorkTile, mWorkRanges, mRanges, mWorkLines, mLines, key_bounds=mKeyBounds, query_bounds=mQueryBounds,
-        items=mItems, cta_items=mCtaItems, work_blocks=mWorkBlocks, block_rank=mBlockRank,
+        items=mItems, cta_items=mCtaItems, work_blocks=mWorkBlocks if const_expr(DETERMINISTIC) else None,
+        block_rank=mBlockRank if const_expr(DETERMINISTIC) else None,
     )
 
     attn_bwd_kernel(
