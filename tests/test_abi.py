@@ -1,8 +1,8 @@
 """The kernels' argument ABI is written once (maskc/artifact/abi.py): every kernel family's
 rendered entry point takes exactly its arguments, named, annotated and commented from the spec,
 and compile.py's fake arguments (what the object is compiled for) are what those annotations
-declare, argument by argument. (The exported headers against the ABI: each family's compile
-tests, through abi_check.py.)"""
+declare, argument by argument. Inside, the schedule tensors travel as one Schedule. (The
+exported headers against the ABI: each family's compile tests, through abi_check.py.)"""
 
 from __future__ import annotations
 
@@ -86,3 +86,32 @@ def test_fake_arguments_are_what_the_signature_declares(family: KernelFamily, di
                 for extent, dim in zip(fake.shape, arg.shape):
                     if isinstance(dim, int) or dim in STATIC_DIMS:
                         assert extent == static.get(dim, dim), (arg.name, dim)
+
+
+@pytest.mark.parametrize("family,direction", CASES, ids=IDS)
+def test_the_schedule_travels_as_one_value(family: KernelFamily, direction: str) -> None:
+    """The entry point bundles its schedule tensors into one Schedule, whose fields are named as
+    their ABI arguments; the kernel takes that value, and so does every function that reads it,
+    none of them a schedule tensor of its own."""
+    entry_point = ENTRY_POINTS[direction]
+    abi_names = {a.name for ep in ENTRY_POINTS.values() for a in ep.args}
+    params = {a.name: a.param for a in entry_point.args}
+    for v in _variants(family, direction):
+        tree = ast.parse(render(v))
+        struct = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Schedule")
+        fields = [n.target.id for n in struct.body if isinstance(n, ast.AnnAssign)]
+        assert set(fields) <= abi_names
+        tensors = {params[f] for f in fields if f in params}
+        functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        entry = functions.pop(entry_point.name)
+        bundled = [n for n in ast.walk(entry) if isinstance(n, ast.Call) and ast.unparse(n.func) == "Schedule"]
+        assert len(bundled) == 1
+        inside = {id(n) for n in ast.walk(bundled[0])}
+        loose = [n.id for n in ast.walk(entry) if isinstance(n, ast.Name) and n.id in tensors and id(n) not in inside]
+        assert not loose, loose
+        assert "schedule" in {a.arg for a in functions[f"{entry_point.name}_kernel"].args.args}
+        for function in functions.values():
+            args = {a.arg: a for a in function.args.args}
+            assert not tensors & args.keys(), function.name
+            if any(isinstance(n, ast.Name) and n.id == "schedule" for n in ast.walk(function)):
+                assert ast.unparse(args["schedule"].annotation) == "Schedule", function.name
