@@ -22,6 +22,8 @@ OPTIONAL: dict[str, tuple[str, str]] = {
     "networkx": ("networkx", "dist"),
     "matplotlib": ("matplotlib", "pictures"),
     "transformers": ("transformers", "transformers"),
+    "torchtitan": ("torchtitan", "torchtitan"),
+    "triton": ("triton", "torchtitan"),  # imported by torchtitan, not by maskc
 }
 
 

@@ -1,0 +1,216 @@
+"""maskc as torchtitan's attention backend (maskc.integrations.torchtitan) on CPU, with a tiny
+torchtitan Llama 3 (its debugmodel cut to two layers): packed documents give torchtitan's own
+flex backend's logits and each document's logits and gradients alone; under context
+parallelism (gloo, 2 and 4 processes, with and without FSDP2) the loss and every gradient are
+one process's."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+torchtitan = pytest.importorskip("torchtitan")
+
+from test_dist_execute import run_ranks  # noqa: E402
+from torchtitan.models.llama3 import model_registry  # noqa: E402
+
+import maskc  # noqa: E402
+import maskc.integrations.torchtitan as tt  # noqa: E402
+
+VOCAB = 2048  # the debugmodel's
+LENGTHS = [[20, 30, 14], [5, 59]]  # the documents of each row
+SEQ = 64
+
+
+def tiny_llama(backend: str = "maskc", seed: int = 0) -> torch.nn.Module:
+    """torchtitan's Llama 3 debugmodel with two layers, float32, weights drawn from `seed`;
+    backend "maskc" (use_maskc_attention) or one of torchtitan's."""
+    config = model_registry("debugmodel", attn_backend="flex" if backend == "maskc" else backend).model
+    config.layers = config.layers[:2]
+    if backend == "maskc":
+        tt.use_maskc_attention(config)
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device("cpu"))
+    return model
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, labels, positions) [2, SEQ] of LENGTHS, positions restarting at 0 per document."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens, labels = (torch.randint(0, VOCAB, (len(LENGTHS), SEQ), generator=gen) for _ in range(2))
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in LENGTHS])
+    return tokens, labels, positions
+
+
+def by_document(model: torch.nn.Module, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The logits of each document alone (its own row), side by side, with the gradients of the
+    weighted sum accumulated in the model."""
+    rows = []
+    for b, lengths in enumerate(LENGTHS):
+        pieces, start = [], 0
+        for n in lengths:
+            t, p = tokens[b : b + 1, start : start + n], torch.arange(n).unsqueeze(0)
+            piece = model(t, positions=p, attention_masks=tt.document_mask(t, p))
+            (piece * weights[b : b + 1, start : start + n]).sum().backward()
+            pieces.append(piece)
+            start += n
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows)
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal to 1e-5 of the largest value (float32 sums in another order)."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.detach().abs().max()))
+
+
+def test_the_backend_replaces_every_inner_attention() -> None:
+    model = tiny_llama()
+    assert all(isinstance(layer.attention.inner_attention, tt.MaskcAttention) for layer in model.layers.values())
+    with pytest.raises(tt.TorchtitanAttentionError, match="no flex or varlen attention"):
+        tt.use_maskc_attention(model_registry("debugmodel").model.layers[0].feed_forward)
+
+
+@pytest.mark.parametrize("source", ["positions", "document_ids"])
+def test_packed_documents_match_each_document_alone(source: str) -> None:
+    """Logits and every weight's gradient of the packed rows are those of each document run
+    alone: the mask keeps the documents apart (positions and document ids alike)."""
+    ours, alone = tiny_llama(), tiny_llama()
+    tokens, _, positions = batch()
+    weights = torch.randn(*tokens.shape, VOCAB, generator=torch.Generator().manual_seed(2))
+    ids = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in LENGTHS])
+    mask = tt.document_mask(tokens, positions) if source == "positions" else tt.document_mask(tokens, document_ids=ids)
+    logits = ours(tokens, positions=positions, attention_masks=mask)
+    (logits * weights).sum().backward()
+    close(logits, by_document(alone, tokens, weights))
+    ours_grads, alone_grads = grads(ours), grads(alone)
+    assert ours_grads.keys() == alone_grads.keys() and len(ours_grads) > 10
+    for name, g in ours_grads.items():
+        close(g, alone_grads[name])
+
+
+@pytest.mark.slow
+def test_logits_equal_torchtitans_flex_backend() -> None:
+    """The same weights with torchtitan's FlexAttention and its own block-causal document mask
+    (forward only: FlexAttention has no backward on CPU)."""
+    ours, flex = tiny_llama(), tiny_llama("flex")
+    tokens, _, positions = batch()
+    with torch.no_grad():
+        want = flex(tokens, positions=positions, attention_masks=flex.get_attention_masks(positions))
+        close(ours(tokens, positions=positions, attention_masks=tt.document_mask(tokens, positions)), want)
+
+
+def test_the_packed_mask_is_the_rows_masks_end_to_end() -> None:
+    """Context parallelism's mask over the rows laid end to end: every row's first token begins
+    a document (even where a data loader's positions or ids continue across rows), padding
+    (id < 0) attends nothing."""
+    tokens, _, positions = batch()
+    rows = [maskc.Mask.from_position_ids(p, causal=True) for p in positions]
+    assert torch.equal(tt.packed_document_mask(tokens, positions).to_dense(), maskc.Mask.stack(rows).to_dense())
+    ids = torch.tensor([[3, 3, 4, 4, -1], [4, 4, 4, 5, 5]])  # row 1 continues row 0's document 4
+    rows = [maskc.Mask.from_document_ids(r, causal=True) for r in ids]
+    assert torch.equal(tt.packed_document_mask(ids, document_ids=ids).to_dense(), maskc.Mask.stack(rows).to_dense())
+
+
+def test_bad_input_is_named() -> None:
+    attention = tt.MaskcAttention(tt.MaskcAttention.Config())
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(tt.TorchtitanAttentionError, match="needs a maskc mask as attention_masks, got NoneType"):
+        attention(q, q, q, attention_masks=None)
+    with pytest.raises(tt.TorchtitanAttentionError, match="score_mod"):
+        attention(q, q, q, attention_masks=tt.document_mask(q[..., 0, 0].long()), score_mod=lambda s, *_: s)
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(tt.TorchtitanAttentionError, match=r"positions must be an integer tensor shaped like the tokens \(2, 8\)"):
+        tt.document_mask(tokens, torch.zeros(2, 7, dtype=torch.long))
+    with pytest.raises(tt.TorchtitanAttentionError, match="use_maskc takes a torchtitan Trainer.Config, got dict"):
+        tt.use_maskc({})
+
+
+def test_compiled_blocks_take_new_documents_without_recompiling() -> None:
+    """Each transformer block compiled with fullgraph=True, as torchtitan's apply_compile does
+    (aot_eager: the graph capture, without inductor's C++ build), gives the eager logits, and
+    batches of other documents compile nothing new once the first two have run."""
+    torch._dynamo.reset()
+    eager, compiled = tiny_llama(), tiny_llama()
+    for block in compiled.layers.values():
+        block.compile(backend="aot_eager", fullgraph=True)
+    tokens, _, positions = batch()
+    batches = [positions, positions.flip(0)] + [
+        torch.cat([torch.arange(n), torch.arange(SEQ - n)]).repeat(2, 1) for n in (40, 7, 63)
+    ]
+    for i, p in enumerate(batches):
+        with torch.no_grad():
+            want = eager(tokens, positions=p, attention_masks=tt.document_mask(tokens, p))
+            close(compiled(tokens, positions=p, attention_masks=tt.document_mask(tokens, p)), want)
+        if i == 1:
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs > 0
+
+
+# ---- context parallelism: gloo, several processes -------------------------------------------------
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+    """torchtitan's loss: summed cross-entropy over the rank's tokens / the batch's token count."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100, reduction="sum") / tokens
+
+
+def _cp_worker(rank: int, world: int, port: int, fsdp: bool, errors: mp.Queue) -> None:
+    """Every rank holds the whole batch; one process's loss and gradients first, then the cp
+    ranks' (dispatch_batch, maskc.dist attention in every layer), whose gradients are summed
+    (by FSDP2's reduce-scatter, or an all-reduce without it)."""
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+        tokens, labels, positions = batch()
+        reference = tiny_llama()
+        want_logits = reference(tokens, positions=positions, attention_masks=tt.document_mask(tokens, positions))
+        want = _loss(want_logits, labels, labels.numel())
+        want.backward()
+
+        model = tiny_llama()
+        if fsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+            apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
+            tt.sum_reductions(model)  # as tt.parallelize does on gloo
+        group = dist.group.WORLD
+        local_tokens, local_labels, extra = tt.dispatch_batch(tokens, labels, {"positions": positions}, group)
+        logits = model(local_tokens, **extra)
+        loss = _loss(logits, local_labels, labels.numel())
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        close(total, want.detach())
+        close(extra["attention_masks"].undispatch(logits), want_logits)
+        for name, p in model.named_parameters():
+            g = p.grad.full_tensor() if fsdp else p.grad
+            if not fsdp:
+                dist.all_reduce(g)
+            close(g, reference.get_parameter(name).grad)
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,fsdp", [(2, False), (4, False), (2, True), (4, True)])
+def test_context_parallel_loss_and_gradients_equal_one_process(world: int, fsdp: bool) -> None:
+    run_ranks(_cp_worker, world, fsdp, timeout=300)
