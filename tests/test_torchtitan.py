@@ -6,9 +6,13 @@ one process's."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import traceback
+import types
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +31,7 @@ import maskc.integrations.torchtitan as tt  # noqa: E402
 VOCAB = 2048  # the debugmodel's
 LENGTHS = [[20, 30, 14], [5, 59]]  # the documents of each row
 SEQ = 64
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torchtitan_llama.py"
 
 
 def tiny_llama(backend: str = "maskc", seed: int = 0) -> torch.nn.Module:
@@ -161,6 +166,49 @@ def test_compiled_blocks_take_new_documents_without_recompiling() -> None:
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs > 0
 
 
+def test_use_maskc_makes_a_maskc_trainer_config_of_torchtitans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchtitan's own llama3_debugmodel config, made maskc's: MaskcTrainer builds it, every
+    layer attends with maskc, maskc's parallelize_fn, the partial_dtensor SPMD backend; the
+    example's config is one, and its data loader gives torchtitan's batch format."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    config = tt.use_maskc(llama3_debugmodel())
+    assert type(config) is tt.MaskcTrainer.Config and config._owner is tt.MaskcTrainer
+    layers = config.model_spec.model.layers
+    assert len(layers) == 6 and all(isinstance(layer.attention.inner_attention, tt.MaskcAttention.Config) for layer in layers)
+    assert config.model_spec.parallelize_fn is tt.parallelize and config.parallelism.spmd_backend == "partial_dtensor"
+
+    spec = importlib.util.spec_from_file_location("torchtitan_llama", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "torchtitan_llama", example)  # its dataclasses look their module up
+    spec.loader.exec_module(example)
+    assert isinstance(example.maskc_llama3_debugmodel(), tt.MaskcTrainer.Config)
+    loader = example.SyntheticDocuments(example.SyntheticDocuments.Config(), dp_rank=0, dp_world_size=1, seq_len=SEQ,
+                                        local_batch_size=2)  # fmt: skip
+    inputs, labels = next(iter(loader))
+    assert inputs["input"].shape == inputs["positions"].shape == labels.shape == (2, SEQ)
+    starts = inputs["positions"] == 0
+    assert starts[:, 0].all() and starts.sum() > 2
+    assert torch.equal(inputs["input"][:, 2:][~(starts[:, 1:-1] | starts[:, 2:])],
+                       inputs["input"][:, :-2][~(starts[:, 1:-1] | starts[:, 2:])])  # fmt: skip
+
+
+def test_the_trainer_hands_the_model_maskcs_mask() -> None:
+    """MaskcTrainer.post_dataloading_process on one process: the documents of the batch's
+    positions reach the model as attention_masks, document_ids (when given) replace them and
+    never reach the model."""
+    trainer = tt.MaskcTrainer.__new__(tt.MaskcTrainer)  # its __init__ needs an accelerator (torchtitan 0.3.0)
+    trainer.parallel_dims, trainer.ntokens_seen = types.SimpleNamespace(cp_enabled=False), 0
+    tokens, labels, positions = batch()
+    inputs, got_labels, extra = trainer.post_dataloading_process({"input": tokens, "positions": positions}, labels)
+    assert inputs is tokens and got_labels is labels and trainer.ntokens_seen == labels.numel()
+    assert isinstance(extra["attention_masks"], maskc.PositionMask) and extra["attention_masks"].position_ids is positions
+    ids = torch.zeros_like(tokens)
+    _, _, extra = trainer.post_dataloading_process({"input": tokens, "positions": positions, tt.DOCUMENT_IDS: ids}, labels)
+    assert set(extra) == {"positions", "attention_masks"}
+    assert extra["attention_masks"].shape == (tokens.numel(), tokens.numel())
+
+
 # ---- context parallelism: gloo, several processes -------------------------------------------------
 
 
@@ -182,15 +230,18 @@ def _cp_worker(rank: int, world: int, port: int, fsdp: bool, errors: mp.Queue) -
         want = _loss(want_logits, labels, labels.numel())
         want.backward()
 
-        model = tiny_llama()
-        if fsdp:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+        model, group = tiny_llama(), dist.group.WORLD
+        if fsdp:  # tt.parallelize on torchtitan's meshes: FSDP2 over the cp ranks ("fsdp" = dp_shard x cp)
+            import torchtitan.distributed.parallel_dims as parallel_dims_module
+            from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 
-            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-            apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
-            tt.sum_reductions(model)  # as tt.parallelize does on gloo
-        group = dist.group.WORLD
+            parallel_dims_module.device_type = "cpu"  # torchtitan 0.3.0 takes "cuda" where no accelerator is found
+            parallelism = ParallelismConfig(context_parallel_degree=world, spmd_backend="partial_dtensor")
+            dims = parallel_dims_module.ParallelDims.from_config(parallelism, world)
+            training = TrainingConfig(mixed_precision_param="float32")
+            tt.parallelize(model, parallel_dims=dims, training=training, parallelism=parallelism,
+                           compile_config=CompileConfig(), ac_config=None, dump_folder="")  # fmt: skip
+            group = dims.get_mesh("cp").get_group()
         local_tokens, local_labels, extra = tt.dispatch_batch(tokens, labels, {"positions": positions}, group)
         logits = model(local_tokens, **extra)
         loss = _loss(logits, local_labels, labels.numel())
