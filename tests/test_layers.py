@@ -41,19 +41,20 @@ ALLOWED: dict[str, set[str]] = {
     "dist": {"base", "ir", "runtime", "reference", "picture"},
     # The public surface: the top-level package, the command line.
     "api": {"base", "artifact", "ir", "frontend", "reference", "picture", "codegen", "runtime", "dist"},
-    # maskc inside other libraries (maskc.integrations.*), through the public surface only.
-    "integrations": {"base", "api"},
+    # maskc inside other libraries (maskc.integrations.*), through the public surface only: the
+    # top-level package, and maskc.dist's for the torchtitan integration's context parallelism.
+    "integrations": {"base", "api", "dist"},
 }
 API = ("maskc", "maskc.cli", "maskc.__main__")
 
 #: Third-party packages a layer must never import: the runtime runs where only torch and numpy
 #: are installed (none of the optional dependencies), the artifact package is read by `maskc
-#: --help`, which imports nothing heavy, and Transformers is an optional extra that only
-#: `maskc.integrations.transformers` imports.
+#: --help`, which imports nothing heavy, and Transformers and torchtitan are optional extras that
+#: only their integrations (`maskc.integrations.transformers`, `.torchtitan`) import.
 FORBIDDEN_PACKAGES = {
     "runtime": set(OPTIONAL),
     "artifact": {"torch", "numpy", "lark", "jinja2", "cutlass", "matplotlib", "networkx"},
-    "api": {"transformers"},
+    "api": {"transformers", "torchtitan", "triton"},
 }
 
 

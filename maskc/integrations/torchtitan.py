@@ -39,7 +39,6 @@ from torch.distributed.fsdp import FSDPModule
 
 import maskc
 import maskc.dist
-from maskc.dist.plan import Plan
 from maskc.errors import MaskcError
 from maskc.lazy import optional_imports
 
@@ -67,7 +66,7 @@ class ContextParallelMask:
     """What every layer's attention needs under context parallelism: the step's plan over the
     batch's rows laid end to end, the cp process group, and the batch shape (for `undispatch`)."""
 
-    plan: Plan
+    plan: maskc.dist.Plan
     group: Any
     batch: int
     seqlen: int
@@ -302,9 +301,9 @@ def use_maskc_attention(model_config: Any) -> Any:
 
 def use_maskc(config: Any) -> MaskcTrainer.Config:
     """A MaskcTrainer.Config from a torchtitan Trainer.Config (e.g. a config_registry function's):
-    the same settings, with maskc's attention in every layer and maskc's parallelize_fn. The
-    "partial_dtensor" SPMD backend: the others type-check or shard the attention's inputs for
-    torchtitan's own context parallelism."""
+    the same settings, with maskc's attention in every layer and maskc's parallelize_fn, and the
+    "partial_dtensor" SPMD backend, the one whose path `parallelize` follows (torchtitan's default,
+    "spmd_types", annotates every batch for torchtitan's own sharding, which maskc replaces)."""
     if not isinstance(config, Trainer.Config):
         raise TorchtitanAttentionError(f"use_maskc takes a torchtitan Trainer.Config, got {type(config).__name__}")
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
