@@ -568,7 +568,7 @@ def _check_split_grads(mask: Mask, hq: int, hkv: int, d: int | str, dtype: str, 
         _check_grads(mask, hq, hkv, d, dtype, softcap=5.0 if extras else 0.0, sink=extras, seed=seed)
         torch.cuda.synchronize()
         workspaces = list(maskc.runtime.ops._SPLIT_WORKSPACES.values())
-        assert workspaces and not any(bool(w.any()) for w in workspaces), "a backward left split sums behind"
+        assert workspaces and not any(bool(w.buffer.any()) for w in workspaces), "a backward left split sums behind"
 
 
 def _split_items(mask: Mask) -> np.ndarray:
