@@ -17,7 +17,7 @@ from generated_source import (
 )
 
 from maskc.artifact.kernel_families import ARCH_NAMES, native_family
-from maskc.artifact.variant import KernelVariant
+from maskc.artifact.variant import KernelVariant, variant_for
 from maskc.codegen.render import render, template_name
 from maskc.errors import VariantError
 
@@ -31,6 +31,11 @@ def variant(**overrides) -> KernelVariant:
 
 def backward(**overrides) -> KernelVariant:
     return variant(direction="bwd", num_stages=1, **overrides)
+
+
+def next_backward(**overrides) -> KernelVariant:
+    return variant_for({"arch": "sm_80", "direction": "bwd", "head_dim": 128, "dtype": "bf16", "num_heads_q": 8,
+                        "num_heads_kv": 2, "portable": True, "portable_next": True, **overrides})  # fmt: skip
 
 
 # ---- variants --------------------------------------------------------------------------------
@@ -115,6 +120,11 @@ COMPILED.update({f"{arch}_bwd": backward(arch=arch) for arch in ("sm_80", "sm_90
 COMPILED["sm_90a_bwd_deterministic"] = backward(arch="sm_90a", deterministic=True)
 COMPILED["sm_86_bwd_d64_fp16_softcap"] = backward(arch="sm_86", head_dim=64, dtype="fp16", num_heads_kv=8, has_softcap=True)
 COMPILED["sm_80_bwd_d64_deterministic_softcap"] = backward(head_dim=64, num_heads_kv=1, deterministic=True, has_softcap=True)
+# The next backward: FA2's shape on every arch where it fits (d=128 on sm_86 keeps 64 keys).
+NEXT = {f"{arch}_next_bwd": next_backward(arch=arch) for arch in ("sm_80", "sm_86", "sm_90a", "sm_120a")}
+NEXT["sm_89_next_bwd_d64_fp16_softcap"] = next_backward(arch="sm_89", head_dim=64, dtype="fp16", has_softcap=True)
+NEXT["sm_80_next_bwd_d64_deterministic"] = next_backward(head_dim=64, num_heads_kv=1, deterministic=True)
+COMPILED.update(NEXT)
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +178,48 @@ def test_exported_headers_match_the_abis(compiled):
         header = compiled[name].header_path.read_text()
         assert_header_matches_abi(header, abi)
         assert header_arg_kinds(header, f"attn_{COMPILED[name].direction}") == abi_kinds(abi)
+
+
+# ---- the next portable kernels (experimental) ------------------------------------------------
+
+
+
+def test_the_next_backward_has_fa2s_shape_and_archs_with_99_kib_keep_one_that_fits():
+    """128-key tiles of eight warps and two (Q, dO) stages where 144 KiB fit (d=128); on the
+    99-KiB archs d=128 keeps the verified kernel's shape, d=64 the new one (80 KiB)."""
+    v = next_backward()
+    assert (v.tile_m, v.tile_n, v.num_stages, v.smem_bytes()) == (64, 128, 2, 144 * 1024)
+    assert v.experimental and v.key().startswith("attn_bwd_sm80_portable_next_d128_bf16_h8x2_t64x128s2_")
+    for arch in ("sm_86", "sm_89", "sm_120a"):
+        assert (next_backward(arch=arch).tile_n, next_backward(arch=arch).num_stages) == (64, 1)
+        assert (next_backward(arch=arch, head_dim=64).tile_n, next_backward(arch=arch, head_dim=64).smem_bytes()) == (128, 80 * 1024)
+    with pytest.raises(VariantError, match=re.escape("tiles 64 x 128 with 2 stage(s) are not supported; supported: 64 x 64, 1 stage")):
+        variant(arch="sm_86", direction="bwd", tile_n=128, num_stages=2, portable_next=True)
+    with pytest.raises(VariantError, match="portable_next chooses among the portable kernels: it needs portable=True"):
+        KernelVariant("sm_90a", "bwd", 128, "bf16", 8, 2, 64, 128, 2, portable_next=True)
+    # The verified kernels keep their keys (digests): the field is left out where unset.
+    assert backward().key() == "attn_bwd_sm80_portable_d128_bf16_h8x2_t64x64s1_" + backward().digest()
+    assert "portable_next" not in backward().to_dict() and next_backward().to_dict()["portable_next"]
+
+
+@pytest.mark.parametrize("head_dim, warps, dq_warps", [(128, 8, (8, 1)), (64, 8, (4, 2))])
+def test_the_next_backward_renders_its_warps_stages_and_dq_grid_as_constants(head_dim, warps, dq_warps):
+    v = next_backward(head_dim=head_dim)
+    source = render(v)
+    assert_reads_top_to_bottom(source, v.key())
+    constants = module_constants(source)
+    assert (constants["NUM_WARPS"], constants["NUM_THREADS"], constants["NUM_STAGES"]) == (warps, 32 * warps, 2)
+    assert (constants["DQ_WARPS_M"], constants["DQ_WARPS_N"]) == dq_warps == v.portable_dq_warps
+    assert "ahead_m = " in source and "ahead_head = " in source  # the walk one step ahead
+    verified = render(backward(head_dim=head_dim, tile_n=64))
+    assert module_constants(verified)["NUM_STAGES"] == 1 and "ahead_m = " not in verified
+
+
+@pytest.mark.parametrize("name", sorted(NEXT))
+def test_the_next_backward_prefetches_without_spilling(compiled, name):
+    """With two stages the step waits for all but the latest cp.async group (the next step's
+    Q and dO); ptxas keeps the kernel within a few dozen spill bytes (the verified d=128
+    backward, whose shape sm_86 keeps, spills 2600)."""
+    v, obj = NEXT[name], compiled[name]
+    assert bool(re.search(r"cp\.async\.wait_group\s+1;", obj.ptx_text)) == (v.num_stages == 2)
+    assert obj.ptxas.spill_bytes <= (2600 if v.tile_n == 64 and v.head_dim == 128 else 96), obj.ptxas

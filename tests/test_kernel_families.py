@@ -37,7 +37,7 @@ D128 = HeadDim(128, 128)
 
 def _request(family, direction, head_dim=D128, dtype="bf16", **flags) -> dict:
     return {"arch": family.archs[0], "direction": direction, "head_dim": head_dim.qk, "head_dim_v": head_dim.v,
-            "dtype": dtype, "num_heads_q": 8, "num_heads_kv": 2, "portable": family.portable, **flags}  # fmt: skip
+            "dtype": dtype, "num_heads_q": 8, "num_heads_kv": 2, **family.selector, **flags}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])

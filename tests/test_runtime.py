@@ -18,7 +18,7 @@ from fake_kernels import FIELDS, KEY, fake_kernel
 import maskc
 from maskc.artifact import source, toolchain
 from maskc.artifact.abi import BACKWARD_ABI, FORWARD_ABI, ScalarArg, TensorArg, abi_to_json
-from maskc.artifact.kernel_families import HeadDim
+from maskc.artifact.kernel_families import HeadDim, Tiles
 from maskc.artifact.manifest import write_manifest
 from maskc.codegen import LoweredMask, write_artifact
 from maskc.errors import ArtifactError
@@ -424,3 +424,32 @@ def test_a_read_only_artifact_directory_registers_without_a_write(tmp_path: Path
         art.chmod(0o755)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"[{KEY!r}] ['docs']"
+
+
+def test_the_next_portable_kernels_run_only_where_the_environment_opts_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$MASKC_PORTABLE_NEXT=1 swaps the portable kernels for the experimental next ones wherever
+    portable ones run (an A100 by default, or portable=True on Hopper), never the Hopper
+    default; the backward's 256-thread CTAs run one per SM, and on an sm_86 GPU (99 KiB a CTA)
+    the d=128 backward keeps the 64-key, one-stage tile."""
+    monkeypatch.delenv("MASKC_PORTABLE_NEXT", raising=False)
+    assert not call_plan.portable_next_opted_in()
+    monkeypatch.setenv("MASKC_PORTABLE_NEXT", "1")
+    assert call_plan.portable_next_opted_in()
+    monkeypatch.setenv("MASKC_PORTABLE_NEXT", "yes")
+    with pytest.raises(maskc.MaskcError, match="MASKC_PORTABLE_NEXT must be 0 or 1, got 'yes'"):
+        call_plan.portable_next_opted_in()
+    hopper = call_plan.make_target((9, 0), 132, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, False,
+                                   0, None, True)  # fmt: skip
+    assert not hopper.portable and not hopper.portable_next and "portable_next" not in hopper.fields
+
+    def backward_shape(capability: tuple[int, int], num_sms: int, portable_next: bool) -> registry.LaunchShape:
+        target = call_plan.make_target(capability, num_sms, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False,
+                                       None, False, 0, None, portable_next)  # fmt: skip
+        tiles = target.tiles("bwd")
+        request = call_plan.backward_requests(Mask.from_cu_seqlens([0, 4096], causal=True), target)[0]
+        assert request.get("portable_next", False) == portable_next and request["portable"]
+        return call_plan.launch_shape_of(target, request), tiles
+
+    assert backward_shape((8, 0), 108, False) == (registry.LaunchShape(64, 64, 2, ctas_per_sm=2), Tiles(64, 64, 1))
+    assert backward_shape((8, 0), 108, True) == (registry.LaunchShape(64, 128, 2, ctas_per_sm=1), Tiles(64, 128, 2))
+    assert backward_shape((8, 6), 84, True) == (registry.LaunchShape(64, 64, 2, ctas_per_sm=2), Tiles(64, 64, 1))

@@ -10,7 +10,7 @@ Variant attn_bwd_sm80_portable_d128_bf16_h64x8_t64x64s1_563e855eb3:
 
 Work items are (k tile, K/V head), dealt to the CTAs by the host; dK and dV of an item are
 summed in registers over the 8 query head(s) of its K/V head and stored once. One CTA
-of 128 threads (four warps of 16 keys) loads the item's K and V once, then per (q block, query
+of 128 threads (4 warps of 16 keys) loads the item's K and V once, then per (q block, query
 head): Q and dO by cp.async, S^T = K Q^T and dP^T = V dO^T (mma.sync m16n8k16, fp32), the line
 mask on partial blocks, P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta), dV += P^T dO and
 dK += dS^T Q with P^T and dS^T as register operands, then dS^T through shared memory into
@@ -45,6 +45,7 @@ TILE_K = 64  # keys of a work item: k tile n covers keys [n*TILE_K, (n+1)*TILE_K
 TILE_N = TILE_Q  # the column block width, under the name the line-mask code uses
 
 NUM_WARPS = 4  # each owns 16 keys of the k tile (one m16n8k16 M extent)
+NUM_STAGES = 1  # (Q, dO) buffers: with two, the next step's load while this one computes
 NUM_THREADS = 128
 WG_ROWS = TILE_K  # rows of the zero store of an item with no q block (common epilogue)
 ROWS_PER_THREAD = 2  # keys of a warp's 16 held by one thread (r and r + 8)
@@ -55,7 +56,11 @@ MASK_STRIDE = 8
 MASK_RUNS = 1
 MASK_PERIOD = MASK_STRIDE
 MASK_SLOTS = 0  # lines of a work item held in registers: none, every line is read per block
-DQ_ROWS = NUM_WARPS * 16  # head-dim rows of one dQ^T = K^T dS^T product
+# dQ^T = K^T dS^T has the head dims as M: its warps form a DQ_WARPS_M x DQ_WARPS_N grid (head
+# dims x queries) where fewer than 16 head dims a warp remain, DQ_ROWS head-dim rows a product.
+DQ_WARPS_M = 4
+DQ_WARPS_N = 1
+DQ_ROWS = DQ_WARPS_M * 16
 
 # Optional features of this variant (branches on them are resolved at compile time)
 HAS_SOFTCAP = False  # scores pass through c * tanh(s / c)
@@ -91,11 +96,12 @@ def make_row_copy(op, threads: int) -> cute.TiledCopy:
 # ---------------------------------------------------------------------------------------------
 # Warp MMA, shared-memory layouts, copies
 # ---------------------------------------------------------------------------------------------
-def make_tiled_mma():
-    """m16n8k16 warp MMAs (fp32 accumulators) with the four warps stacked along M; N is tiled
-    by 16 so one ldmatrix.x4 feeds two n8 atoms."""
+def make_tiled_mma(warps_m: int = NUM_WARPS, warps_n: int = 1):
+    """m16n8k16 warp MMAs (fp32 accumulators) with the warps in a warps_m x warps_n grid (by
+    default all stacked along M); each warp's N is tiled by 16 so one ldmatrix.x4 feeds two n8
+    atoms."""
     return cute.make_tiled_mma(
-        warp.MmaF16BF16Op(DTYPE, Float32, (16, 8, 16)), (NUM_WARPS, 1, 1), permutation_mnk=(NUM_WARPS * 16, 16, 16)
+        warp.MmaF16BF16Op(DTYPE, Float32, (16, 8, 16)), (warps_m, warps_n, 1), permutation_mnk=(warps_m * 16, warps_n * 16, 16)
     )
 
 
@@ -549,13 +555,27 @@ def store_o_zero(mO: cute.Tensor, head: Int32, first_row: Int32, tidx: Int32, ro
 # One (q block, query head) step of an item
 # ---------------------------------------------------------------------------------------------
 @cute.jit
+def load_step(g2s: cute.TiledCopy, tidx: Int32, mQ: cute.Tensor, mdO: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor,
+              m: Int32, head: Int32):  # fmt: skip
+    """cp.async Q and dO of q block m of query head `head` into sQ and sdO (uncommitted)."""
+    seqlen_q = mQ.shape[0]
+    blk = (TILE_Q, HEAD_DIM)
+    coords = cute.local_tile(cute.make_identity_tensor((seqlen_q, HEAD_DIM)), blk, (m, 0))
+    load_rows(g2s, tidx, cute.local_tile(mQ[None, head, None], blk, (m, 0)), coords, sQ, seqlen_q)
+    load_rows(g2s, tidx, cute.local_tile(mdO[None, head, None], blk, (m, 0)), coords, sdO, seqlen_q)
+
+
+@cute.jit
 def bwd_step(
     tiled_mma: cute.TiledMma,
+    tiled_mma_dq: cute.TiledMma,
     g2s: cute.TiledCopy,
     s2r_a,
     s2r_b,
     s2r_at,
     s2r_bt,
+    s2r_dq_a,
+    s2r_dq_b,
     sK: cute.Tensor,
     sV: cute.Tensor,
     sQ: cute.Tensor,
@@ -582,7 +602,9 @@ def bwd_step(
     item_lines: tuple | None,
 ):
     """q block m of query head `head` against the item's k tile (K and V in shared memory):
-    dK and dV accumulate in registers, dQ (times the scale) goes to mdQ by L2 reductions. A
+    dK and dV accumulate in registers, dQ (times the scale) goes to mdQ by L2 reductions. With
+    one stage the step loads its Q and dO itself; with two the kernel started them a step
+    earlier (the latest commit group is the next step's). A
     partial block gets the item's lines (load_item_lines' tuple; None for
     a full block). DETERMINISTIC: the dQ additions wait until the lower k tiles adding to this
     q block (their number: mBlockRank[pair]) have added theirs (the q block's semaphore in
@@ -590,13 +612,12 @@ def bwd_step(
     if const_expr(DETERMINISTIC):
         rank = mBlockRank[pair]
     thr_mma = tiled_mma.get_slice(tidx)
-    seqlen_q = mQ.shape[0]
-    blk = (TILE_Q, HEAD_DIM)
-    coords = cute.local_tile(cute.make_identity_tensor((seqlen_q, HEAD_DIM)), blk, (m, 0))
-    load_rows(g2s, tidx, cute.local_tile(mQ[None, head, None], blk, (m, 0)), coords, sQ, seqlen_q)
-    load_rows(g2s, tidx, cute.local_tile(mdO[None, head, None], blk, (m, 0)), coords, sdO, seqlen_q)
-    cute.arch.cp_async_commit_group()
-    cute.arch.cp_async_wait_group(0)
+    if const_expr(NUM_STAGES == 1):
+        load_step(g2s, tidx, mQ, mdO, sQ, sdO, m, head)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+    else:
+        cute.arch.cp_async_wait_group(1)  # this step's Q and dO (the next step's may still fly)
     cute.arch.barrier()
 
     # S^T = K Q^T and dP^T = V dO^T over the head dim.
@@ -641,7 +662,8 @@ def bwd_step(
     cute.arch.barrier()
     sKt = transposed_view(sK)  # (HEAD_DIM, TILE_K)
     sdSt = transposed_view(sdS)  # (TILE_Q, TILE_K): queries as N, keys as K
-    tQcQ = thr_mma.partition_C(cute.make_identity_tensor((DQ_ROWS, TILE_Q)))
+    thr_mma_dq = tiled_mma_dq.get_slice(tidx)
+    tQcQ = thr_mma_dq.partition_C(cute.make_identity_tensor((DQ_ROWS, TILE_Q)))
     if const_expr(DETERMINISTIC):
         semaphore = mSemaphore.iterator + stats // TILE_Q  # the q block's: one per TILE_Q statistics
         if tidx == 0:
@@ -651,11 +673,11 @@ def bwd_step(
         cute.arch.barrier()  # the lower k tiles' additions have landed
     for h in cutlass.range_constexpr(HEAD_DIM // DQ_ROWS):
         sKt_h = cute.local_tile(sKt, (DQ_ROWS, TILE_K), (h, 0))
-        acc_dQ = cute.make_rmem_tensor(tiled_mma.partition_shape_C((DQ_ROWS, TILE_Q)), Float32)
+        acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((DQ_ROWS, TILE_Q)), Float32)
         acc_dQ.fill(0.0)
-        tAt = thr_mma.make_fragment_A(thr_mma.partition_A(sKt_h))
-        tBd = thr_mma.make_fragment_B(thr_mma.partition_B(sdSt))
-        gemm_ss(tiled_mma, acc_dQ, s2r_at, s2r_at.partition_S(sKt_h), tAt, s2r_bt, s2r_bt.partition_S(sdSt), tBd)
+        tAt = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sKt_h))
+        tBd = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sdSt))
+        gemm_ss(tiled_mma_dq, acc_dQ, s2r_dq_a, s2r_dq_a.partition_S(sKt_h), tAt, s2r_dq_b, s2r_dq_b.partition_S(sdSt), tBd)
         for e in cutlass.range_constexpr(cute.size(acc_dQ)):
             d, q = tQcQ[e]
             row = m * TILE_Q + q
@@ -744,8 +766,8 @@ def launch_bwd_prep(mO, mdO, mLSE, mdLSE, mLSE2, mDelta, lse_log2_offset, stream
 class SharedStorage:
     sK: cute.struct.Align[cute.struct.MemRange[DTYPE, TILE_K * HEAD_DIM], 1024]
     sV: cute.struct.Align[cute.struct.MemRange[DTYPE, TILE_K * HEAD_DIM], 1024]
-    sQ: cute.struct.Align[cute.struct.MemRange[DTYPE, TILE_Q * HEAD_DIM], 1024]
-    sdO: cute.struct.Align[cute.struct.MemRange[DTYPE, TILE_Q * HEAD_DIM], 1024]
+    sQ: cute.struct.Align[cute.struct.MemRange[DTYPE, NUM_STAGES * TILE_Q * HEAD_DIM], 1024]
+    sdO: cute.struct.Align[cute.struct.MemRange[DTYPE, NUM_STAGES * TILE_Q * HEAD_DIM], 1024]
     sdS: cute.struct.Align[cute.struct.MemRange[DTYPE, TILE_K * TILE_Q], 1024]
 
 
@@ -775,6 +797,7 @@ def attn_bwd_kernel(
     softcap_in: Float32 | None,
     softcap_out: Float32 | None,
     tiled_mma: cute.TiledMma,
+    tiled_mma_dq: cute.TiledMma,
     sKV_layout: cute.ComposedLayout,
     sQ_layout: cute.ComposedLayout,
     sdS_layout: cute.ComposedLayout,
@@ -785,14 +808,15 @@ def attn_bwd_kernel(
     # The layouts swizzle element offsets (not byte addresses): they go in whole.
     sK = storage.sK.get_tensor(sKV_layout)[None, None, 0]  # (TILE_K, HEAD_DIM)
     sV = storage.sV.get_tensor(sKV_layout)[None, None, 0]
-    sQ = storage.sQ.get_tensor(sQ_layout)[None, None, 0]  # (TILE_Q, HEAD_DIM)
-    sdO = storage.sdO.get_tensor(sQ_layout)[None, None, 0]
+    sQ = storage.sQ.get_tensor(sQ_layout)  # (TILE_Q, HEAD_DIM, NUM_STAGES)
+    sdO = storage.sdO.get_tensor(sQ_layout)
     sdS = storage.sdS.get_tensor(sdS_layout)[None, None, 0]  # (TILE_K, TILE_Q): dS^T
 
     g2s = make_row_copy(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), NUM_THREADS)
     # A: K, V (keys x head dim); B: Q, dO (queries x head dim); A transposed: K^T; B transposed:
     # dO^T, Q^T, dS (transposed views).
     s2r_a, s2r_b, s2r_at, s2r_bt = ldmatrix_copies(tiled_mma, tidx)
+    _, _, s2r_dq_a, s2r_dq_b = ldmatrix_copies(tiled_mma_dq, tidx)  # K^T and dS of dQ^T = K^T dS^T
     thr_mma = tiled_mma.get_slice(tidx)
     acc_dK = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_K, HEAD_DIM)), Float32)
     acc_dV = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_K, HEAD_DIM)), Float32)
@@ -848,17 +872,30 @@ def attn_bwd_kernel(
             for step in cutlass.range(blocks * num_heads, unroll=1):
                 head = head_first + g
                 rank_pair = pair if const_expr(DETERMINISTIC) else None  # the walk counts pairs only then
+                stage = 0
+                if const_expr(NUM_STAGES > 1):
+                    # The item's first Q and dO; then the next step's, into the other stage (which the step
+                    # before this one has finished reading), while this one computes.
+                    stage = step % NUM_STAGES
+                    if step == 0:
+                        load_step(g2s, tidx, mQ, mdO, sQ[None, None, 0], sdO[None, None, 0], m, head)
+                        cute.arch.cp_async_commit_group()
+                    if step + 1 < blocks * num_heads:
+                        load_step(g2s, tidx, mQ, mdO, sQ[None, None, 1 - stage], sdO[None, None, 1 - stage], ahead_m, ahead_head)
+                    cute.arch.cp_async_commit_group()  # empty on the last step: the step's wait counts groups
+                sQ_step = sQ[None, None, stage]
+                sdO_step = sdO[None, None, stage]
                 if partial != 0:
                     bwd_step(
-                        tiled_mma, g2s, s2r_a, s2r_b, s2r_at, s2r_bt, sK, sV, sQ, sdO, sdS, acc_dK, acc_dV, tScS, mQ, mdO, mLSE,
-                        mDelta, mdQ, m, head, tidx, score_scale_log2, softmax_scale, softcap_in, softcap_out, mSemaphore,
-                        mBlockRank, rank_pair, item_lines,
+                        tiled_mma, tiled_mma_dq, g2s, s2r_a, s2r_b, s2r_at, s2r_bt, s2r_dq_a, s2r_dq_b, sK, sV, sQ_step, sdO_step,
+                        sdS, acc_dK, acc_dV, tScS, mQ, mdO, mLSE, mDelta, mdQ, m, head, tidx, score_scale_log2, softmax_scale,
+                        softcap_in, softcap_out, mSemaphore, mBlockRank, rank_pair, item_lines,
                     )
                 else:
                     bwd_step(
-                        tiled_mma, g2s, s2r_a, s2r_b, s2r_at, s2r_bt, sK, sV, sQ, sdO, sdS, acc_dK, acc_dV, tScS, mQ, mdO, mLSE,
-                        mDelta, mdQ, m, head, tidx, score_scale_log2, softmax_scale, softcap_in, softcap_out, mSemaphore,
-                        mBlockRank, rank_pair, None,
+                        tiled_mma, tiled_mma_dq, g2s, s2r_a, s2r_b, s2r_at, s2r_bt, s2r_dq_a, s2r_dq_b, sK, sV, sQ_step, sdO_step,
+                        sdS, acc_dK, acc_dV, tScS, mQ, mdO, mLSE, mDelta, mdQ, m, head, tidx, score_scale_log2, softmax_scale,
+                        softcap_in, softcap_out, mSemaphore, mBlockRank, rank_pair, None,
                     )
 
                 # The next (run, q block, head) of the walk.
@@ -960,7 +997,8 @@ def attn_bwd(
         softcap_in if const_expr(HAS_SOFTCAP) else None,
         softcap_out if const_expr(HAS_SOFTCAP) else None,
         make_tiled_mma(),
+        make_tiled_mma(DQ_WARPS_M, DQ_WARPS_N),
         make_smem_layout(TILE_K, HEAD_DIM, 1),
-        make_smem_layout(TILE_Q, HEAD_DIM, 1),
+        make_smem_layout(TILE_Q, HEAD_DIM, NUM_STAGES),
         make_smem_layout(TILE_K, TILE_Q, 1),
     ).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], stream=stream)

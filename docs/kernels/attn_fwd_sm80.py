@@ -91,11 +91,12 @@ def make_row_copy(op, threads: int) -> cute.TiledCopy:
 # ---------------------------------------------------------------------------------------------
 # Warp MMA, shared-memory layouts, copies
 # ---------------------------------------------------------------------------------------------
-def make_tiled_mma():
-    """m16n8k16 warp MMAs (fp32 accumulators) with the four warps stacked along M; N is tiled
-    by 16 so one ldmatrix.x4 feeds two n8 atoms."""
+def make_tiled_mma(warps_m: int = NUM_WARPS, warps_n: int = 1):
+    """m16n8k16 warp MMAs (fp32 accumulators) with the warps in a warps_m x warps_n grid (by
+    default all stacked along M); each warp's N is tiled by 16 so one ldmatrix.x4 feeds two n8
+    atoms."""
     return cute.make_tiled_mma(
-        warp.MmaF16BF16Op(DTYPE, Float32, (16, 8, 16)), (NUM_WARPS, 1, 1), permutation_mnk=(NUM_WARPS * 16, 16, 16)
+        warp.MmaF16BF16Op(DTYPE, Float32, (16, 8, 16)), (warps_m, warps_n, 1), permutation_mnk=(warps_m * 16, warps_n * 16, 16)
     )
 
 
