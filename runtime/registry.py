@@ -67,9 +67,11 @@ def launch_shape(fields: Mapping[str, Any]) -> LaunchShape:
         ctas_per_sm = 1 if deterministic else family.ctas_per_sm_of("bwd", fields["tile_m"], fields["tile_n"])
         return LaunchShape(fields["tile_m"], fields["tile_n"], hkv, deterministic, pieces, ctas_per_sm,
                            family.document_tiles)  # fmt: skip
+    ctas_per_sm = family.ctas_per_sm_of("fwd", fields["tile_m"], fields["tile_n"])
     if fields.get("pack_gqa", False):
-        return LaunchShape(fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv, document_tiles=family.document_tiles)
-    return LaunchShape(fields["tile_m"], fields["tile_n"], hq, ctas_per_sm=family.ctas_per_sm_of("fwd", fields["tile_m"], fields["tile_n"]),
+        return LaunchShape(fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv, ctas_per_sm=ctas_per_sm,
+                           document_tiles=family.document_tiles)  # fmt: skip
+    return LaunchShape(fields["tile_m"], fields["tile_n"], hq, ctas_per_sm=ctas_per_sm,
                        document_tiles=family.document_tiles, document_rows=family.document_tiles)  # fmt: skip
 
 

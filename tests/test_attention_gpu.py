@@ -224,6 +224,26 @@ def test_head_dims_at_sequence_edges(d: str, n: int) -> None:
     _check(Mask.from_cu_seqlens([0, n], causal=True), 8, 2, d, "bf16")
 
 
+# The next portable kernels (experimental) add d=96 (forward and backward) and d=256 (forward).
+NEXT_HEAD_DIMS = ["96", "256"]
+
+
+@pytest.mark.parametrize("d", NEXT_HEAD_DIMS)
+@pytest.mark.parametrize("name", list(MASKS))
+def test_every_mask_family_on_the_next_portable_head_dims(name: str, d: str) -> None:
+    _check(MASKS[name](), 64, 8, d, "bf16", seed=name_seed(name), portable=NEXT)
+
+
+@pytest.mark.parametrize("d", NEXT_HEAD_DIMS)
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 8), (8, 1)])
+def test_next_portable_head_dims_with_head_layouts_fp16_options_and_edges(d: str, hq: int, hkv: int) -> None:
+    for name in ("varlen_causal", "random_overlapping", "rows_without_keys"):
+        _check(MASKS[name](), hq, hkv, d, "fp16", seed=name_seed(name), portable=NEXT)
+    _check(MASKS["varlen_block_causal"](), hq, hkv, d, "bf16", softcap=5.0, sink=True, max_logits=True, portable=NEXT)
+    for n in (1, 129, 16411):
+        _check(Mask.from_cu_seqlens([0, n], causal=True), hq, hkv, d, "bf16", portable=NEXT)
+
+
 def _force_tall_tile(monkeypatch: pytest.MonkeyPatch) -> None:
     """The strategy pass takes the tall tile wherever the family has one."""
     monkeypatch.setattr(strategy, "TALL_MARGIN", float("inf"))
@@ -466,6 +486,25 @@ def test_gradients_head_dims_head_layouts_fp16_and_options(d: str, hq: int, hkv:
     _check_grads(MASKS["varlen_causal"](), hq, hkv, d, "fp16")
     _check_grads(MASKS["rows_without_keys"](), hq, hkv, d, "bf16", softcap=5.0, sink=True, deterministic=True)
     _check_grads(Mask.from_cu_seqlens([0, 1000]), hq, hkv, d, "bf16", lse_grad=False)  # the unmasked kernel
+
+
+@pytest.mark.parametrize("name", GRAD_MASKS)
+def test_gradients_every_mask_family_next_portable_d96(name: str) -> None:
+    _check_grads(MASKS[name](), 8, 2, 96, "bf16", seed=name_seed(name), portable=NEXT)
+
+
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 8), (8, 1)])
+def test_gradients_next_portable_d96_head_layouts_fp16_and_options(hq: int, hkv: int) -> None:
+    _check_grads(MASKS["varlen_causal"](), hq, hkv, 96, "fp16", portable=NEXT)
+    _check_grads(MASKS["rows_without_keys"](), hq, hkv, 96, "bf16", softcap=5.0, sink=True, deterministic=True,
+                 portable=NEXT)  # fmt: skip
+
+
+def test_the_next_portable_d256_has_no_backward_and_says_why() -> None:
+    q = torch.randn(64, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with _kernels(NEXT) as family, pytest.raises(maskc.errors.VariantError, match="d=256 has the forward only"):
+        out, _ = maskc.attention(q, q, q, Mask.from_cu_seqlens([0, 64], causal=True), portable=family)
+        out.sum().backward()
 
 
 @pytest.mark.parametrize("d", ["128", *BACKWARD_HEAD_DIMS])

@@ -124,7 +124,17 @@ COMPILED["sm_80_bwd_d64_deterministic_softcap"] = backward(head_dim=64, num_head
 NEXT = {f"{arch}_next_bwd": next_backward(arch=arch) for arch in ("sm_80", "sm_86", "sm_90a", "sm_120a")}
 NEXT["sm_89_next_bwd_d64_fp16_softcap"] = next_backward(arch="sm_89", head_dim=64, dtype="fp16", has_softcap=True)
 NEXT["sm_80_next_bwd_d64_deterministic"] = next_backward(head_dim=64, num_heads_kv=1, deterministic=True)
+NEXT["sm_80_next_bwd_d96"] = next_backward(head_dim=96)
+NEXT["sm_86_next_bwd_d96_softcap"] = next_backward(arch="sm_86", head_dim=96, has_softcap=True)
 COMPILED.update(NEXT)
+# Its forward: 32 query rows a warp up to d=128 (d=96: 32-column swizzle atoms and row copies),
+# 16 against 32-key blocks at d=256.
+COMPILED["sm_80_next_fwd"] = next_backward(direction="fwd")
+COMPILED["sm_86_next_fwd_d64_fp16_softcap"] = next_backward(direction="fwd", arch="sm_86", head_dim=64, dtype="fp16",
+                                                            has_softcap=True)  # fmt: skip
+COMPILED["sm_80_next_fwd_d96"] = next_backward(direction="fwd", head_dim=96)
+COMPILED["sm_120a_next_fwd_d256_features"] = next_backward(direction="fwd", arch="sm_120a", head_dim=256, has_softcap=True,
+                                                           has_sink=True, has_max_logits=True)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +212,21 @@ def test_the_next_backward_has_fa2s_shape_and_archs_with_99_kib_keep_one_that_fi
     assert "portable_next" not in backward().to_dict() and next_backward().to_dict()["portable_next"]
 
 
-@pytest.mark.parametrize("head_dim, warps, dq_warps", [(128, 8, (8, 1)), (64, 8, (4, 2))])
+@pytest.mark.parametrize("head_dim, tiles, rows_per_thread", [(64, (128, 128), 4), (96, (128, 64), 4), (128, (128, 32), 4),
+                                                          (256, (64, 32), 2)])  # fmt: skip
+def test_the_next_forward_has_32_rows_a_warp_up_to_d128(head_dim, tiles, rows_per_thread):
+    """Four warps of 32 query rows (two M extents, Q read from shared memory a k step at a
+    time) up to d=128, 16 at d=256; every shape fits 99 KiB, so every arch has the same."""
+    for arch in ("sm_80", "sm_86", "sm_120a"):
+        v = next_backward(direction="fwd", head_dim=head_dim, arch=arch)
+        assert (v.tile_m, v.tile_n, v.num_stages) == (*tiles, 2) and v.smem_bytes() <= 96 * 1024
+    constants = module_constants(render(v))
+    assert (constants["NUM_THREADS"], constants["ROWS_PER_THREAD"]) == (128, rows_per_thread)
+    assert constants["Q_IN_REGISTERS"] == (rows_per_thread == 2)
+    assert module_constants(render(variant()))["Q_IN_REGISTERS"]  # the verified forward keeps Q in registers
+
+
+@pytest.mark.parametrize("head_dim, warps, dq_warps", [(128, 8, (8, 1)), (64, 8, (4, 2)), (96, 8, (2, 4))])
 def test_the_next_backward_renders_its_warps_stages_and_dq_grid_as_constants(head_dim, warps, dq_warps):
     v = next_backward(head_dim=head_dim)
     source = render(v)
@@ -211,7 +235,7 @@ def test_the_next_backward_renders_its_warps_stages_and_dq_grid_as_constants(hea
     assert (constants["NUM_WARPS"], constants["NUM_THREADS"], constants["NUM_STAGES"]) == (warps, 32 * warps, 2)
     assert (constants["DQ_WARPS_M"], constants["DQ_WARPS_N"]) == dq_warps == v.portable_dq_warps
     assert "ahead_m = " in source and "ahead_head = " in source  # the walk one step ahead
-    verified = render(backward(head_dim=head_dim, tile_n=64))
+    verified = render(backward(head_dim=64))
     assert module_constants(verified)["NUM_STAGES"] == 1 and "ahead_m = " not in verified
 
 

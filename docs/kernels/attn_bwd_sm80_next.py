@@ -84,9 +84,10 @@ def transposed_view(s: cute.Tensor) -> cute.Tensor:
 
 def make_row_copy(op, threads: int) -> cute.TiledCopy:
     """16-byte copies (`op`: cp.async, or plain loads and stores) of (rows x HEAD_DIM) tiles by
-    `threads` threads, HEAD_DIM / 8 of them per row."""
+    `threads` threads, HEAD_DIM / 8 of them per row; where they do not divide the threads
+    (d=96: 12), 4 per row, each copying 32-column segments in turn."""
     vec = 128 // DTYPE.width
-    per_row = HEAD_DIM // vec
+    per_row = HEAD_DIM // vec if threads % (HEAD_DIM // vec) == 0 else 32 // vec
     return cute.make_tiled_copy_tv(
         cute.make_copy_atom(op, DTYPE, num_bits_per_copy=128),
         cute.make_ordered_layout((threads // per_row, per_row), order=(1, 0)),
@@ -108,8 +109,12 @@ def make_tiled_mma(warps_m: int = NUM_WARPS, warps_n: int = 1):
 
 def make_smem_layout(rows: int, cols: int, count: int):
     """`count` (rows x cols) tiles of 64-element (128-byte) row segments, swizzled so that the
-    16-byte cp.async writes and the ldmatrix reads of eight rows hit eight different banks."""
-    atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+    16-byte cp.async writes and the ldmatrix reads of eight rows hit eight different banks; of
+    32-element (64-byte) segments where cols is no multiple of 64 (d=96), which spreads eight
+    rows over four."""
+    atom_cols = 64 if cols % 64 == 0 else 32
+    bits = atom_cols.bit_length() - 4  # log2 of the 16-byte chunks of a segment
+    atom = cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, atom_cols), stride=(atom_cols, 1)))
     return cute.tile_to_shape(atom, (rows, cols, count), order=(0, 1, 2))
 
 
@@ -164,10 +169,23 @@ def load_rows(tiled_copy: cute.TiledCopy, tidx: Int32, src: cute.Tensor, coords:
 
 
 @cute.jit
-def gemm_rs(tiled_mma: cute.TiledMma, acc: cute.Tensor, tAr: cute.Tensor, s2r_b, tBs: cute.Tensor, tBr: cute.Tensor):
-    """acc += A B with A in registers and B from shared memory, ldmatrix'ed one k step at a time."""
+def gemm_rs(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tAr: cute.Tensor,
+    s2r_b,
+    tBs: cute.Tensor,
+    tBr: cute.Tensor,
+    s2r_a=None,
+    tAs: cute.Tensor | None = None,
+):
+    """acc += A B with A in registers and B from shared memory, ldmatrix'ed one k step at a time;
+    given `s2r_a` and `tAs`, A's k step is ldmatrix'ed from shared memory beside B's (only one k
+    step of A is live: the forward's Q of 32 rows a warp)."""
     tBr_view = s2r_b.retile(tBr)
     for k in cutlass.range_constexpr(cute.size(tBs, mode=[2])):
+        if const_expr(s2r_a is not None):
+            cute.copy(s2r_a, tAs[None, None, k], s2r_a.retile(tAr)[None, None, k])
         cute.copy(s2r_b, tBs[None, None, k], tBr_view[None, None, k])
         cute.gemm(tiled_mma, acc, tAr[None, None, k], tBr[None, None, k], acc)
 

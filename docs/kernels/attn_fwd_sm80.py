@@ -45,10 +45,12 @@ NUM_STAGES = 2  # K/V buffers: the next block loads while this one computes
 
 L2_SECTION = 16  # work items (q tiles) scheduled together, grouped by K/V head (see decode_item)
 
-NUM_WARPS = 4  # each owns 16 query rows (one m16n8k16 M extent)
+NUM_WARPS = 4  # each owns ROW_ATOMS m16n8k16 M extents of 16 query rows
+ROW_ATOMS = TILE_M // (NUM_WARPS * 16)  # with two, both share every K and V fragment
+Q_IN_REGISTERS = ROW_ATOMS == 1  # else Q is read from shared memory one k step at a time
 NUM_THREADS = 128
 WG_ROWS = TILE_M  # rows of the zero store of an item with no k block (common epilogue)
-ROWS_PER_THREAD = 2  # rows of a warp's 16 held by one thread (r and r + 8)
+ROWS_PER_THREAD = 2 * ROW_ATOMS  # rows of a warp's held by one thread (r and r + 8 of each M extent)
 COLS_PER_THREAD = TILE_N // 4  # columns of an S block held by one thread in each of its rows
 # A thread's columns of a row, for the line masks (common/mask.jinja): pairs every 8 columns.
 MASK_GROUP = 2
@@ -78,9 +80,10 @@ def transposed_view(s: cute.Tensor) -> cute.Tensor:
 
 def make_row_copy(op, threads: int) -> cute.TiledCopy:
     """16-byte copies (`op`: cp.async, or plain loads and stores) of (rows x HEAD_DIM) tiles by
-    `threads` threads, HEAD_DIM / 8 of them per row."""
+    `threads` threads, HEAD_DIM / 8 of them per row; where they do not divide the threads
+    (d=96: 12), 4 per row, each copying 32-column segments in turn."""
     vec = 128 // DTYPE.width
-    per_row = HEAD_DIM // vec
+    per_row = HEAD_DIM // vec if threads % (HEAD_DIM // vec) == 0 else 32 // vec
     return cute.make_tiled_copy_tv(
         cute.make_copy_atom(op, DTYPE, num_bits_per_copy=128),
         cute.make_ordered_layout((threads // per_row, per_row), order=(1, 0)),
@@ -102,8 +105,12 @@ def make_tiled_mma(warps_m: int = NUM_WARPS, warps_n: int = 1):
 
 def make_smem_layout(rows: int, cols: int, count: int):
     """`count` (rows x cols) tiles of 64-element (128-byte) row segments, swizzled so that the
-    16-byte cp.async writes and the ldmatrix reads of eight rows hit eight different banks."""
-    atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+    16-byte cp.async writes and the ldmatrix reads of eight rows hit eight different banks; of
+    32-element (64-byte) segments where cols is no multiple of 64 (d=96), which spreads eight
+    rows over four."""
+    atom_cols = 64 if cols % 64 == 0 else 32
+    bits = atom_cols.bit_length() - 4  # log2 of the 16-byte chunks of a segment
+    atom = cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, atom_cols), stride=(atom_cols, 1)))
     return cute.tile_to_shape(atom, (rows, cols, count), order=(0, 1, 2))
 
 
@@ -158,10 +165,23 @@ def load_rows(tiled_copy: cute.TiledCopy, tidx: Int32, src: cute.Tensor, coords:
 
 
 @cute.jit
-def gemm_rs(tiled_mma: cute.TiledMma, acc: cute.Tensor, tAr: cute.Tensor, s2r_b, tBs: cute.Tensor, tBr: cute.Tensor):
-    """acc += A B with A in registers and B from shared memory, ldmatrix'ed one k step at a time."""
+def gemm_rs(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tAr: cute.Tensor,
+    s2r_b,
+    tBs: cute.Tensor,
+    tBr: cute.Tensor,
+    s2r_a=None,
+    tAs: cute.Tensor | None = None,
+):
+    """acc += A B with A in registers and B from shared memory, ldmatrix'ed one k step at a time;
+    given `s2r_a` and `tAs`, A's k step is ldmatrix'ed from shared memory beside B's (only one k
+    step of A is live: the forward's Q of 32 rows a warp)."""
     tBr_view = s2r_b.retile(tBr)
     for k in cutlass.range_constexpr(cute.size(tBs, mode=[2])):
+        if const_expr(s2r_a is not None):
+            cute.copy(s2r_a, tAs[None, None, k], s2r_a.retile(tAr)[None, None, k])
         cute.copy(s2r_b, tBs[None, None, k], tBr_view[None, None, k])
         cute.gemm(tiled_mma, acc, tAr[None, None, k], tBr[None, None, k], acc)
 
@@ -730,6 +750,8 @@ def walk_block(
     s2r_k: cute.TiledCopy,
     s2r_v: cute.TiledCopy,
     tSrQ: cute.Tensor,
+    s2r_q: cute.TiledCopy,
+    tSsQ: cute.Tensor,
     tSsK: cute.Tensor,
     tSrK: cute.Tensor,
     tOsV: cute.Tensor,
@@ -766,7 +788,10 @@ def walk_block(
 
     acc_S = cute.make_rmem_tensor(tiled_mma.partition_shape_C((TILE_M, TILE_N)), Float32)
     acc_S.fill(0.0)
-    gemm_rs(tiled_mma, acc_S, tSrQ, s2r_k, tSsK[None, None, None, stage], tSrK)
+    if const_expr(Q_IN_REGISTERS):
+        gemm_rs(tiled_mma, acc_S, tSrQ, s2r_k, tSsK[None, None, None, stage], tSrK)
+    else:
+        gemm_rs(tiled_mma, acc_S, tSrQ, s2r_k, tSsK[None, None, None, stage], tSrK, s2r_q, tSsQ)
     s = acc_rows_cols(acc_S)
     if const_expr(HAS_SOFTCAP):
         apply_softcap(s, softcap_in, softcap_out)
@@ -881,7 +906,8 @@ def attn_fwd_kernel(
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)  # Q (K and V may still fly)
             cute.arch.barrier()
-            cute.copy(s2r_q, tSsQ, s2r_q.retile(tSrQ))  # Q stays in registers for the whole item
+            if const_expr(Q_IN_REGISTERS):
+                cute.copy(s2r_q, tSsQ, s2r_q.retile(tSrQ))  # Q stays in registers for the whole item
 
             # The blocks range by range: partial ones with the line mask.
             stage = Int32(0)
@@ -889,15 +915,15 @@ def attn_fwd_kernel(
                 if mRanges[r, 2] != 0:
                     for n in cutlass.range(mRanges[r, 0], mRanges[r, 1], unroll=1):
                         stage = walk_block(
-                            tiled_mma, g2s, s2r_k, s2r_v, tSrQ, tSsK, tSrK, tOsV, tOrV, acc_O, row_max, row_sum, mK_head,
-                            mV_head, cKV, sK, sV, mRanges, r, n, r_last, stage, tidx, score_scale_log2, softcap_in,
+                            tiled_mma, g2s, s2r_k, s2r_v, tSrQ, s2r_q, tSsQ, tSsK, tSrK, tOsV, tOrV, acc_O, row_max, row_sum,
+                            mK_head, mV_head, cKV, sK, sV, mRanges, r, n, r_last, stage, tidx, score_scale_log2, softcap_in,
                             softcap_out, item_lines,
                         )
                 else:
                     for n in cutlass.range(mRanges[r, 0], mRanges[r, 1], unroll=1):
                         stage = walk_block(
-                            tiled_mma, g2s, s2r_k, s2r_v, tSrQ, tSsK, tSrK, tOsV, tOrV, acc_O, row_max, row_sum, mK_head,
-                            mV_head, cKV, sK, sV, mRanges, r, n, r_last, stage, tidx, score_scale_log2, softcap_in,
+                            tiled_mma, g2s, s2r_k, s2r_v, tSrQ, s2r_q, tSsQ, tSsK, tSrK, tOsV, tOrV, acc_O, row_max, row_sum,
+                            mK_head, mV_head, cKV, sK, sV, mRanges, r, n, r_last, stage, tidx, score_scale_log2, softcap_in,
                             softcap_out, None,
                         )
 

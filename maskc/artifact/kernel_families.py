@@ -159,6 +159,8 @@ class Kernel:
     #: fit every arch. A head dim left out has no kernel there, for the reason in `compact_missing`.
     compact_tiles: Mapping[HeadDim, Tiles] | None = None
     compact_missing: str = ""
+    #: Why head dims of the family's forward have none of this kernel, for the error that says so.
+    missing: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiles", MappingProxyType(dict(self.tiles)))
@@ -380,7 +382,7 @@ PORTABLE = KernelFamily(
 )
 
 # Never run: the portable kernels rewritten for speed (issue 58), behind PORTABLE_NEXT_ENV.
-# Backward: FlashAttention-2's shape, eight warps of 16 keys (a 128-key k tile) against q blocks
+# Forward: 32 query rows a warp, d=96 and d=256. Backward: FlashAttention-2's shape, eight warps of 16 keys (a 128-key k tile) against q blocks
 # of 64 queries, two (Q, dO) stages: the next step's Q and dO load while this one computes.
 # Archs with 99 KiB a CTA keep the 64-key, one-stage tile.
 PORTABLE_NEXT = KernelFamily(
@@ -388,13 +390,26 @@ PORTABLE_NEXT = KernelFamily(
     title="portable next",
     archs=ARCH_NAMES,
     templates="sm80",
-    forward=PORTABLE.forward,
+    forward=Kernel(
+        # 32 query rows a warp (two M extents share each K and V fragment; Q read from shared
+        # memory a k step at a time) up to d=128: 128 x 128 at d=64, 128 x 64 at d=96, 128 x 32
+        # at d=128 (O has 128 registers a thread there; 64 keys spill). d=256: 16 rows a warp
+        # against 32-key blocks (two K/V stages fill 96 KiB, which every arch has).
+        tiles={HeadDim(64, 64): Tiles(128, 128, 2), HeadDim(96, 96): Tiles(128, 64, 2),
+               HeadDim(128, 128): Tiles(128, 32, 2), HeadDim(256, 256): Tiles(64, 32, 2)},  # fmt: skip
+        flags=frozenset({"has_softcap", "has_sink", "has_max_logits"}),
+        choices=TileChoices(tile_m=(64, 128), tile_n=(32, 64, 128), num_stages=(2,)),
+        summary="warp MMA, cp.async, ldmatrix, 32 query rows a warp up to d=128",
+    ),
     backward=Kernel(
-        tiles=dict.fromkeys(_square(64, 128), Tiles(64, 128, 2)),
+        tiles=dict.fromkeys(_square(64, 96, 128), Tiles(64, 128, 2)),
         flags=frozenset({"has_softcap", "deterministic"}),
         choices=None,
         summary="warp MMA, a warp per 16 keys of the k tile, the next step's Q and dO by cp.async during this one (two stages), dQ by L2 reductions",
-        compact_tiles={HeadDim(64, 64): Tiles(64, 128, 2), HeadDim(128, 128): Tiles(64, 64, 1)},
+        missing="d=256 has the forward only: a backward that fits is not written yet",
+        # d=96's 128-key tile needs 112 KiB: 64 keys in two stages (80 KiB) there.
+        compact_tiles={HeadDim(64, 64): Tiles(64, 128, 2), HeadDim(96, 96): Tiles(64, 64, 2),
+                       HeadDim(128, 128): Tiles(64, 64, 1)},  # fmt: skip
     ),
     portable=True,
     experimental=True,
@@ -417,9 +432,9 @@ def arch_of_capability(capability: tuple[int, int]) -> Arch | None:
 
 
 def portable_warps(direction: str, tile_m: int, tile_n: int) -> int:
-    """Warps of a portable CTA: one per 16 query rows of the forward's tile, or 16 keys of the
-    backward's k tile."""
-    return (tile_m if direction == "fwd" else tile_n) // 16
+    """Warps of a portable CTA: four in the forward (16 or 32 query rows each), one per 16 keys
+    of the backward's k tile."""
+    return 4 if direction == "fwd" else tile_n // 16
 
 
 def portable_ctas_per_sm(direction: str, tile_m: int, tile_n: int) -> int:
@@ -481,7 +496,8 @@ def check_head_dim(family: KernelFamily, direction: str, head_dim: HeadDim, arch
     kernel = family.kernel(direction)
     name = f"the {family.title} {'forward' if direction == 'fwd' else 'backward'}"
     if head_dim not in kernel.tiles:
-        raise VariantError(f"{name} has no kernel for head_dim {head_dim}; it supports {_listed(kernel.head_dims)}")
+        why = f" ({kernel.missing})" if kernel.missing else ""
+        raise VariantError(f"{name} has no kernel for head_dim {head_dim}{why}; it supports {_listed(kernel.head_dims)}")
     tiles = kernel.arch_tiles(arch_name) if arch_name is not None else kernel.tiles
     if head_dim not in tiles:
         raise VariantError(
