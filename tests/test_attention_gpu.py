@@ -339,29 +339,44 @@ def test_gpu_input_errors() -> None:
 # ---- PackGQA (the G query heads of a K/V head share an M tile) ---------------------------------
 
 
+# PackGQA: the Hopper forward, and the next portable one (experimental).
+PACKED = pytest.mark.parametrize("portable", [None, NEXT], ids=["native", "portable_next"])
+
+
+@PACKED
 @pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 1)])
 @pytest.mark.parametrize("name", list(MASKS))
-def test_every_mask_family_pack_gqa(name: str, hq: int, hkv: int) -> None:
-    _check(MASKS[name](), hq, hkv, 128, "bf16", pack_gqa=True, seed=name_seed(name))
+def test_every_mask_family_pack_gqa(name: str, hq: int, hkv: int, portable: str | None) -> None:
+    _check(MASKS[name](), hq, hkv, 128, "bf16", pack_gqa=True, seed=name_seed(name), portable=portable)
 
 
+@PACKED
 @pytest.mark.parametrize("d,dtype", [(128, "bf16"), (64, "fp16")])
 @pytest.mark.parametrize("pack_gqa", [True, False])
-def test_pack_gqa_with_softcap_sink_and_max_logits(d: int, dtype: str, pack_gqa: bool) -> None:
+def test_pack_gqa_with_softcap_sink_and_max_logits(d: int, dtype: str, pack_gqa: bool, portable: str | None) -> None:
     for name in ("varlen_causal", "rows_without_keys", "random_unequal"):
-        _check(MASKS[name](), 8, 2, d, dtype, softcap=5.0, sink=True, max_logits=True, pack_gqa=pack_gqa)
+        _check(MASKS[name](), 8, 2, d, dtype, softcap=5.0, sink=True, max_logits=True, pack_gqa=pack_gqa, portable=portable)
 
 
+@PACKED
 @pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 1)])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_pack_gqa_head_dim_64(hq: int, hkv: int, dtype: str) -> None:
+def test_pack_gqa_head_dim_64(hq: int, hkv: int, dtype: str, portable: str | None) -> None:
     for name in ("varlen_causal", "tiny_documents", "random_overlapping"):
-        _check(MASKS[name](), hq, hkv, 64, dtype, pack_gqa=True)
+        _check(MASKS[name](), hq, hkv, 64, dtype, pack_gqa=True, portable=portable)
 
 
+@pytest.mark.parametrize("d", NEXT_HEAD_DIMS)
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 1)])
+def test_pack_gqa_on_the_next_portable_head_dims(d: str, hq: int, hkv: int) -> None:
+    for name in ("varlen_causal", "tiny_documents", "rows_without_keys"):
+        _check(MASKS[name](), hq, hkv, d, "bf16", pack_gqa=True, sink=True, portable=NEXT)
+
+
+@PACKED
 @pytest.mark.parametrize("n", [1, 7, 16, 17, 129, 1000])
-def test_pack_gqa_short_sequences(n: int) -> None:
-    _check(Mask([AttnSlice((0, n), (0, 4099), "causal")], n, 4099), 64, 8, 128, "bf16", pack_gqa=True)
+def test_pack_gqa_short_sequences(n: int, portable: str | None) -> None:
+    _check(Mask([AttnSlice((0, n), (0, 4099), "causal")], n, 4099), 64, 8, 128, "bf16", pack_gqa=True, portable=portable)
 
 
 def test_automatic_gqa_strategy_matches_both_forced() -> None:

@@ -133,6 +133,9 @@ COMPILED["sm_80_next_fwd"] = next_backward(direction="fwd")
 COMPILED["sm_86_next_fwd_d64_fp16_softcap"] = next_backward(direction="fwd", arch="sm_86", head_dim=64, dtype="fp16",
                                                             has_softcap=True)  # fmt: skip
 COMPILED["sm_80_next_fwd_d96"] = next_backward(direction="fwd", head_dim=96)
+COMPILED["sm_80_next_fwd_pack_gqa_features"] = next_backward(direction="fwd", pack_gqa=True, has_softcap=True, has_sink=True,
+                                                             has_max_logits=True)  # fmt: skip
+COMPILED["sm_89_next_fwd_d64_pack_gqa_8x1"] = next_backward(direction="fwd", head_dim=64, num_heads_kv=1, pack_gqa=True)
 COMPILED["sm_120a_next_fwd_d256_features"] = next_backward(direction="fwd", arch="sm_120a", head_dim=256, has_softcap=True,
                                                            has_sink=True, has_max_logits=True)  # fmt: skip
 

@@ -108,3 +108,49 @@ def test_row_copies_fill_the_later_stage_of_a_swizzled_tile_and_zero_its_tail(he
     rows = seqlen - k.TILE_Q
     assert torch.equal(out[1, :rows], src[k.TILE_Q:]) and bool((out[1, rows:] == 0).all())
     assert bool((out[0] == -1).all())
+
+
+@pytest.mark.parametrize("head_dim, heads", [(128, (8, 2)), (256, (64, 8)), (96, (16, 1))])
+def test_pack_gqa_loads_each_packed_row_from_its_token_and_query_head(head_dim, heads, tmp_path):
+    """The PackGQA forward's Q tile of K/V head h: packed row p = token * G + g is query head
+    h * G + g of that token (head_rows' packed view through the row copies), rows past the
+    sequence are zero; tile_rows gives each thread's rows those tokens and query heads."""
+    hq, hkv = heads
+    v = variant_for({"arch": "sm_80", "direction": "fwd", "head_dim": head_dim, "dtype": "bf16", "num_heads_q": hq,
+                     "num_heads_kv": hkv, "portable": True, "portable_next": True, "pack_gqa": True})  # fmt: skip
+    k = rendered(v, tmp_path)
+    g, seqlen, head_kv = hq // hkv, 3 * k.TILE_M // (hq // hkv) - 1, hkv - 1
+    m_tile = 2  # the last tile: it ends one token early
+
+    @cute.jit
+    def load_tile(mQ: cute.Tensor, buffer: cute.Tensor, out: cute.Tensor, rows_seen: cute.Tensor):
+        copy = k.make_row_copy(cute.nvgpu.CopyUniversalOp(), k.NUM_THREADS)
+        sQ = cute.make_tensor(buffer.iterator, k.make_smem_layout(k.TILE_M, k.HEAD_DIM, 1))[None, None, 0]
+        rows_view, rows_end = k.head_rows(mQ, head_kv)
+        blk = (k.TILE_M, k.HEAD_DIM)
+        coords = cute.local_tile(cute.make_identity_tensor((rows_end, k.HEAD_DIM)), blk, (m_tile, 0))
+        tiled_mma = k.make_tiled_mma()
+        rows = cute.make_rmem_tensor(k.ROWS_PER_THREAD, cutlass.Int32)
+        row_heads = cute.make_rmem_tensor(k.ROWS_PER_THREAD, cutlass.Int32)
+        for tidx in cutlass.range(k.NUM_THREADS, unroll=1):
+            k.load_rows(copy, tidx, cute.local_tile(rows_view, blk, (m_tile, 0)), coords, sQ, rows_end)
+            tScS = k.acc_rows_cols(tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((k.TILE_M, k.TILE_N))))
+            k.tile_rows(rows, row_heads, m_tile * k.TILE_M, tScS, head_kv)
+            for i in cutlass.range_constexpr(k.ROWS_PER_THREAD):
+                rows_seen[tScS[i, 0][0], 0] = rows[i]
+                rows_seen[tScS[i, 0][0], 1] = row_heads[i]
+        for r in cutlass.range(k.TILE_M, unroll=1):
+            for c in cutlass.range(k.HEAD_DIM, unroll=1):
+                out[r, c] = sQ[r, c]
+
+    q = (torch.arange(seqlen * hq * head_dim) % 251 + 1).view(seqlen, hq, head_dim).to(torch.bfloat16)
+    buffer = torch.full((k.TILE_M * head_dim,), -1.0, dtype=torch.bfloat16)
+    out = torch.zeros(k.TILE_M, head_dim, dtype=torch.bfloat16)
+    rows_seen = torch.full((k.TILE_M, 2), -1, dtype=torch.int32)
+    load_tile(from_dlpack(q, assumed_align=16), from_dlpack(buffer, assumed_align=16), from_dlpack(out), from_dlpack(rows_seen))
+    packed = m_tile * k.TILE_M + torch.arange(k.TILE_M)
+    tokens, q_heads = packed // g, head_kv * g + packed % g
+    inside = tokens < seqlen
+    assert bool(inside.any()) and not bool(inside.all())
+    assert torch.equal(out[inside], q[tokens[inside], q_heads[inside]]) and bool((out[~inside] == 0).all())
+    assert torch.equal(rows_seen[:, 0], tokens.int()) and torch.equal(rows_seen[:, 1], q_heads.int())

@@ -467,3 +467,21 @@ def test_head_dims_of_the_next_portable_kernels_are_named_where_a_call_lacks_the
     with pytest.raises(maskc.errors.VariantError, match="the portable next backward has no kernel for head_dim 256 "
                                                         r"\(d=256 has the forward only"):  # fmt: skip
         target.tiles("bwd")
+
+
+def test_the_next_portable_forward_has_pack_gqa_and_maskc_picks_it_per_mask() -> None:
+    """The verified portable forward refuses pack_gqa=True; the next one takes it, and left to
+    maskc (pack_gqa=None) a mask's forward may pick either, the packed kernel's q tiles counted
+    in tokens (128 packed rows: 32 tokens of 4 heads) with two CTAs an SM."""
+    with pytest.raises(maskc.MaskcError, match="has no PackGQA yet"):
+        call_plan.make_target((8, 0), 108, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, True, False)
+    forced = call_plan.make_target((8, 0), 108, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, True, False,
+                                   0, None, True)  # fmt: skip
+    mask = Mask.from_cu_seqlens([0, 4096], causal=True)
+    request, alternative = call_plan.forward_requests(mask, forced)
+    assert request["pack_gqa"] and request["portable_next"] and alternative is None
+    assert call_plan.launch_shape_of(forced, request) == registry.LaunchShape(32, 32, 2, ctas_per_sm=2)
+    chosen = call_plan.make_target((8, 0), 108, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, False,
+                                   0, None, True)  # fmt: skip
+    request, alternative = call_plan.forward_requests(mask, chosen)
+    assert alternative == {**request, "pack_gqa": not request["pack_gqa"]}

@@ -50,6 +50,11 @@ HEAD_DIM_V = 128  # of v and the output
 NUM_HEADS_Q = 64
 NUM_HEADS_KV = 8
 QHEADS_PER_KVHEAD = 8  # query heads sharing one K/V head (the backward adds up their dK, dV)
+# PackGQA: an M tile holds the PACK_G query heads of one K/V head for TILE_M / PACK_G consecutive
+# tokens (packed row p = token * PACK_G + g), so each K/V block serves every head of its group.
+# Without PackGQA a row is one token of one query head (PACK_G = 1).
+PACK_G = 1
+PACK_G_LOG2 = PACK_G.bit_length() - 1
 LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * LOG2_E)
 
 TILE_Q = 128  # queries of a q block: the columns of S^T, the TMEM lanes of dQ
@@ -99,6 +104,16 @@ def transposed_view(s: cute.Tensor) -> cute.Tensor:
     rank = cute.rank(s)
     shape = (s.shape[1], s.shape[0], *(s.shape[i] for i in range(2, rank)))
     return cute.composition(s, cute.make_ordered_layout(shape, order=(1, 0, *range(2, rank))))
+
+
+def packed_rows_dim_head(t: cute.Tensor) -> cute.Tensor:
+    """PackGQA: (seq, head, dim) -> ((PACK_G, seq), dim, head_kv). Packed row p = seq * PACK_G + g
+    is query head head_kv * PACK_G + g; a TMA box is (WG_ROWS / PACK_G tokens x PACK_G heads, dim)."""
+    layout = cute.make_layout(
+        ((PACK_G, t.shape[0]), t.shape[2], NUM_HEADS_KV),
+        stride=((t.stride[1], t.stride[0]), t.stride[2], t.stride[1] * PACK_G),
+    )
+    return cute.make_tensor(t.iterator, layout)
 
 
 def make_row_copy(op, threads: int) -> cute.TiledCopy:

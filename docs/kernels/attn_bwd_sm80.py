@@ -38,6 +38,11 @@ HEAD_DIM_V = 128  # of v and the output
 NUM_HEADS_Q = 64
 NUM_HEADS_KV = 8
 QHEADS_PER_KVHEAD = 8  # query heads sharing one K/V head (the backward adds up their dK, dV)
+# PackGQA: an M tile holds the PACK_G query heads of one K/V head for TILE_M / PACK_G consecutive
+# tokens (packed row p = token * PACK_G + g), so each K/V block serves every head of its group.
+# Without PackGQA a row is one token of one query head (PACK_G = 1).
+PACK_G = 1
+PACK_G_LOG2 = PACK_G.bit_length() - 1
 LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * LOG2_E)
 
 TILE_Q = 64  # queries of a q block: block m covers queries [m*TILE_Q, (m+1)*TILE_Q) (columns)
@@ -79,6 +84,16 @@ def transposed_view(s: cute.Tensor) -> cute.Tensor:
     rank = cute.rank(s)
     shape = (s.shape[1], s.shape[0], *(s.shape[i] for i in range(2, rank)))
     return cute.composition(s, cute.make_ordered_layout(shape, order=(1, 0, *range(2, rank))))
+
+
+def packed_rows_dim_head(t: cute.Tensor) -> cute.Tensor:
+    """PackGQA: (seq, head, dim) -> ((PACK_G, seq), dim, head_kv). Packed row p = seq * PACK_G + g
+    is query head head_kv * PACK_G + g; a TMA box is (WG_ROWS / PACK_G tokens x PACK_G heads, dim)."""
+    layout = cute.make_layout(
+        ((PACK_G, t.shape[0]), t.shape[2], NUM_HEADS_KV),
+        stride=((t.stride[1], t.stride[0]), t.stride[2], t.stride[1] * PACK_G),
+    )
+    return cute.make_tensor(t.iterator, layout)
 
 
 def make_row_copy(op, threads: int) -> cute.TiledCopy:
@@ -208,9 +223,13 @@ def gemm_ss(
 
 
 @cute.jit
-def store_tile(acc: cute.Tensor, sX: cute.Tensor, mX_head: cute.Tensor, tile: Int32, tiled_mma: cute.TiledMma, tidx: Int32):
+def store_tile(
+    acc: cute.Tensor, sX: cute.Tensor, mX_head: cute.Tensor, rows_end: Int32, tile: Int32, tiled_mma: cute.TiledMma,
+    tidx: Int32,
+):
     """An fp32 (rows x HEAD_DIM) accumulator (O, dK, dV) -> DTYPE in shared memory (sX, which no
-    warp reads any more) -> 16-byte stores of row block `tile` of mX_head, rows inside it only."""
+    warp reads any more) -> 16-byte stores of row block `tile` of mX_head (rows x HEAD_DIM, its
+    rows end at `rows_end`), rows inside it only."""
     rX = cute.make_rmem_tensor_like(acc, DTYPE)
     rX.store(acc.load().to(DTYPE))
     r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), DTYPE, num_bits_per_copy=32)
@@ -221,11 +240,11 @@ def store_tile(acc: cute.Tensor, sX: cute.Tensor, mX_head: cute.Tensor, tile: In
     thr = s2g.get_slice(tidx)
     blk = (cute.size(sX, mode=[0]), HEAD_DIM)
     tXg = thr.partition_D(cute.local_tile(mX_head, blk, (tile, 0)))
-    tXc = thr.partition_D(cute.local_tile(cute.make_identity_tensor(mX_head.shape), blk, (tile, 0)))
+    tXc = thr.partition_D(cute.local_tile(cute.make_identity_tensor((rows_end, HEAD_DIM)), blk, (tile, 0)))
     tXr = cute.make_rmem_tensor_like(tXg)
     cute.autovec_copy(thr.partition_S(sX), tXr)
     for r in cutlass.range_constexpr(cute.size(tXg, mode=[1])):
-        if tXc[0, r, 0][0] < mX_head.shape[0]:
+        if tXc[0, r, 0][0] < rows_end:
             cute.copy(s2g, tXr[None, r, None], tXg[None, r, None])
 
 
@@ -936,8 +955,8 @@ def attn_bwd_kernel(
                         m_stop = lo - 1 + (hi - lo + 1) * up
                         partial = mRanges[r, 2]
             acc_dK.store(acc_dK.load() * softmax_scale)
-            store_tile(acc_dK, sK, mdK_head, n_tile, tiled_mma, tidx)
-            store_tile(acc_dV, sV, mdV_head, n_tile, tiled_mma, tidx)
+            store_tile(acc_dK, sK, mdK_head, mdK_head.shape[0], n_tile, tiled_mma, tidx)
+            store_tile(acc_dV, sV, mdV_head, mdV_head.shape[0], n_tile, tiled_mma, tidx)
         else:
             store_o_zero(mdK, head_kv, n_tile * WG_ROWS, tidx, seqlen_k)
             store_o_zero(mdV, head_kv, n_tile * WG_ROWS, tidx, seqlen_k)

@@ -37,6 +37,11 @@ HEAD_DIM_V = 128  # of v and the output
 NUM_HEADS_Q = 64
 NUM_HEADS_KV = 8
 QHEADS_PER_KVHEAD = 8  # query heads sharing one K/V head (the backward adds up their dK, dV)
+# PackGQA: an M tile holds the PACK_G query heads of one K/V head for TILE_M / PACK_G consecutive
+# tokens (packed row p = token * PACK_G + g), so each K/V block serves every head of its group.
+# Without PackGQA a row is one token of one query head (PACK_G = 1).
+PACK_G = 1
+PACK_G_LOG2 = PACK_G.bit_length() - 1
 LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * LOG2_E)
 
 TILE_M = 128  # query rows of a work item: q tile m covers rows [m*TILE_M, (m+1)*TILE_M)
@@ -76,6 +81,16 @@ def transposed_view(s: cute.Tensor) -> cute.Tensor:
     rank = cute.rank(s)
     shape = (s.shape[1], s.shape[0], *(s.shape[i] for i in range(2, rank)))
     return cute.composition(s, cute.make_ordered_layout(shape, order=(1, 0, *range(2, rank))))
+
+
+def packed_rows_dim_head(t: cute.Tensor) -> cute.Tensor:
+    """PackGQA: (seq, head, dim) -> ((PACK_G, seq), dim, head_kv). Packed row p = seq * PACK_G + g
+    is query head head_kv * PACK_G + g; a TMA box is (WG_ROWS / PACK_G tokens x PACK_G heads, dim)."""
+    layout = cute.make_layout(
+        ((PACK_G, t.shape[0]), t.shape[2], NUM_HEADS_KV),
+        stride=((t.stride[1], t.stride[0]), t.stride[2], t.stride[1] * PACK_G),
+    )
+    return cute.make_tensor(t.iterator, layout)
 
 
 def make_row_copy(op, threads: int) -> cute.TiledCopy:
@@ -205,9 +220,13 @@ def gemm_ss(
 
 
 @cute.jit
-def store_tile(acc: cute.Tensor, sX: cute.Tensor, mX_head: cute.Tensor, tile: Int32, tiled_mma: cute.TiledMma, tidx: Int32):
+def store_tile(
+    acc: cute.Tensor, sX: cute.Tensor, mX_head: cute.Tensor, rows_end: Int32, tile: Int32, tiled_mma: cute.TiledMma,
+    tidx: Int32,
+):
     """An fp32 (rows x HEAD_DIM) accumulator (O, dK, dV) -> DTYPE in shared memory (sX, which no
-    warp reads any more) -> 16-byte stores of row block `tile` of mX_head, rows inside it only."""
+    warp reads any more) -> 16-byte stores of row block `tile` of mX_head (rows x HEAD_DIM, its
+    rows end at `rows_end`), rows inside it only."""
     rX = cute.make_rmem_tensor_like(acc, DTYPE)
     rX.store(acc.load().to(DTYPE))
     r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), DTYPE, num_bits_per_copy=32)
@@ -218,11 +237,11 @@ def store_tile(acc: cute.Tensor, sX: cute.Tensor, mX_head: cute.Tensor, tile: In
     thr = s2g.get_slice(tidx)
     blk = (cute.size(sX, mode=[0]), HEAD_DIM)
     tXg = thr.partition_D(cute.local_tile(mX_head, blk, (tile, 0)))
-    tXc = thr.partition_D(cute.local_tile(cute.make_identity_tensor(mX_head.shape), blk, (tile, 0)))
+    tXc = thr.partition_D(cute.local_tile(cute.make_identity_tensor((rows_end, HEAD_DIM)), blk, (tile, 0)))
     tXr = cute.make_rmem_tensor_like(tXg)
     cute.autovec_copy(thr.partition_S(sX), tXr)
     for r in cutlass.range_constexpr(cute.size(tXg, mode=[1])):
-        if tXc[0, r, 0][0] < mX_head.shape[0]:
+        if tXc[0, r, 0][0] < rows_end:
             cute.copy(s2g, tXr[None, r, None], tXg[None, r, None])
 
 
@@ -309,6 +328,20 @@ def dealt_item(slot: Int32, grid: Int32, num_items: Int32) -> Int32:
     if round_ % 2 == 1:
         dealt = first + cutlass.min(grid, num_items - first) - 1 - (slot - first)
     return dealt
+
+
+@cute.jit
+def tile_rows(rows: cute.Tensor, row_heads: cute.Tensor | None, first_row: Int32, tScS: cute.Tensor, head_kv: Int32):
+    """This thread's rows of a q tile whose first row is `first_row`: their tokens (what the line
+    masks see) into `rows`; with PackGQA (packed row p = token * PACK_G + g) their query heads
+    into `row_heads`."""
+    for i in cutlass.range_constexpr(ROWS_PER_THREAD):
+        if const_expr(PACK_GQA):
+            packed_row = first_row + tScS[i, 0][0]  # token * PACK_G + g
+            rows[i] = packed_row >> PACK_G_LOG2
+            row_heads[i] = head_kv * PACK_G + (packed_row & (PACK_G - 1))
+        else:
+            rows[i] = first_row + tScS[i, 0][0]
 
 
 @cute.jit
@@ -652,6 +685,19 @@ def sink_logsumexp_log2(mSink: cute.Tensor, head: Int32) -> Float32:
     return top_safe * LOG2_E + cute.math.log2(total, fastmath=True)
 
 
+@cute.jit
+def sink_rows_log2(mSink: cute.Tensor, heads):
+    """sink_logsumexp_log2 of this thread's rows: of their query head `heads`, or with PackGQA
+    one per row (`heads` holds each row's query head)."""
+    if const_expr(PACK_GQA):
+        sinks = cute.make_rmem_tensor(ROWS_PER_THREAD, Float32)
+        for i in cutlass.range_constexpr(ROWS_PER_THREAD):
+            sinks[i] = sink_logsumexp_log2(mSink, heads[i])
+    else:
+        sinks = sink_logsumexp_log2(mSink, heads)
+    return sinks
+
+
 # ---------------------------------------------------------------------------------------------
 # Epilogue
 # ---------------------------------------------------------------------------------------------
@@ -731,6 +777,14 @@ def next_block(mRanges: cute.Tensor, r: Int32, n: Int32, r_last: Int32):
         if has_next:
             n_next = mRanges[r + 1, 0]
     return n_next, has_next
+
+
+def head_rows(mX: cute.Tensor, head: Int32):
+    """The rows of `head` of mX (seq, heads, dim) as (rows, dim), and where they end: one query
+    head's tokens, or with PackGQA the packed rows of K/V head `head` (packed_rows_dim_head)."""
+    if const_expr(PACK_GQA):
+        return packed_rows_dim_head(mX)[None, None, head], mX.shape[0] * PACK_G
+    return mX[None, head, None], mX.shape[0]
 
 
 @cute.jit
@@ -868,6 +922,7 @@ def attn_fwd_kernel(
     row_scale = cute.make_rmem_tensor(ROWS_PER_THREAD, Float32)
     lse = cute.make_rmem_tensor(ROWS_PER_THREAD, Float32)
     rows = cute.make_rmem_tensor(ROWS_PER_THREAD, Int32)
+    row_heads = cute.make_rmem_tensor(ROWS_PER_THREAD, Int32) if const_expr(PACK_GQA) else None  # each row's query head
     bounds = cute.make_rmem_tensor((ROWS_PER_THREAD, max(MASK_SLOTS, 1), 2), Int32)
 
     num_work = mWorkTile.shape[0]
@@ -880,15 +935,16 @@ def attn_fwd_kernel(
         r_first = mWorkRanges[work]
         r_last = mWorkRanges[work + 1]
         has_blocks = r_first < r_last
-        for i in cutlass.range_constexpr(ROWS_PER_THREAD):
-            rows[i] = m_tile * TILE_M + tScS[i, 0][0]
+        tile_rows(rows, row_heads, m_tile * TILE_M, tScS, head_kv)
         first_col0 = tScS[0, 0][1]  # key of this thread's column 0 in block 0
         item_lines = load_item_lines(bounds, first_col0, rows, mLines, mWorkLines, work)
         acc_O.fill(0.0)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        sink_lse_log2 = sink_logsumexp_log2(mSink, head) if const_expr(HAS_SINK) else None
-        mQ_head = mQ[None, head, None]
+        # The query heads of the rows: one, or with PackGQA one per row (`head` is then the K/V head).
+        heads = row_heads if const_expr(PACK_GQA) else head
+        sink_lse_log2 = sink_rows_log2(mSink, heads) if const_expr(HAS_SINK) else None
+        mQ_rows, q_rows_end = head_rows(mQ, head)
         mK_head = mK[None, head_kv, None]
         mV_head = mV[None, head_kv, None]
         cKV = cute.make_identity_tensor(mK_head.shape)
@@ -897,8 +953,8 @@ def attn_fwd_kernel(
         if has_blocks:
             blk = (TILE_M, HEAD_DIM)
             load_rows(
-                g2s, tidx, cute.local_tile(mQ_head, blk, (m_tile, 0)),
-                cute.local_tile(cute.make_identity_tensor(mQ_head.shape), blk, (m_tile, 0)), sQ, seqlen_q,
+                g2s, tidx, cute.local_tile(mQ_rows, blk, (m_tile, 0)),
+                cute.local_tile(cute.make_identity_tensor((q_rows_end, HEAD_DIM)), blk, (m_tile, 0)), sQ, q_rows_end,
             )
             cute.arch.cp_async_commit_group()
             n = mRanges[r_first, 0]
@@ -940,7 +996,7 @@ def attn_fwd_kernel(
         store_row_stats(
             is_row_owner,
             rows,
-            head,
+            heads,
             seqlen_q,
             mLSE,
             lse,
@@ -951,7 +1007,8 @@ def attn_fwd_kernel(
             logit_scale,
         )
         if has_blocks:
-            store_tile(acc_O, sQ, mO[None, head, None], m_tile, tiled_mma, tidx)  # through the Q tile, read at the start
+            mO_rows, o_rows_end = head_rows(mO, head)
+            store_tile(acc_O, sQ, mO_rows, o_rows_end, m_tile, tiled_mma, tidx)  # through the Q tile, read at the start
         else:
             store_o_zero(mO, head, m_tile * WG_ROWS, tidx, seqlen_q)
 

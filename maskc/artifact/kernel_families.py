@@ -382,7 +382,7 @@ PORTABLE = KernelFamily(
 )
 
 # Never run: the portable kernels rewritten for speed (issue 58), behind PORTABLE_NEXT_ENV.
-# Forward: 32 query rows a warp, d=96 and d=256. Backward: FlashAttention-2's shape, eight warps of 16 keys (a 128-key k tile) against q blocks
+# Forward: 32 query rows a warp, PackGQA, d=96 and d=256. Backward: FlashAttention-2's shape, eight warps of 16 keys (a 128-key k tile) against q blocks
 # of 64 queries, two (Q, dO) stages: the next step's Q and dO load while this one computes.
 # Archs with 99 KiB a CTA keep the 64-key, one-stage tile.
 PORTABLE_NEXT = KernelFamily(
@@ -397,7 +397,7 @@ PORTABLE_NEXT = KernelFamily(
         # against 32-key blocks (two K/V stages fill 96 KiB, which every arch has).
         tiles={HeadDim(64, 64): Tiles(128, 128, 2), HeadDim(96, 96): Tiles(128, 64, 2),
                HeadDim(128, 128): Tiles(128, 32, 2), HeadDim(256, 256): Tiles(64, 32, 2)},  # fmt: skip
-        flags=frozenset({"has_softcap", "has_sink", "has_max_logits"}),
+        flags=frozenset({"has_softcap", "has_sink", "has_max_logits", "pack_gqa"}),
         choices=TileChoices(tile_m=(64, 128), tile_n=(32, 64, 128), num_stages=(2,)),
         summary="warp MMA, cp.async, ldmatrix, 32 query rows a warp up to d=128",
     ),

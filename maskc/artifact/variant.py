@@ -205,6 +205,11 @@ class KernelVariant:
         return self.num_heads_q // self.num_heads_kv
 
     @property
+    def pack_g(self) -> int:
+        """Query heads of a packed row group: G = Hq / Hkv with PackGQA, else 1 (the templates' PACK_G)."""
+        return self.qheads_per_kvhead if self.pack_gqa else 1
+
+    @property
     def tile_tokens(self) -> int:
         """Query tokens of one M tile: the rows of the schedule's q tiles (TILE_M / G packed)."""
         return self.tile_m // self.qheads_per_kvhead if self.pack_gqa else self.tile_m
