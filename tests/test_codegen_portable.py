@@ -242,6 +242,15 @@ def test_the_next_backward_renders_its_warps_stages_and_dq_grid_as_constants(hea
     assert module_constants(verified)["NUM_STAGES"] == 1 and "ahead_m = " not in verified
 
 
+def test_the_next_forward_loads_k_and_v_an_ldmatrix_x4_at_a_time_where_that_spills_less(compiled):
+    """d=128's 128x32 forward with K and V fragments one ldmatrix.x4 at a time (B_BY_X4): ptxas
+    spilled 132 bytes with a whole k step's; d=96's 128x64 keeps whole k steps (48 bytes, 224
+    the other way)."""
+    assert COMPILED["sm_80_next_fwd"].portable_b_by_x4 and compiled["sm_80_next_fwd"].ptxas.spill_bytes <= 16
+    assert not COMPILED["sm_80_next_fwd_d96"].portable_b_by_x4 and compiled["sm_80_next_fwd_d96"].ptxas.spill_bytes <= 64
+    assert not next_backward().portable_b_by_x4 and not variant().portable_b_by_x4
+
+
 @pytest.mark.parametrize("name", sorted(NEXT))
 def test_the_next_backward_prefetches_without_spilling(compiled, name):
     """With two stages the step waits for all but the latest cp.async group (the next step's

@@ -53,6 +53,7 @@ L2_SECTION = 16  # work items (q tiles) scheduled together, grouped by K/V head 
 NUM_WARPS = 4  # each owns ROW_ATOMS m16n8k16 M extents of 16 query rows
 ROW_ATOMS = TILE_M // (NUM_WARPS * 16)  # with two, both share every K and V fragment
 Q_IN_REGISTERS = ROW_ATOMS == 1  # else Q is read from shared memory one k step at a time
+B_BY_X4 = False  # K and V fragments one ldmatrix.x4 (two n8 atoms) at a time: fewer registers
 NUM_THREADS = 128
 WG_ROWS = TILE_M  # rows of the zero store of an item with no k block (common epilogue)
 ROWS_PER_THREAD = 2 * ROW_ATOMS  # rows of a warp's held by one thread (r and r + 8 of each M extent)
@@ -192,13 +193,25 @@ def gemm_rs(
 ):
     """acc += A B with A in registers and B from shared memory, ldmatrix'ed one k step at a time;
     given `s2r_a` and `tAs`, A's k step is ldmatrix'ed from shared memory beside B's (only one k
-    step of A is live: the forward's Q of 32 rows a warp)."""
+    step of A is live: the forward's Q of 32 rows a warp). With B_BY_X4, B's k step is too, one
+    ldmatrix.x4 at a time, each feeding its two n8 atoms (only those are live)."""
     tBr_view = s2r_b.retile(tBr)
+    if const_expr(B_BY_X4):
+        # The (V, M) x (V, 2) products of copy j's two n8 atoms (ldmatrix.x4 j of a k step fills
+        # atoms 2j and 2j + 1).
+        tBr_pairs = cute.make_tensor(tBr.iterator, cute.logical_divide(tBr.layout, (None, 2, None)))
+        acc_pairs = cute.make_tensor(acc.iterator, cute.logical_divide(acc.layout, (None, None, 2)))
     for k in cutlass.range_constexpr(cute.size(tBs, mode=[2])):
         if const_expr(s2r_a is not None):
             cute.copy(s2r_a, tAs[None, None, k], s2r_a.retile(tAr)[None, None, k])
-        cute.copy(s2r_b, tBs[None, None, k], tBr_view[None, None, k])
-        cute.gemm(tiled_mma, acc, tAr[None, None, k], tBr[None, None, k], acc)
+        if const_expr(B_BY_X4):
+            for j in cutlass.range_constexpr(cute.size(tBs, mode=[1])):
+                cute.copy(s2r_b, tBs[None, j, k], tBr_view[None, j, k])
+                pair = acc_pairs[None, None, (None, j)]
+                cute.gemm(tiled_mma, pair, tAr[None, None, k], tBr_pairs[None, (None, j), k], pair)
+        else:
+            cute.copy(s2r_b, tBs[None, None, k], tBr_view[None, None, k])
+            cute.gemm(tiled_mma, acc, tAr[None, None, k], tBr[None, None, k], acc)
 
 
 @cute.jit

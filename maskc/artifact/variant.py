@@ -341,6 +341,15 @@ class KernelVariant:
         return warps_m, warps // warps_m
 
     @property
+    def portable_b_by_x4(self) -> bool:
+        """The portable kernels' B operands (K and V in the forward) are ldmatrix'ed one x4 (two n8
+        atoms) at a time, each product beside its copy (the templates' B_BY_X4): in the next
+        forward's 32-key blocks (d=128 and 256), where ptxas measured it: sm_80 spill bytes 132 ->
+        8 at d=128, 88 -> 64 at d=256. Elsewhere it spilled more (the 32-row forward's 128x128 at
+        d=64: 240 -> 420, 128x64 at d=96: 48 -> 224) or the same (the next backward)."""
+        return self.portable_next and self.direction == "fwd" and self.tile_n == 32
+
+    @property
     def q_stages(self) -> int:
         """Q buffers: two when they fit, so the next work item's Q loads while this one's
         softmax tail and epilogue run (and its O tile leaves through the other buffer). The
