@@ -374,7 +374,7 @@ def test_head_dims_only_the_next_portable_kernels_have_get_them_and_portable_nex
     """On sm_80, d=96 and d=256 exist only as the experimental next portable kernels (d=256
     without a backward, which needs 136 KiB), their forward with and without PackGQA;
     `--portable-next` adds them beside the verified ones; on sm_86 (99 KiB a CTA) d=128's next
-    backward keeps the 64-key tile."""
+    backward takes 32-query blocks and one stage."""
     from maskc.artifact.variant import variant_for
     from maskc.cli import _kernel_requests, build_parser
 
@@ -395,4 +395,4 @@ def test_head_dims_only_the_next_portable_kernels_have_get_them_and_portable_nex
     args = build_parser().parse_args(["compile", "x.mask", "-o", "out", "--arch", "sm_86", "--portable-next"])
     shapes = {(r["direction"], r.get("portable_next", False), r["pack_gqa"]): variant_for(r)
               for r in _kernel_requests(args, [Mask.from_cu_seqlens([0, 1000])])}  # fmt: skip
-    assert (shapes["bwd", True, False].tile_n, shapes["bwd", True, False].num_stages) == (64, 1)
+    assert (shapes["bwd", True, False].tile_m, shapes["bwd", True, False].num_stages) == (32, 1)

@@ -18,8 +18,8 @@ cutlass = pytest.importorskip("cutlass")
 from cutlass.cute.runtime import from_dlpack  # noqa: E402
 
 
-def backward(head_dim: int, portable_next: bool = True, direction: str = "bwd") -> KernelVariant:
-    return variant_for({"arch": "sm_80", "direction": direction, "head_dim": head_dim, "dtype": "bf16", "num_heads_q": 8,
+def backward(head_dim: int, portable_next: bool = True, direction: str = "bwd", arch: str = "sm_80") -> KernelVariant:
+    return variant_for({"arch": arch, "direction": direction, "head_dim": head_dim, "dtype": "bf16", "num_heads_q": 8,
                         "num_heads_kv": 2, "portable": True, "portable_next": portable_next})  # fmt: skip
 
 
@@ -29,11 +29,13 @@ def rendered(v: KernelVariant, tmp_path):
     return _import_source(path, f"maskc_host_{v.key()}")
 
 
-@pytest.mark.parametrize("head_dim, portable_next", [(128, True), (64, True), (96, True), (128, False)])
-def test_the_dq_warp_grid_adds_every_dq_element_once(head_dim, portable_next, tmp_path):
+@pytest.mark.parametrize("head_dim, portable_next, arch", [(128, True, "sm_80"), (64, True, "sm_80"), (96, True, "sm_80"),
+                                                         (128, True, "sm_86"), (128, False, "sm_80")])  # fmt: skip
+def test_the_dq_warp_grid_adds_every_dq_element_once(head_dim, portable_next, arch, tmp_path):
     """dQ^T = K^T dS^T over the head dims in DQ_ROWS-row products by the DQ_WARPS_M x DQ_WARPS_N
-    warp grid: over every thread and product, each (head dim, query) of a q block's dQ once."""
-    k = rendered(backward(head_dim, portable_next), tmp_path)
+    warp grid: over every thread and product, each (head dim, query) of a q block's dQ once (on
+    sm_86, d=128's q blocks have 32 queries)."""
+    k = rendered(backward(head_dim, portable_next, arch=arch), tmp_path)
 
     @cute.jit
     def cover(count: cute.Tensor):
@@ -50,13 +52,14 @@ def test_the_dq_warp_grid_adds_every_dq_element_once(head_dim, portable_next, tm
     assert bool((count == 1).all()), f"dQ elements added {int(count.min())} to {int(count.max())} times"
 
 
-@pytest.mark.parametrize("direction, head_dim", [("bwd", 128), ("bwd", 96), ("bwd", 64), ("fwd", 128), ("fwd", 256)])
-def test_each_thread_holds_the_rows_and_columns_the_line_masks_assume(direction, head_dim, tmp_path):
+@pytest.mark.parametrize("direction, head_dim, arch", [("bwd", 128, "sm_80"), ("bwd", 96, "sm_80"), ("bwd", 64, "sm_80"),
+                                                      ("bwd", 128, "sm_86"), ("fwd", 128, "sm_80"), ("fwd", 256, "sm_80")])  # fmt: skip
+def test_each_thread_holds_the_rows_and_columns_the_line_masks_assume(direction, head_dim, arch, tmp_path):
     """S^T of the backward's k tile (NUM_WARPS warps of 16 keys) and S of the forward's q tile
     (four warps of 32 query rows up to d=128, 16 at d=256): every element held by one thread,
     in its ROWS_PER_THREAD rows, columns in pairs every MASK_STRIDE from its first (the pattern
     common/mask.jinja reads the lines with)."""
-    k = rendered(backward(head_dim, direction=direction), tmp_path)
+    k = rendered(backward(head_dim, direction=direction, arch=arch), tmp_path)
     shape = (k.TILE_K, k.TILE_Q) if direction == "bwd" else (k.TILE_M, k.TILE_N)
 
     @cute.jit

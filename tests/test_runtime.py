@@ -430,7 +430,7 @@ def test_the_next_portable_kernels_run_only_where_the_environment_opts_in(monkey
     """$MASKC_PORTABLE_NEXT=1 swaps the portable kernels for the experimental next ones wherever
     portable ones run (an A100 by default, or portable=True on Hopper), never the Hopper
     default; the backward's 256-thread CTAs run one per SM, and on an sm_86 GPU (99 KiB a CTA)
-    the d=128 backward keeps the 64-key, one-stage tile."""
+    the d=128 backward takes 32-query blocks in one stage."""
     monkeypatch.delenv("MASKC_PORTABLE_NEXT", raising=False)
     assert not call_plan.portable_next_opted_in()
     monkeypatch.setenv("MASKC_PORTABLE_NEXT", "1")
@@ -452,7 +452,7 @@ def test_the_next_portable_kernels_run_only_where_the_environment_opts_in(monkey
 
     assert backward_shape((8, 0), 108, False) == (registry.LaunchShape(64, 64, 2, ctas_per_sm=2), Tiles(64, 64, 1))
     assert backward_shape((8, 0), 108, True) == (registry.LaunchShape(64, 128, 2, ctas_per_sm=1), Tiles(64, 128, 2))
-    assert backward_shape((8, 6), 84, True) == (registry.LaunchShape(64, 64, 2, ctas_per_sm=2), Tiles(64, 64, 1))
+    assert backward_shape((8, 6), 84, True) == (registry.LaunchShape(32, 128, 2, ctas_per_sm=1), Tiles(32, 128, 1))
 
 
 def test_head_dims_of_the_next_portable_kernels_are_named_where_a_call_lacks_them() -> None:

@@ -382,9 +382,9 @@ PORTABLE = KernelFamily(
 )
 
 # Never run: the portable kernels rewritten for speed (issue 58), behind PORTABLE_NEXT_ENV.
-# Forward: 32 query rows a warp, PackGQA, d=96 and d=256. Backward: FlashAttention-2's shape, eight warps of 16 keys (a 128-key k tile) against q blocks
-# of 64 queries, two (Q, dO) stages: the next step's Q and dO load while this one computes.
-# Archs with 99 KiB a CTA keep the 64-key, one-stage tile.
+# Forward: 32 query rows a warp, PackGQA, d=96 and d=256. Backward: FlashAttention-2's shape,
+# eight warps of 16 keys (a 128-key k tile) against q blocks of 64 queries, two (Q, dO) stages:
+# the next step's Q and dO load while this one computes.
 PORTABLE_NEXT = KernelFamily(
     name="portable_next",
     title="portable next",
@@ -407,9 +407,11 @@ PORTABLE_NEXT = KernelFamily(
         choices=None,
         summary="warp MMA, a warp per 16 keys of the k tile, the next step's Q and dO by cp.async during this one (two stages), dQ by L2 reductions",
         missing="d=256 has the forward only: a backward that fits is not written yet",
-        # d=96's 128-key tile needs 112 KiB: 64 keys in two stages (80 KiB) there.
+        # On 99 KiB: d=128's 144 KiB become 88 with 32-query blocks and one stage (ptxas, sm_86
+        # and sm_89: no spill, where the verified 64-key tile spills 2600 bytes; sm_120a: 1584,
+        # 1208); d=96's 112 KiB 80 with 64 keys (its dQ^T warp grid needs 64-query blocks).
         compact_tiles={HeadDim(64, 64): Tiles(64, 128, 2), HeadDim(96, 96): Tiles(64, 64, 2),
-                       HeadDim(128, 128): Tiles(64, 64, 1)},  # fmt: skip
+                       HeadDim(128, 128): Tiles(32, 128, 1)},  # fmt: skip
     ),
     portable=True,
     experimental=True,
