@@ -156,9 +156,8 @@ class Kernel:
     #: runtime takes per mask where its estimate is faster (maskc.ir.strategy.select_forward).
     tall_tiles: Mapping[HeadDim, Tiles] = field(default_factory=dict)
     #: The tile shapes on archs with COMPACT_SMEM a CTA, where `tiles` would not fit; None: `tiles`
-    #: fit every arch. A head dim left out has no kernel there, for the reason in `compact_missing`.
+    #: fit every arch. A head dim left out has no kernel there.
     compact_tiles: Mapping[HeadDim, Tiles] | None = None
-    compact_missing: str = ""
     #: Why head dims of the family's forward have none of this kernel, for the error that says so.
     missing: str = ""
 
@@ -503,8 +502,8 @@ def check_head_dim(family: KernelFamily, direction: str, head_dim: HeadDim, arch
     tiles = kernel.arch_tiles(arch_name) if arch_name is not None else kernel.tiles
     if head_dim not in tiles:
         raise VariantError(
-            f"{name} has no kernel for head_dim {head_dim} on {arch_name} ({kernel.compact_missing}); "
-            f"there it supports {_listed(tuple(sorted(tiles)))}"
+            f"{name} has no kernel for head_dim {head_dim} on {arch_name} (its shapes need more than the "
+            f"{COMPACT_SMEM // 1024} KiB of shared memory a CTA has there); there it supports {_listed(tuple(sorted(tiles)))}"
         )
 
 
