@@ -184,7 +184,8 @@ def _kernel_requests(args: argparse.Namespace, masks: list[Mask]) -> list[dict[s
     from maskc.codegen.matrix import Features, kernel_requests
 
     features = Features(softcap=args.softcap, sink=args.sink, max_logits=args.max_logits,
-                        deterministic=args.deterministic, portable=args.portable)  # fmt: skip
+                        deterministic=args.deterministic, portable=args.portable,
+                        portable_next=args.portable_next)  # fmt: skip
     return kernel_requests(args.arch, args.head_dim, args.heads, args.dtype, features, masks)
 
 
@@ -308,6 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     kernel.add_argument(
         "--portable", action="store_true", help="also the portable kernels where an arch has kernels of its own"
     )
+    kernel.add_argument(
+        "--portable-next", action="store_true",
+        help="also the experimental next portable kernels (never run; the runtime takes them with MASKC_PORTABLE_NEXT=1) "
+        "beside the portable ones; a head dim that only they have gets them without it",
+    )  # fmt: skip
     kernel.add_argument("--bundle-runtime", action="store_true", help="ship libcute_dsl_runtime.so.xz in the artifact directory")
     kernel.add_argument("--ir-only", action="store_true", help="write the IR and manifest only, no kernels")
     dist_options(comp.add_argument_group("context parallelism (the plan goes into the artifact directory)"), False)

@@ -8,6 +8,7 @@ GPUs is `maskc.dist.plan`'s `Plan`.)"""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache, lru_cache
@@ -20,6 +21,9 @@ from maskc.artifact.abi import BACKWARD_ABI, TensorArg
 from maskc.artifact.kernel_families import (
     ARCHS,
     DTYPES,
+    PORTABLE,
+    PORTABLE_NEXT,
+    PORTABLE_NEXT_ENV,
     HeadDim,
     KernelFamily,
     Tiles,
@@ -74,10 +78,12 @@ class Target:
     has_max_logits: bool
     pack_gqa: bool | None
     deterministic: bool
+    portable_next: bool = False
+    """The portable kernels are the experimental next ones (`portable_next_opted_in`)."""
 
     @property
     def family(self) -> KernelFamily:
-        return family_of(self.arch, self.portable)
+        return family_of(self.arch, self.portable, self.portable_next)
 
     def tiles(self, direction: str) -> Tiles:
         """The tile shape of the family's `direction` kernel for the call's head dims; an error
@@ -93,8 +99,8 @@ class Target:
 def _target_tiles(target: Target, direction: str) -> Tiles:
     """`Target.tiles`, once per target (an eager call with gradients asks for the backward's)."""
     head_dim = HeadDim.of(target.fields)
-    check_head_dim(target.family, direction, head_dim)
-    return target.family.kernel(direction).tiles[head_dim]
+    check_head_dim(target.family, direction, head_dim, target.arch)
+    return target.family.kernel(direction).arch_tiles(target.arch)[head_dim]
 
 
 def check_options(pack_gqa: object, deterministic: object, portable: object) -> None:
@@ -106,12 +112,23 @@ def check_options(pack_gqa: object, deterministic: object, portable: object) -> 
             raise TypeError(f"{name} must be {'None, ' if may_be_none else ''}True or False, got {value!r}")
 
 
+def portable_next_opted_in() -> bool:
+    """Whether this process runs the experimental next portable kernels wherever it runs portable
+    ones: $MASKC_PORTABLE_NEXT is 1 (unset or 0: the verified ones)."""
+    value = os.environ.get(PORTABLE_NEXT_ENV, "0")
+    if value not in ("0", "1"):
+        raise MaskcError(f"{PORTABLE_NEXT_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 @lru_cache(maxsize=256)
 def make_target(capability: tuple[int, int], num_sms: int, dtype: torch.dtype, num_heads_q: int, num_heads_kv: int,
                 head_dim: HeadDim, has_softcap: bool, has_sink: bool, return_max_logits: bool, pack_gqa: bool | None,
-                deterministic: bool, sm_margin: int = 0, portable: bool | None = None) -> Target:  # fmt: skip
+                deterministic: bool, sm_margin: int = 0, portable: bool | None = None,
+                portable_next: bool = False) -> Target:  # fmt: skip
     """The target of a call on a GPU of `capability` with `num_sms` SMs, validated: every
-    error a call's options can cause is raised here, before any kernel is looked for."""
+    error a call's options can cause is raised here, before any kernel is looked for.
+    `portable_next`: the experimental next portable kernels wherever portable ones run."""
     if not 0 <= sm_margin < num_sms:
         raise MaskcError(f"sm_margin must be in [0, {num_sms}) on this GPU, got {sm_margin}")
     arch = arch_of_capability(capability)
@@ -120,10 +137,14 @@ def make_target(capability: tuple[int, int], num_sms: int, dtype: torch.dtype, n
             f"no maskc kernel for compute capability {capability}; supported: {sorted(a.capability for a in ARCHS)}"
         )
     family = _family(arch.name, portable)
+    if family is PORTABLE and portable_next:
+        family = PORTABLE_NEXT
     if head_dim not in family.head_dims:
         raise MaskcError(
             f"head_dim {head_dim} is not supported on {arch.name}; supported head dims: {', '.join(map(str, family.head_dims))}"
-        )
+            + (f"; the experimental next portable kernels have {', '.join(map(str, PORTABLE_NEXT.head_dims))} "
+               f"({PORTABLE_NEXT_ENV}=1)" if family is PORTABLE and head_dim in PORTABLE_NEXT.head_dims else "")
+        )  # fmt: skip
     if pack_gqa and not family.has("fwd", "pack_gqa"):
         raise MaskcError(
             f"the {family.title} kernel (the one used on {arch.name}) has no PackGQA yet"
@@ -133,9 +154,9 @@ def make_target(capability: tuple[int, int], num_sms: int, dtype: torch.dtype, n
         raise MaskcError(f"pack_gqa needs Hq / Hkv a power of two in [2, 64]; got {num_heads_q} / {num_heads_kv}")
     base = {"arch": arch.name, "head_dim": head_dim.qk, "head_dim_v": head_dim.v, "dtype": TORCH_DTYPES[dtype],
             "num_heads_q": num_heads_q, "num_heads_kv": num_heads_kv, "has_softcap": has_softcap,
-            "portable": family.portable}  # fmt: skip
+            "portable": family.portable, **({"portable_next": True} if family is PORTABLE_NEXT else {})}  # fmt: skip
     return Target(arch.name, num_sms - sm_margin, family.portable, tuple(base.items()), has_sink, return_max_logits,
-                  None if pack_gqa is None else bool(pack_gqa), deterministic)  # fmt: skip
+                  None if pack_gqa is None else bool(pack_gqa), deterministic, family is PORTABLE_NEXT)  # fmt: skip
 
 
 def memoized(mask: Mask, key: tuple, compute: Callable[[], Any]) -> Any:

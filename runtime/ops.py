@@ -62,7 +62,8 @@ def call_target(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_softcap: 
     capability, num_sms = call_plan.device_info(q.device)
     *_, hq, d = q.shape
     return call_plan.make_target(capability, num_sms, q.dtype, hq, k.shape[-2], HeadDim(d, v.shape[-1]), has_softcap, has_sink,
-                                 return_max_logits, options.pack_gqa, options.deterministic, sm_margin, options.portable)  # fmt: skip
+                                 return_max_logits, options.pack_gqa, options.deterministic, sm_margin, options.portable,
+                                 call_plan.portable_next_opted_in())  # fmt: skip
 
 
 def packed_rows(x: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,7 @@ def target_for(device: torch.device | str, *, num_heads_q: int, num_heads_kv: in
     signing.plan_key()  # here, before DataLoader workers start, so that they sign with this process's key
     head_dims = HeadDim(head_dim, head_dim if head_dim_v is None else head_dim_v)
     return call_plan.make_target(capability, num_sms, dtype, num_heads_q, num_heads_kv, head_dims, False, False, False,
-                                 pack_gqa, deterministic, sm_margin, portable)  # fmt: skip
+                                 pack_gqa, deterministic, sm_margin, portable, call_plan.portable_next_opted_in())  # fmt: skip
 
 
 def prepare(mask: Mask, target: call_plan.Target | None, *, backward: bool = True) -> PreparedMask:

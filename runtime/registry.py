@@ -24,9 +24,9 @@ from maskc.runtime.launch import CuteRuntime, Kernel, runtime_at, runtime_of
 
 REQUEST_FIELDS = (
     "arch", "direction", "head_dim", "dtype", "num_heads_q", "num_heads_kv", "has_softcap", "has_sink", "has_max_logits",
-    "pack_gqa", "deterministic", "unmasked", "portable", "tall",
+    "pack_gqa", "deterministic", "unmasked", "portable", "portable_next", "tall",
 )  # fmt: skip
-_OPTIONAL_FIELDS = ("pack_gqa", "deterministic", "unmasked", "portable", "tall")  # False where a request or manifest leaves them out
+_OPTIONAL_FIELDS = ("pack_gqa", "deterministic", "unmasked", "portable", "portable_next", "tall")  # False where a request or manifest leaves them out
 
 
 def request_key(fields: Mapping[str, Any]) -> tuple:
@@ -59,17 +59,19 @@ def launch_shape(fields: Mapping[str, Any]) -> LaunchShape:
     """The launch shape of the kernel with manifest `fields` (tile_m and tile_n included); its
     family says how it runs."""
     hq, hkv = fields["num_heads_q"], fields["num_heads_kv"]
-    family = family_of(fields["arch"], fields.get("portable", False))
+    family = family_of(fields["arch"], fields.get("portable", False), fields.get("portable_next", False))
     if fields["direction"] == "bwd":  # items are (k tile, kv head); tile_m is the q block
         deterministic = fields.get("deterministic", False)
         pieces = hq // hkv if family.split_backward and not deterministic else 1
         # A deterministic CTA waits for lower items' CTAs: one per SM keeps them all resident.
-        ctas_per_sm = 1 if deterministic else family.ctas_per_sm
+        ctas_per_sm = 1 if deterministic else family.ctas_per_sm_of("bwd", fields["tile_m"], fields["tile_n"])
         return LaunchShape(fields["tile_m"], fields["tile_n"], hkv, deterministic, pieces, ctas_per_sm,
                            family.document_tiles)  # fmt: skip
+    ctas_per_sm = family.ctas_per_sm_of("fwd", fields["tile_m"], fields["tile_n"])
     if fields.get("pack_gqa", False):
-        return LaunchShape(fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv, document_tiles=family.document_tiles)
-    return LaunchShape(fields["tile_m"], fields["tile_n"], hq, ctas_per_sm=family.ctas_per_sm,
+        return LaunchShape(fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv, ctas_per_sm=ctas_per_sm,
+                           document_tiles=family.document_tiles)  # fmt: skip
+    return LaunchShape(fields["tile_m"], fields["tile_n"], hq, ctas_per_sm=ctas_per_sm,
                        document_tiles=family.document_tiles, document_rows=family.document_tiles)  # fmt: skip
 
 

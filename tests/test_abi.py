@@ -22,7 +22,7 @@ IDS = [f"{family.name}-{direction}" for family, direction in CASES]
 def _variants(family: KernelFamily, direction: str) -> list[KernelVariant]:
     """The family's kernel without options, and with every option it has."""
     base = {"arch": family.archs[0], "direction": direction, "head_dim": 128, "dtype": "bf16", "num_heads_q": 8,
-            "num_heads_kv": 2, "portable": family.portable}  # fmt: skip
+            "num_heads_kv": 2, **family.selector}  # fmt: skip
     flags = family.kernel(direction).flags
     return [variant_for(base), variant_for({**base, **dict.fromkeys(flags, True)})]
 

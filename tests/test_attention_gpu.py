@@ -1,16 +1,18 @@
 """maskc.attention on the GPU against the reference in float32, for every mask family.
 
 Kernels come from the artifact directories named in $MASKC_GPU_ARTIFACTS (colon-separated
-`maskc compile` outputs, with `--portable` for the portable cases; how the GPU machine gets
-them) or are compiled on first use when the CUTLASS DSL is installed. Outputs are poisoned with NaN before each call (through the
+`maskc compile` outputs, with `--portable` and `--portable-next` for the portable cases; how the
+GPU machine gets them) or are compiled on first use when the CUTLASS DSL is installed. Outputs are poisoned with NaN before each call (through the
 caching allocator, checked) so an element the kernel never writes fails the test.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 import maskc
-from maskc.artifact.kernel_families import HeadDim
+from maskc.artifact.kernel_families import PORTABLE_NEXT_ENV, HeadDim
 from maskc.frontend import load
 from maskc.ir import AttnSlice, Mask, strategy
 from maskc.runtime import call_plan, registry
@@ -111,7 +113,20 @@ def _dims(d: int | str) -> HeadDim:
     return HeadDim.parse(str(d))
 
 
-def _check(mask: Mask, hq: int, hkv: int, d: int | str, dtype: str, *, softcap: float = 0.0, sink: bool = False, max_logits: bool = False, seed: int = 0, pack_gqa: bool | None = None, portable: bool | None = None) -> None:
+#: A test's `portable` that runs the experimental next portable kernels (portable=True with
+#: $MASKC_PORTABLE_NEXT=1).
+NEXT = "next"
+
+
+@contextlib.contextmanager
+def _kernels(portable: bool | str | None) -> Iterator[bool | None]:
+    """maskc.attention's `portable` for a test's, with the environment that opts into the next
+    portable kernels while the calls (and their backwards) run."""
+    with mock.patch.dict(os.environ, {PORTABLE_NEXT_ENV: "1" if portable == NEXT else "0"}):
+        yield True if portable == NEXT else portable
+
+
+def _check(mask: Mask, hq: int, hkv: int, d: int | str, dtype: str, *, softcap: float = 0.0, sink: bool = False, max_logits: bool = False, seed: int = 0, pack_gqa: bool | None = None, portable: bool | str | None = None) -> None:
     g = torch.Generator(device="cuda").manual_seed(seed)
     tq, tk = mask.shape
     dims = _dims(d)
@@ -119,9 +134,10 @@ def _check(mask: Mask, hq: int, hkv: int, d: int | str, dtype: str, *, softcap: 
     k = torch.randn(tk, hkv, dims.qk, device="cuda", generator=g).to(DTYPES[dtype])
     v = torch.randn(tk, hkv, dims.v, device="cuda", generator=g).to(DTYPES[dtype])
     sinks = torch.randn(3, hq, device="cuda", generator=g) * 2 if sink else None
-    out, meta = _poisoned_call(
-        q, k, v, mask, softcap=softcap, sink=sinks, return_max_logits=max_logits, pack_gqa=pack_gqa, portable=portable
-    )
+    with _kernels(portable) as family:
+        out, meta = _poisoned_call(
+            q, k, v, mask, softcap=softcap, sink=sinks, return_max_logits=max_logits, pack_gqa=pack_gqa, portable=family
+        )
     torch.cuda.synchronize()
     ref, ref_meta = maskc.reference_attention(
         q.float(), k.float(), v.float(), mask, softcap=softcap, sink=sinks, return_max_logits=max_logits
@@ -140,9 +156,10 @@ def _check(mask: Mask, hq: int, hkv: int, d: int | str, dtype: str, *, softcap: 
         assert _max_abs(meta.max_logits[both] - ref_meta.max_logits[both]) < 2e-2
 
 
-# The forward and gradient tests run the Hopper kernels (portable=None on an H100 / H200) and
-# the portable ones (warp MMA, built for sm_90a: what every GPU since Ampere runs).
-KERNELS = pytest.mark.parametrize("portable", [None, True], ids=["native", "portable"])
+# The forward and gradient tests run the Hopper kernels (portable=None on an H100 / H200), the
+# portable ones (warp MMA, built for sm_90a: what every GPU since Ampere runs) and the
+# experimental next portable ones.
+KERNELS = pytest.mark.parametrize("portable", [None, True, NEXT], ids=["native", "portable", "portable_next"])
 
 
 @KERNELS
@@ -205,6 +222,26 @@ def test_head_dims_with_head_layouts_fp16_and_options(d: str, hq: int, hkv: int)
 @pytest.mark.parametrize("n", [1, 129, 16411])
 def test_head_dims_at_sequence_edges(d: str, n: int) -> None:
     _check(Mask.from_cu_seqlens([0, n], causal=True), 8, 2, d, "bf16")
+
+
+# The next portable kernels (experimental) add d=96 (forward and backward) and d=256 (forward).
+NEXT_HEAD_DIMS = ["96", "256"]
+
+
+@pytest.mark.parametrize("d", NEXT_HEAD_DIMS)
+@pytest.mark.parametrize("name", list(MASKS))
+def test_every_mask_family_on_the_next_portable_head_dims(name: str, d: str) -> None:
+    _check(MASKS[name](), 64, 8, d, "bf16", seed=name_seed(name), portable=NEXT)
+
+
+@pytest.mark.parametrize("d", NEXT_HEAD_DIMS)
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 8), (8, 1)])
+def test_next_portable_head_dims_with_head_layouts_fp16_options_and_edges(d: str, hq: int, hkv: int) -> None:
+    for name in ("varlen_causal", "random_overlapping", "rows_without_keys"):
+        _check(MASKS[name](), hq, hkv, d, "fp16", seed=name_seed(name), portable=NEXT)
+    _check(MASKS["varlen_block_causal"](), hq, hkv, d, "bf16", softcap=5.0, sink=True, max_logits=True, portable=NEXT)
+    for n in (1, 129, 16411):
+        _check(Mask.from_cu_seqlens([0, n], causal=True), hq, hkv, d, "bf16", portable=NEXT)
 
 
 def _force_tall_tile(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -302,29 +339,44 @@ def test_gpu_input_errors() -> None:
 # ---- PackGQA (the G query heads of a K/V head share an M tile) ---------------------------------
 
 
+# PackGQA: the Hopper forward, and the next portable one (experimental).
+PACKED = pytest.mark.parametrize("portable", [None, NEXT], ids=["native", "portable_next"])
+
+
+@PACKED
 @pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 1)])
 @pytest.mark.parametrize("name", list(MASKS))
-def test_every_mask_family_pack_gqa(name: str, hq: int, hkv: int) -> None:
-    _check(MASKS[name](), hq, hkv, 128, "bf16", pack_gqa=True, seed=name_seed(name))
+def test_every_mask_family_pack_gqa(name: str, hq: int, hkv: int, portable: str | None) -> None:
+    _check(MASKS[name](), hq, hkv, 128, "bf16", pack_gqa=True, seed=name_seed(name), portable=portable)
 
 
+@PACKED
 @pytest.mark.parametrize("d,dtype", [(128, "bf16"), (64, "fp16")])
 @pytest.mark.parametrize("pack_gqa", [True, False])
-def test_pack_gqa_with_softcap_sink_and_max_logits(d: int, dtype: str, pack_gqa: bool) -> None:
+def test_pack_gqa_with_softcap_sink_and_max_logits(d: int, dtype: str, pack_gqa: bool, portable: str | None) -> None:
     for name in ("varlen_causal", "rows_without_keys", "random_unequal"):
-        _check(MASKS[name](), 8, 2, d, dtype, softcap=5.0, sink=True, max_logits=True, pack_gqa=pack_gqa)
+        _check(MASKS[name](), 8, 2, d, dtype, softcap=5.0, sink=True, max_logits=True, pack_gqa=pack_gqa, portable=portable)
 
 
+@PACKED
 @pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 1)])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_pack_gqa_head_dim_64(hq: int, hkv: int, dtype: str) -> None:
+def test_pack_gqa_head_dim_64(hq: int, hkv: int, dtype: str, portable: str | None) -> None:
     for name in ("varlen_causal", "tiny_documents", "random_overlapping"):
-        _check(MASKS[name](), hq, hkv, 64, dtype, pack_gqa=True)
+        _check(MASKS[name](), hq, hkv, 64, dtype, pack_gqa=True, portable=portable)
 
 
+@pytest.mark.parametrize("d", NEXT_HEAD_DIMS)
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 1)])
+def test_pack_gqa_on_the_next_portable_head_dims(d: str, hq: int, hkv: int) -> None:
+    for name in ("varlen_causal", "tiny_documents", "rows_without_keys"):
+        _check(MASKS[name](), hq, hkv, d, "bf16", pack_gqa=True, sink=True, portable=NEXT)
+
+
+@PACKED
 @pytest.mark.parametrize("n", [1, 7, 16, 17, 129, 1000])
-def test_pack_gqa_short_sequences(n: int) -> None:
-    _check(Mask([AttnSlice((0, n), (0, 4099), "causal")], n, 4099), 64, 8, 128, "bf16", pack_gqa=True)
+def test_pack_gqa_short_sequences(n: int, portable: str | None) -> None:
+    _check(Mask([AttnSlice((0, n), (0, 4099), "causal")], n, 4099), 64, 8, 128, "bf16", pack_gqa=True, portable=portable)
 
 
 def test_automatic_gqa_strategy_matches_both_forced() -> None:
@@ -370,7 +422,7 @@ def _leaf_grads(leaves: list[torch.Tensor], sink_leaf: torch.Tensor | None) -> l
 
 def _grad_errors(
     mask: Mask, hq: int, hkv: int, d: int, dtype: str, *, softcap: float = 0.0, sink: bool = False, seed: int = 0,
-    deterministic: bool = False, lse_grad: bool = True, portable: bool | None = None, softmax_scale: float | None = None,
+    deterministic: bool = False, lse_grad: bool = True, portable: bool | str | None = None, softmax_scale: float | None = None,
     poisoned: bool = False,
 ) -> dict[str, tuple[float, float]]:
     """Per gradient, maskc's error against a float64 reference and what the issue's rule allows
@@ -393,10 +445,11 @@ def _grad_errors(
         dlse.double() if lse_grad else None, **options,
     )
     low = _grads(maskc.reference_attention, q, k, v, sinks, mask, dout, dlse, **options)
-    ours = _grads(
-        maskc.attention, q, k, v, sinks, mask, dout, dlse, poisoned, deterministic=deterministic, portable=portable,
-        **options,
-    )
+    with _kernels(portable) as family:
+        ours = _grads(
+            maskc.attention, q, k, v, sinks, mask, dout, dlse, poisoned, deterministic=deterministic, portable=family,
+            **options,
+        )
     errors = {}
     for name, o, lo, ex in zip(("dq", "dk", "dv", "dsink"), ours, low, exact):
         assert not torch.isnan(o).any(), f"{name} has NaN"
@@ -448,6 +501,25 @@ def test_gradients_head_dims_head_layouts_fp16_and_options(d: str, hq: int, hkv:
     _check_grads(MASKS["varlen_causal"](), hq, hkv, d, "fp16")
     _check_grads(MASKS["rows_without_keys"](), hq, hkv, d, "bf16", softcap=5.0, sink=True, deterministic=True)
     _check_grads(Mask.from_cu_seqlens([0, 1000]), hq, hkv, d, "bf16", lse_grad=False)  # the unmasked kernel
+
+
+@pytest.mark.parametrize("name", GRAD_MASKS)
+def test_gradients_every_mask_family_next_portable_d96(name: str) -> None:
+    _check_grads(MASKS[name](), 8, 2, 96, "bf16", seed=name_seed(name), portable=NEXT)
+
+
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 8), (8, 1)])
+def test_gradients_next_portable_d96_head_layouts_fp16_and_options(hq: int, hkv: int) -> None:
+    _check_grads(MASKS["varlen_causal"](), hq, hkv, 96, "fp16", portable=NEXT)
+    _check_grads(MASKS["rows_without_keys"](), hq, hkv, 96, "bf16", softcap=5.0, sink=True, deterministic=True,
+                 portable=NEXT)  # fmt: skip
+
+
+def test_the_next_portable_d256_has_no_backward_and_says_why() -> None:
+    q = torch.randn(64, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with _kernels(NEXT) as family, pytest.raises(maskc.errors.VariantError, match="d=256 has the forward only"):
+        out, _ = maskc.attention(q, q, q, Mask.from_cu_seqlens([0, 64], causal=True), portable=family)
+        out.sum().backward()
 
 
 @pytest.mark.parametrize("d", ["128", *BACKWARD_HEAD_DIMS])
@@ -521,9 +593,10 @@ def test_gradients_through_a_broadcast_lse_gradient(portable: bool | None) -> No
     shapes = [(mask.seqlen_q, 8, 128), (mask.seqlen_k, 2, 128), (mask.seqlen_k, 2, 128)]
     leaves = [torch.randn(s, device="cuda", generator=g).to(torch.bfloat16).requires_grad_() for s in shapes]
     exact = [x.detach().double().requires_grad_() for x in leaves]
-    for fn, xs, kwargs in ((maskc.attention, leaves, {"portable": portable}), (maskc.reference_attention, exact, {})):
-        out, meta = fn(*xs, mask, **kwargs)
-        (out.double().square().sum() + meta.lse.sum()).backward()
+    with _kernels(portable) as family:
+        for fn, xs, kwargs in ((maskc.attention, leaves, {"portable": family}), (maskc.reference_attention, exact, {})):
+            out, meta = fn(*xs, mask, **kwargs)
+            (out.double().square().sum() + meta.lse.sum()).backward()
     for ours, theirs in zip(leaves, exact):
         rel = torch.linalg.vector_norm(ours.grad.double() - theirs.grad) / torch.linalg.vector_norm(theirs.grad)
         assert rel < 2e-2, f"relative gradient error {float(rel):.2e}"
@@ -639,7 +712,7 @@ def test_gradients_of_masks_without_partial_blocks(cu_seqlens: list[int]) -> Non
 
 @pytest.mark.parametrize("name,hq,hkv,d,dtype,portable", [
     *((*case, portable) for case in (("causal", 8, 2, 128, "bf16"), ("varlen_block_causal", 64, 8, 128, "bf16"),
-                                      ("random_overlapping", 8, 8, 64, "fp16")) for portable in (None, True)),
+                                      ("random_overlapping", 8, 8, 64, "fp16")) for portable in (None, True, NEXT)),
     ("varlen_block_causal", 8, 2, "192/128", "bf16", None),  # the portable kernels stop at 128
 ])  # fmt: skip
 def test_deterministic_gradients_are_bitwise_reproducible(
@@ -653,7 +726,8 @@ def test_deterministic_gradients_are_bitwise_reproducible(
     v = torch.randn(tk, hkv, dims.v, device="cuda", generator=g).to(DTYPES[dtype])
     dout = torch.randn(tq, hq, dims.v, device="cuda", generator=g)
     dlse = torch.randn(tq, hq, device="cuda", generator=g)
-    runs = [_grads(maskc.attention, q, k, v, None, mask, dout, dlse, deterministic=True, portable=portable) for _ in range(3)]
+    with _kernels(portable) as family:
+        runs = [_grads(maskc.attention, q, k, v, None, mask, dout, dlse, deterministic=True, portable=family) for _ in range(3)]
     for other in runs[1:]:
         for name_, a, b in zip(("dq", "dk", "dv"), runs[0], other):
             assert torch.equal(a, b), f"{name_} differs between deterministic runs"

@@ -368,3 +368,31 @@ def test_verify_rebuild_finds_an_object_its_publisher_swapped(tmp_path: Path, mo
     assert swapped.returncode == 1, swapped.stderr
     assert re.search(r"attn_fwd_\S+: DIFFERS: object differs \(1 of [\d,]+ bytes.*\) in ELF sections \.\w+", swapped.stdout), swapped.stdout
     assert "; built with python 3.0.0, rebuilt with " in swapped.stdout
+
+
+def test_head_dims_only_the_next_portable_kernels_have_get_them_and_portable_next_adds_them() -> None:
+    """On sm_80, d=96 and d=256 exist only as the experimental next portable kernels (d=256
+    without a backward, which needs 136 KiB), their forward with and without PackGQA;
+    `--portable-next` adds them beside the verified ones; on sm_86 (99 KiB a CTA) d=128's next
+    backward takes 32-query blocks and one stage."""
+    from maskc.artifact.variant import variant_for
+    from maskc.cli import _kernel_requests, build_parser
+
+    def requests(*flags):
+        args = build_parser().parse_args(["compile", "x.mask", "-o", "out", "--heads", "8:2", *flags])
+        return sorted((r["head_dim"], r["direction"], r.get("portable_next", False), r["pack_gqa"])
+                      for r in _kernel_requests(args, [Mask.from_cu_seqlens([0, 1000], causal=True)]))  # fmt: skip
+
+    def next_kernels(d: int, backward: bool = True) -> list[tuple]:
+        return [(d, "bwd", True, False)] * backward + [(d, "fwd", True, pack) for pack in (False, True)]
+
+    verified = [(d, direction, False, False) for d in (64, 128) for direction in ("bwd", "fwd")]
+    assert requests("--arch", "sm_80", "--head-dim", "64,96,128,256") == sorted(
+        verified + next_kernels(96) + next_kernels(256, backward=False)
+    )
+    assert requests("--arch", "sm_80", "--portable-next") == sorted([(128, d, False, False) for d in ("bwd", "fwd")]
+                                                                    + next_kernels(128))  # fmt: skip
+    args = build_parser().parse_args(["compile", "x.mask", "-o", "out", "--arch", "sm_86", "--portable-next"])
+    shapes = {(r["direction"], r.get("portable_next", False), r["pack_gqa"]): variant_for(r)
+              for r in _kernel_requests(args, [Mask.from_cu_seqlens([0, 1000])])}  # fmt: skip
+    assert (shapes["bwd", True, False].tile_m, shapes["bwd", True, False].num_stages) == (32, 1)

@@ -17,7 +17,7 @@ from generated_source import (
 )
 
 from maskc.artifact.kernel_families import ARCH_NAMES, native_family
-from maskc.artifact.variant import KernelVariant
+from maskc.artifact.variant import KernelVariant, variant_for
 from maskc.codegen.render import render, template_name
 from maskc.errors import VariantError
 
@@ -31,6 +31,11 @@ def variant(**overrides) -> KernelVariant:
 
 def backward(**overrides) -> KernelVariant:
     return variant(direction="bwd", num_stages=1, **overrides)
+
+
+def next_backward(**overrides) -> KernelVariant:
+    return variant_for({"arch": "sm_80", "direction": "bwd", "head_dim": 128, "dtype": "bf16", "num_heads_q": 8,
+                        "num_heads_kv": 2, "portable": True, "portable_next": True, **overrides})  # fmt: skip
 
 
 # ---- variants --------------------------------------------------------------------------------
@@ -115,6 +120,24 @@ COMPILED.update({f"{arch}_bwd": backward(arch=arch) for arch in ("sm_80", "sm_90
 COMPILED["sm_90a_bwd_deterministic"] = backward(arch="sm_90a", deterministic=True)
 COMPILED["sm_86_bwd_d64_fp16_softcap"] = backward(arch="sm_86", head_dim=64, dtype="fp16", num_heads_kv=8, has_softcap=True)
 COMPILED["sm_80_bwd_d64_deterministic_softcap"] = backward(head_dim=64, num_heads_kv=1, deterministic=True, has_softcap=True)
+# The next backward: FA2's shape on every arch where it fits (d=128 on sm_86: 32-query blocks, one stage).
+NEXT = {f"{arch}_next_bwd": next_backward(arch=arch) for arch in ("sm_80", "sm_86", "sm_90a", "sm_120a")}
+NEXT["sm_89_next_bwd_d64_fp16_softcap"] = next_backward(arch="sm_89", head_dim=64, dtype="fp16", has_softcap=True)
+NEXT["sm_80_next_bwd_d64_deterministic"] = next_backward(head_dim=64, num_heads_kv=1, deterministic=True)
+NEXT["sm_80_next_bwd_d96"] = next_backward(head_dim=96)
+NEXT["sm_86_next_bwd_d96_softcap"] = next_backward(arch="sm_86", head_dim=96, has_softcap=True)
+COMPILED.update(NEXT)
+# Its forward: 32 query rows a warp up to d=128 (d=96: 32-column swizzle atoms and row copies),
+# 16 against 32-key blocks at d=256.
+COMPILED["sm_80_next_fwd"] = next_backward(direction="fwd")
+COMPILED["sm_86_next_fwd_d64_fp16_softcap"] = next_backward(direction="fwd", arch="sm_86", head_dim=64, dtype="fp16",
+                                                            has_softcap=True)  # fmt: skip
+COMPILED["sm_80_next_fwd_d96"] = next_backward(direction="fwd", head_dim=96)
+COMPILED["sm_80_next_fwd_pack_gqa_features"] = next_backward(direction="fwd", pack_gqa=True, has_softcap=True, has_sink=True,
+                                                             has_max_logits=True)  # fmt: skip
+COMPILED["sm_89_next_fwd_d64_pack_gqa_8x1"] = next_backward(direction="fwd", head_dim=64, num_heads_kv=1, pack_gqa=True)
+COMPILED["sm_120a_next_fwd_d256_features"] = next_backward(direction="fwd", arch="sm_120a", head_dim=256, has_softcap=True,
+                                                           has_sink=True, has_max_logits=True)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +191,73 @@ def test_exported_headers_match_the_abis(compiled):
         header = compiled[name].header_path.read_text()
         assert_header_matches_abi(header, abi)
         assert header_arg_kinds(header, f"attn_{COMPILED[name].direction}") == abi_kinds(abi)
+
+
+# ---- the next portable kernels (experimental) ------------------------------------------------
+
+
+
+def test_the_next_backward_has_fa2s_shape_and_archs_with_99_kib_keep_one_that_fits():
+    """128-key tiles of eight warps and two (Q, dO) stages where 144 KiB fit (d=128); on the
+    99-KiB archs d=128 takes 32-query blocks and one stage (88 KiB), d=64 keeps the shape (80 KiB)."""
+    v = next_backward()
+    assert (v.tile_m, v.tile_n, v.num_stages, v.smem_bytes()) == (64, 128, 2, 144 * 1024)
+    assert v.experimental and v.key().startswith("attn_bwd_sm80_portable_next_d128_bf16_h8x2_t64x128s2_")
+    for arch in ("sm_86", "sm_89", "sm_120a"):
+        compact = next_backward(arch=arch)
+        assert (compact.tile_m, compact.tile_n, compact.num_stages, compact.smem_bytes()) == (32, 128, 1, 88 * 1024)
+        assert (next_backward(arch=arch, head_dim=64).tile_n, next_backward(arch=arch, head_dim=64).smem_bytes()) == (128, 80 * 1024)
+    with pytest.raises(VariantError, match=re.escape("tiles 64 x 128 with 2 stage(s) are not supported; supported: 32 x 128, 1 stage")):
+        variant(arch="sm_86", direction="bwd", tile_n=128, num_stages=2, portable_next=True)
+    with pytest.raises(VariantError, match="portable_next chooses among the portable kernels: it needs portable=True"):
+        KernelVariant("sm_90a", "bwd", 128, "bf16", 8, 2, 64, 128, 2, portable_next=True)
+    # The verified kernels keep their keys (digests): the field is left out where unset.
+    assert backward().key() == "attn_bwd_sm80_portable_d128_bf16_h8x2_t64x64s1_" + backward().digest()
+    assert "portable_next" not in backward().to_dict() and next_backward().to_dict()["portable_next"]
+
+
+@pytest.mark.parametrize("head_dim, tiles, rows_per_thread", [(64, (128, 128), 4), (96, (128, 64), 4), (128, (128, 32), 4),
+                                                          (256, (64, 32), 2)])  # fmt: skip
+def test_the_next_forward_has_32_rows_a_warp_up_to_d128(head_dim, tiles, rows_per_thread):
+    """Four warps of 32 query rows (two M extents, Q read from shared memory a k step at a
+    time) up to d=128, 16 at d=256; every shape fits 99 KiB, so every arch has the same."""
+    for arch in ("sm_80", "sm_86", "sm_120a"):
+        v = next_backward(direction="fwd", head_dim=head_dim, arch=arch)
+        assert (v.tile_m, v.tile_n, v.num_stages) == (*tiles, 2) and v.smem_bytes() <= 96 * 1024
+    constants = module_constants(render(v))
+    assert (constants["NUM_THREADS"], constants["ROWS_PER_THREAD"]) == (128, rows_per_thread)
+    assert constants["Q_IN_REGISTERS"] == (rows_per_thread == 2)
+    assert module_constants(render(variant()))["Q_IN_REGISTERS"]  # the verified forward keeps Q in registers
+
+
+@pytest.mark.parametrize("head_dim, warps, dq_warps", [(128, 8, (8, 1)), (64, 8, (4, 2)), (96, 8, (2, 4))])
+def test_the_next_backward_renders_its_warps_stages_and_dq_grid_as_constants(head_dim, warps, dq_warps):
+    v = next_backward(head_dim=head_dim)
+    source = render(v)
+    assert_reads_top_to_bottom(source, v.key())
+    constants = module_constants(source)
+    assert (constants["NUM_WARPS"], constants["NUM_THREADS"], constants["NUM_STAGES"]) == (warps, 32 * warps, 2)
+    assert (constants["DQ_WARPS_M"], constants["DQ_WARPS_N"]) == dq_warps == v.portable_dq_warps
+    assert "ahead_m = " in source and "ahead_head = " in source  # the walk one step ahead
+    verified = render(backward(head_dim=64))
+    assert module_constants(verified)["NUM_STAGES"] == 1 and "ahead_m = " not in verified
+
+
+def test_the_next_forward_loads_k_and_v_an_ldmatrix_x4_at_a_time_where_that_spills_less(compiled):
+    """d=128's 128x32 forward with K and V fragments one ldmatrix.x4 at a time (B_BY_X4): ptxas
+    spilled 132 bytes with a whole k step's; d=96's 128x64 keeps whole k steps (48 bytes, 224
+    the other way)."""
+    assert COMPILED["sm_80_next_fwd"].portable_b_by_x4 and compiled["sm_80_next_fwd"].ptxas.spill_bytes <= 16
+    assert not COMPILED["sm_80_next_fwd_d96"].portable_b_by_x4 and compiled["sm_80_next_fwd_d96"].ptxas.spill_bytes <= 64
+    assert not next_backward().portable_b_by_x4 and not variant().portable_b_by_x4
+
+
+@pytest.mark.parametrize("name", sorted(NEXT))
+def test_the_next_backward_prefetches_without_spilling(compiled, name):
+    """With two stages the step waits for all but the latest cp.async group (the next step's
+    Q and dO); ptxas keeps the kernel within a few dozen spill bytes (the verified d=128
+    backward spills 2600), but for sm_120a's one-stage d=128 tile (1584 bytes; the verified
+    shape there: 1208)."""
+    v, obj = NEXT[name], compiled[name]
+    assert bool(re.search(r"cp\.async\.wait_group\s+1;", obj.ptx_text)) == (v.num_stages == 2)
+    assert obj.ptxas.spill_bytes <= (1600 if v.arch == "sm_120a" and v.num_stages == 1 else 96), obj.ptxas

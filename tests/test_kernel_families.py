@@ -19,6 +19,10 @@ from maskc.artifact.kernel_families import (
     PORTABLE,
     SM90,
     HeadDim,
+    Kernel,
+    KernelFamily,
+    Tiles,
+    check_head_dim,
     default_family,
     native_family,
     select_tiles,
@@ -37,7 +41,7 @@ D128 = HeadDim(128, 128)
 
 def _request(family, direction, head_dim=D128, dtype="bf16", **flags) -> dict:
     return {"arch": family.archs[0], "direction": direction, "head_dim": head_dim.qk, "head_dim_v": head_dim.v,
-            "dtype": dtype, "num_heads_q": 8, "num_heads_kv": 2, "portable": family.portable, **flags}  # fmt: skip
+            "dtype": dtype, "num_heads_q": 8, "num_heads_kv": 2, **family.selector, **flags}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
@@ -111,3 +115,17 @@ def test_the_readme_lists_the_archs_head_dims_and_dtypes_of_the_table() -> None:
     assert head_dims and tuple(HeadDim.parse(d) for d in head_dims.group(1).split(",")) == HEAD_DIMS
     dtypes = re.search(r"\(`--dtype`: ([\w, ]+)\)", readme)
     assert dtypes and tuple(d.strip() for d in dtypes.group(1).split(",")) == DTYPE_NAMES
+
+
+def test_archs_with_99_kib_take_the_compact_shapes_and_name_the_head_dims_they_lack() -> None:
+    """A kernel's compact tiles serve the archs with 99 KiB a CTA (sm_86, sm_89, sm_120a); a head
+    dim they leave out has no kernel there, and the error says why and what there is."""
+    kernel = Kernel(tiles={HeadDim(64, 64): Tiles(64, 128, 2), D128: Tiles(64, 128, 2)}, flags=frozenset(), choices=None,
+                    summary="", compact_tiles={HeadDim(64, 64): Tiles(64, 64, 1)})  # fmt: skip
+    family = KernelFamily("test", "test", ARCH_NAMES, "sm80", kernel, kernel)
+    assert [a for a in ARCH_NAMES if kernel.arch_tiles(a) is kernel.compact_tiles] == ["sm_86", "sm_89", "sm_120a"]
+    check_head_dim(family, "bwd", D128, "sm_80")
+    with pytest.raises(VariantError, match=re.escape("the test backward has no kernel for head_dim 128 on sm_86 (its shapes "
+                                                     "need more than the 99 KiB of shared memory a CTA has there); there it "
+                                                     "supports 64")):  # fmt: skip
+        check_head_dim(family, "bwd", D128, "sm_86")

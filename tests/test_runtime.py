@@ -18,7 +18,7 @@ from fake_kernels import FIELDS, KEY, fake_kernel
 import maskc
 from maskc.artifact import source, toolchain
 from maskc.artifact.abi import BACKWARD_ABI, FORWARD_ABI, ScalarArg, TensorArg, abi_to_json
-from maskc.artifact.kernel_families import HeadDim
+from maskc.artifact.kernel_families import HeadDim, Tiles
 from maskc.artifact.manifest import write_manifest
 from maskc.codegen import LoweredMask, write_artifact
 from maskc.errors import ArtifactError
@@ -424,3 +424,64 @@ def test_a_read_only_artifact_directory_registers_without_a_write(tmp_path: Path
         art.chmod(0o755)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"[{KEY!r}] ['docs']"
+
+
+def test_the_next_portable_kernels_run_only_where_the_environment_opts_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$MASKC_PORTABLE_NEXT=1 swaps the portable kernels for the experimental next ones wherever
+    portable ones run (an A100 by default, or portable=True on Hopper), never the Hopper
+    default; the backward's 256-thread CTAs run one per SM, and on an sm_86 GPU (99 KiB a CTA)
+    the d=128 backward takes 32-query blocks in one stage."""
+    monkeypatch.delenv("MASKC_PORTABLE_NEXT", raising=False)
+    assert not call_plan.portable_next_opted_in()
+    monkeypatch.setenv("MASKC_PORTABLE_NEXT", "1")
+    assert call_plan.portable_next_opted_in()
+    monkeypatch.setenv("MASKC_PORTABLE_NEXT", "yes")
+    with pytest.raises(maskc.MaskcError, match="MASKC_PORTABLE_NEXT must be 0 or 1, got 'yes'"):
+        call_plan.portable_next_opted_in()
+    hopper = call_plan.make_target((9, 0), 132, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, False,
+                                   0, None, True)  # fmt: skip
+    assert not hopper.portable and not hopper.portable_next and "portable_next" not in hopper.fields
+
+    def backward_shape(capability: tuple[int, int], num_sms: int, portable_next: bool) -> registry.LaunchShape:
+        target = call_plan.make_target(capability, num_sms, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False,
+                                       None, False, 0, None, portable_next)  # fmt: skip
+        tiles = target.tiles("bwd")
+        request = call_plan.backward_requests(Mask.from_cu_seqlens([0, 4096], causal=True), target)[0]
+        assert request.get("portable_next", False) == portable_next and request["portable"]
+        return call_plan.launch_shape_of(target, request), tiles
+
+    assert backward_shape((8, 0), 108, False) == (registry.LaunchShape(64, 64, 2, ctas_per_sm=2), Tiles(64, 64, 1))
+    assert backward_shape((8, 0), 108, True) == (registry.LaunchShape(64, 128, 2, ctas_per_sm=1), Tiles(64, 128, 2))
+    assert backward_shape((8, 6), 84, True) == (registry.LaunchShape(32, 128, 2, ctas_per_sm=1), Tiles(32, 128, 1))
+
+
+def test_head_dims_of_the_next_portable_kernels_are_named_where_a_call_lacks_them() -> None:
+    """On an A100, d=96 runs only with the next portable kernels (the error says how to opt in);
+    with them d=256 has a forward, and a backward's error says why it has none."""
+    with pytest.raises(maskc.MaskcError, match=re.escape("supported head dims: 64, 128; the experimental next portable kernels "
+                                                         "have 64, 96, 128, 256 (MASKC_PORTABLE_NEXT=1)")):  # fmt: skip
+        call_plan.make_target((8, 0), 108, torch.bfloat16, 8, 2, HeadDim(96, 96), False, False, False, None, False)
+    target = call_plan.make_target((8, 0), 108, torch.bfloat16, 8, 2, HeadDim(256, 256), False, False, False, None, False,
+                                   0, None, True)  # fmt: skip
+    assert target.tiles("fwd") == Tiles(64, 32, 2)
+    with pytest.raises(maskc.errors.VariantError, match="the portable next backward has no kernel for head_dim 256 "
+                                                        r"\(d=256 has the forward only"):  # fmt: skip
+        target.tiles("bwd")
+
+
+def test_the_next_portable_forward_has_pack_gqa_and_maskc_picks_it_per_mask() -> None:
+    """The verified portable forward refuses pack_gqa=True; the next one takes it, and left to
+    maskc (pack_gqa=None) a mask's forward may pick either, the packed kernel's q tiles counted
+    in tokens (128 packed rows: 32 tokens of 4 heads) with two CTAs an SM."""
+    with pytest.raises(maskc.MaskcError, match="has no PackGQA yet"):
+        call_plan.make_target((8, 0), 108, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, True, False)
+    forced = call_plan.make_target((8, 0), 108, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, True, False,
+                                   0, None, True)  # fmt: skip
+    mask = Mask.from_cu_seqlens([0, 4096], causal=True)
+    request, alternative = call_plan.forward_requests(mask, forced)
+    assert request["pack_gqa"] and request["portable_next"] and alternative is None
+    assert call_plan.launch_shape_of(forced, request) == registry.LaunchShape(32, 32, 2, ctas_per_sm=2)
+    chosen = call_plan.make_target((8, 0), 108, torch.bfloat16, 8, 2, HeadDim(128, 128), False, False, False, None, False,
+                                   0, None, True)  # fmt: skip
+    request, alternative = call_plan.forward_requests(mask, chosen)
+    assert alternative == {**request, "pack_gqa": not request["pack_gqa"]}

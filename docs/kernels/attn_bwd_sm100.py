@@ -50,6 +50,11 @@ HEAD_DIM_V = 128  # of v and the output
 NUM_HEADS_Q = 64
 NUM_HEADS_KV = 8
 QHEADS_PER_KVHEAD = 8  # query heads sharing one K/V head (the backward adds up their dK, dV)
+# PackGQA: an M tile holds the PACK_G query heads of one K/V head for TILE_M / PACK_G consecutive
+# tokens (packed row p = token * PACK_G + g), so each K/V block serves every head of its group.
+# Without PackGQA a row is one token of one query head (PACK_G = 1).
+PACK_G = 1
+PACK_G_LOG2 = PACK_G.bit_length() - 1
 LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * LOG2_E)
 
 TILE_Q = 128  # queries of a q block: the columns of S^T, the TMEM lanes of dQ
@@ -101,11 +106,22 @@ def transposed_view(s: cute.Tensor) -> cute.Tensor:
     return cute.composition(s, cute.make_ordered_layout(shape, order=(1, 0, *range(2, rank))))
 
 
+def packed_rows_dim_head(t: cute.Tensor) -> cute.Tensor:
+    """PackGQA: (seq, head, dim) -> ((PACK_G, seq), dim, head_kv). Packed row p = seq * PACK_G + g
+    is query head head_kv * PACK_G + g; a TMA box is (WG_ROWS / PACK_G tokens x PACK_G heads, dim)."""
+    layout = cute.make_layout(
+        ((PACK_G, t.shape[0]), t.shape[2], NUM_HEADS_KV),
+        stride=((t.stride[1], t.stride[0]), t.stride[2], t.stride[1] * PACK_G),
+    )
+    return cute.make_tensor(t.iterator, layout)
+
+
 def make_row_copy(op, threads: int) -> cute.TiledCopy:
     """16-byte copies (`op`: cp.async, or plain loads and stores) of (rows x HEAD_DIM) tiles by
-    `threads` threads, HEAD_DIM / 8 of them per row."""
+    `threads` threads, HEAD_DIM / 8 of them per row; where they do not divide the threads
+    (d=96: 12), 4 per row, each copying 32-column segments in turn."""
     vec = 128 // DTYPE.width
-    per_row = HEAD_DIM // vec
+    per_row = HEAD_DIM // vec if threads % (HEAD_DIM // vec) == 0 else 32 // vec
     return cute.make_tiled_copy_tv(
         cute.make_copy_atom(op, DTYPE, num_bits_per_copy=128),
         cute.make_ordered_layout((threads // per_row, per_row), order=(1, 0)),

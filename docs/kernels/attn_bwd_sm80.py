@@ -10,7 +10,7 @@ Variant attn_bwd_sm80_portable_d128_bf16_h64x8_t64x64s1_563e855eb3:
 
 Work items are (k tile, K/V head), dealt to the CTAs by the host; dK and dV of an item are
 summed in registers over the 8 query head(s) of its K/V head and stored once. One CTA
-of 128 threads (four warps of 16 keys) loads the item's K and V once, then per (q block, query
+of 128 threads (4 warps of 16 keys) loads the item's K and V once, then per (q block, query
 head): Q and dO by cp.async, S^T = K Q^T and dP^T = V dO^T (mma.sync m16n8k16, fp32), the line
 mask on partial blocks, P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta), dV += P^T dO and
 dK += dS^T Q with P^T and dS^T as register operands, then dS^T through shared memory into
@@ -38,6 +38,11 @@ HEAD_DIM_V = 128  # of v and the output
 NUM_HEADS_Q = 64
 NUM_HEADS_KV = 8
 QHEADS_PER_KVHEAD = 8  # query heads sharing one K/V head (the backward adds up their dK, dV)
+# PackGQA: an M tile holds the PACK_G query heads of one K/V head for TILE_M / PACK_G consecutive
+# tokens (packed row p = token * PACK_G + g), so each K/V block serves every head of its group.
+# Without PackGQA a row is one token of one query head (PACK_G = 1).
+PACK_G = 1
+PACK_G_LOG2 = PACK_G.bit_length() - 1
 LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * LOG2_E)
 
 TILE_Q = 64  # queries of a q block: block m covers queries [m*TILE_Q, (m+1)*TILE_Q) (columns)
@@ -45,6 +50,8 @@ TILE_K = 64  # keys of a work item: k tile n covers keys [n*TILE_K, (n+1)*TILE_K
 TILE_N = TILE_Q  # the column block width, under the name the line-mask code uses
 
 NUM_WARPS = 4  # each owns 16 keys of the k tile (one m16n8k16 M extent)
+NUM_STAGES = 1  # (Q, dO) buffers: with two, the next step's load while this one computes
+B_BY_X4 = False  # B operands one ldmatrix.x4 (two n8 atoms) at a time (gemm_rs)
 NUM_THREADS = 128
 WG_ROWS = TILE_K  # rows of the zero store of an item with no q block (common epilogue)
 ROWS_PER_THREAD = 2  # keys of a warp's 16 held by one thread (r and r + 8)
@@ -55,7 +62,11 @@ MASK_STRIDE = 8
 MASK_RUNS = 1
 MASK_PERIOD = MASK_STRIDE
 MASK_SLOTS = 0  # lines of a work item held in registers: none, every line is read per block
-DQ_ROWS = NUM_WARPS * 16  # head-dim rows of one dQ^T = K^T dS^T product
+# dQ^T = K^T dS^T has the head dims as M: its warps form a DQ_WARPS_M x DQ_WARPS_N grid (head
+# dims x queries) where fewer than 16 head dims a warp remain, DQ_ROWS head-dim rows a product.
+DQ_WARPS_M = 4
+DQ_WARPS_N = 1
+DQ_ROWS = DQ_WARPS_M * 16
 
 # Optional features of this variant (branches on them are resolved at compile time)
 HAS_SOFTCAP = False  # scores pass through c * tanh(s / c)
@@ -76,11 +87,22 @@ def transposed_view(s: cute.Tensor) -> cute.Tensor:
     return cute.composition(s, cute.make_ordered_layout(shape, order=(1, 0, *range(2, rank))))
 
 
+def packed_rows_dim_head(t: cute.Tensor) -> cute.Tensor:
+    """PackGQA: (seq, head, dim) -> ((PACK_G, seq), dim, head_kv). Packed row p = seq * PACK_G + g
+    is query head head_kv * PACK_G + g; a TMA box is (WG_ROWS / PACK_G tokens x PACK_G heads, dim)."""
+    layout = cute.make_layout(
+        ((PACK_G, t.shape[0]), t.shape[2], NUM_HEADS_KV),
+        stride=((t.stride[1], t.stride[0]), t.stride[2], t.stride[1] * PACK_G),
+    )
+    return cute.make_tensor(t.iterator, layout)
+
+
 def make_row_copy(op, threads: int) -> cute.TiledCopy:
     """16-byte copies (`op`: cp.async, or plain loads and stores) of (rows x HEAD_DIM) tiles by
-    `threads` threads, HEAD_DIM / 8 of them per row."""
+    `threads` threads, HEAD_DIM / 8 of them per row; where they do not divide the threads
+    (d=96: 12), 4 per row, each copying 32-column segments in turn."""
     vec = 128 // DTYPE.width
-    per_row = HEAD_DIM // vec
+    per_row = HEAD_DIM // vec if threads % (HEAD_DIM // vec) == 0 else 32 // vec
     return cute.make_tiled_copy_tv(
         cute.make_copy_atom(op, DTYPE, num_bits_per_copy=128),
         cute.make_ordered_layout((threads // per_row, per_row), order=(1, 0)),
@@ -91,18 +113,23 @@ def make_row_copy(op, threads: int) -> cute.TiledCopy:
 # ---------------------------------------------------------------------------------------------
 # Warp MMA, shared-memory layouts, copies
 # ---------------------------------------------------------------------------------------------
-def make_tiled_mma():
-    """m16n8k16 warp MMAs (fp32 accumulators) with the four warps stacked along M; N is tiled
-    by 16 so one ldmatrix.x4 feeds two n8 atoms."""
+def make_tiled_mma(warps_m: int = NUM_WARPS, warps_n: int = 1):
+    """m16n8k16 warp MMAs (fp32 accumulators) with the warps in a warps_m x warps_n grid (by
+    default all stacked along M); each warp's N is tiled by 16 so one ldmatrix.x4 feeds two n8
+    atoms."""
     return cute.make_tiled_mma(
-        warp.MmaF16BF16Op(DTYPE, Float32, (16, 8, 16)), (NUM_WARPS, 1, 1), permutation_mnk=(NUM_WARPS * 16, 16, 16)
+        warp.MmaF16BF16Op(DTYPE, Float32, (16, 8, 16)), (warps_m, warps_n, 1), permutation_mnk=(warps_m * 16, warps_n * 16, 16)
     )
 
 
 def make_smem_layout(rows: int, cols: int, count: int):
     """`count` (rows x cols) tiles of 64-element (128-byte) row segments, swizzled so that the
-    16-byte cp.async writes and the ldmatrix reads of eight rows hit eight different banks."""
-    atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+    16-byte cp.async writes and the ldmatrix reads of eight rows hit eight different banks; of
+    32-element (64-byte) segments where cols is no multiple of 64 (d=96), which spreads eight
+    rows over four."""
+    atom_cols = 64 if cols % 64 == 0 else 32
+    bits = atom_cols.bit_length() - 4  # log2 of the 16-byte chunks of a segment
+    atom = cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, atom_cols), stride=(atom_cols, 1)))
     return cute.tile_to_shape(atom, (rows, cols, count), order=(0, 1, 2))
 
 
@@ -157,12 +184,37 @@ def load_rows(tiled_copy: cute.TiledCopy, tidx: Int32, src: cute.Tensor, coords:
 
 
 @cute.jit
-def gemm_rs(tiled_mma: cute.TiledMma, acc: cute.Tensor, tAr: cute.Tensor, s2r_b, tBs: cute.Tensor, tBr: cute.Tensor):
-    """acc += A B with A in registers and B from shared memory, ldmatrix'ed one k step at a time."""
+def gemm_rs(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tAr: cute.Tensor,
+    s2r_b,
+    tBs: cute.Tensor,
+    tBr: cute.Tensor,
+    s2r_a=None,
+    tAs: cute.Tensor | None = None,
+):
+    """acc += A B with A in registers and B from shared memory, ldmatrix'ed one k step at a time;
+    given `s2r_a` and `tAs`, A's k step is ldmatrix'ed from shared memory beside B's (only one k
+    step of A is live: the forward's Q of 32 rows a warp). With B_BY_X4, B's k step is too, one
+    ldmatrix.x4 at a time, each feeding its two n8 atoms (only those are live)."""
     tBr_view = s2r_b.retile(tBr)
+    if const_expr(B_BY_X4):
+        # The (V, M) x (V, 2) products of copy j's two n8 atoms (ldmatrix.x4 j of a k step fills
+        # atoms 2j and 2j + 1).
+        tBr_pairs = cute.make_tensor(tBr.iterator, cute.logical_divide(tBr.layout, (None, 2, None)))
+        acc_pairs = cute.make_tensor(acc.iterator, cute.logical_divide(acc.layout, (None, None, 2)))
     for k in cutlass.range_constexpr(cute.size(tBs, mode=[2])):
-        cute.copy(s2r_b, tBs[None, None, k], tBr_view[None, None, k])
-        cute.gemm(tiled_mma, acc, tAr[None, None, k], tBr[None, None, k], acc)
+        if const_expr(s2r_a is not None):
+            cute.copy(s2r_a, tAs[None, None, k], s2r_a.retile(tAr)[None, None, k])
+        if const_expr(B_BY_X4):
+            for j in cutlass.range_constexpr(cute.size(tBs, mode=[1])):
+                cute.copy(s2r_b, tBs[None, j, k], tBr_view[None, j, k])
+                pair = acc_pairs[None, None, (None, j)]
+                cute.gemm(tiled_mma, pair, tAr[None, None, k], tBr_pairs[None, (None, j), k], pair)
+        else:
+            cute.copy(s2r_b, tBs[None, None, k], tBr_view[None, None, k])
+            cute.gemm(tiled_mma, acc, tAr[None, None, k], tBr[None, None, k], acc)
 
 
 @cute.jit
@@ -184,9 +236,13 @@ def gemm_ss(
 
 
 @cute.jit
-def store_tile(acc: cute.Tensor, sX: cute.Tensor, mX_head: cute.Tensor, tile: Int32, tiled_mma: cute.TiledMma, tidx: Int32):
+def store_tile(
+    acc: cute.Tensor, sX: cute.Tensor, mX_head: cute.Tensor, rows_end: Int32, tile: Int32, tiled_mma: cute.TiledMma,
+    tidx: Int32,
+):
     """An fp32 (rows x HEAD_DIM) accumulator (O, dK, dV) -> DTYPE in shared memory (sX, which no
-    warp reads any more) -> 16-byte stores of row block `tile` of mX_head, rows inside it only."""
+    warp reads any more) -> 16-byte stores of row block `tile` of mX_head (rows x HEAD_DIM, its
+    rows end at `rows_end`), rows inside it only."""
     rX = cute.make_rmem_tensor_like(acc, DTYPE)
     rX.store(acc.load().to(DTYPE))
     r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), DTYPE, num_bits_per_copy=32)
@@ -197,11 +253,11 @@ def store_tile(acc: cute.Tensor, sX: cute.Tensor, mX_head: cute.Tensor, tile: In
     thr = s2g.get_slice(tidx)
     blk = (cute.size(sX, mode=[0]), HEAD_DIM)
     tXg = thr.partition_D(cute.local_tile(mX_head, blk, (tile, 0)))
-    tXc = thr.partition_D(cute.local_tile(cute.make_identity_tensor(mX_head.shape), blk, (tile, 0)))
+    tXc = thr.partition_D(cute.local_tile(cute.make_identity_tensor((rows_end, HEAD_DIM)), blk, (tile, 0)))
     tXr = cute.make_rmem_tensor_like(tXg)
     cute.autovec_copy(thr.partition_S(sX), tXr)
     for r in cutlass.range_constexpr(cute.size(tXg, mode=[1])):
-        if tXc[0, r, 0][0] < mX_head.shape[0]:
+        if tXc[0, r, 0][0] < rows_end:
             cute.copy(s2g, tXr[None, r, None], tXg[None, r, None])
 
 
@@ -574,13 +630,27 @@ def store_o_zero(mO: cute.Tensor, head: Int32, first_row: Int32, tidx: Int32, ro
 # One (q block, query head) step of an item
 # ---------------------------------------------------------------------------------------------
 @cute.jit
+def load_step(g2s: cute.TiledCopy, tidx: Int32, mQ: cute.Tensor, mdO: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor,
+              m: Int32, head: Int32):  # fmt: skip
+    """cp.async Q and dO of q block m of query head `head` into sQ and sdO (uncommitted)."""
+    seqlen_q = mQ.shape[0]
+    blk = (TILE_Q, HEAD_DIM)
+    coords = cute.local_tile(cute.make_identity_tensor((seqlen_q, HEAD_DIM)), blk, (m, 0))
+    load_rows(g2s, tidx, cute.local_tile(mQ[None, head, None], blk, (m, 0)), coords, sQ, seqlen_q)
+    load_rows(g2s, tidx, cute.local_tile(mdO[None, head, None], blk, (m, 0)), coords, sdO, seqlen_q)
+
+
+@cute.jit
 def bwd_step(
     tiled_mma: cute.TiledMma,
+    tiled_mma_dq: cute.TiledMma,
     g2s: cute.TiledCopy,
     s2r_a,
     s2r_b,
     s2r_at,
     s2r_bt,
+    s2r_dq_a,
+    s2r_dq_b,
     sK: cute.Tensor,
     sV: cute.Tensor,
     sQ: cute.Tensor,
@@ -607,7 +677,9 @@ def bwd_step(
     item_lines: tuple | None,
 ):
     """q block m of query head `head` against the item's k tile (K and V in shared memory):
-    dK and dV accumulate in registers, dQ (times the scale) goes to mdQ by L2 reductions. A
+    dK and dV accumulate in registers, dQ (times the scale) goes to mdQ by L2 reductions. With
+    one stage the step loads its Q and dO itself; with two the kernel started them a step
+    earlier (the latest commit group is the next step's). A
     partial block gets the item's lines (load_item_lines' tuple; None for
     a full block). DETERMINISTIC: the dQ additions wait until the lower k tiles adding to this
     q block (their number: schedule.block_rank[pair]) have added theirs (the q block's
@@ -615,13 +687,12 @@ def bwd_step(
     if const_expr(DETERMINISTIC):
         rank = schedule.block_rank[pair]
     thr_mma = tiled_mma.get_slice(tidx)
-    seqlen_q = mQ.shape[0]
-    blk = (TILE_Q, HEAD_DIM)
-    coords = cute.local_tile(cute.make_identity_tensor((seqlen_q, HEAD_DIM)), blk, (m, 0))
-    load_rows(g2s, tidx, cute.local_tile(mQ[None, head, None], blk, (m, 0)), coords, sQ, seqlen_q)
-    load_rows(g2s, tidx, cute.local_tile(mdO[None, head, None], blk, (m, 0)), coords, sdO, seqlen_q)
-    cute.arch.cp_async_commit_group()
-    cute.arch.cp_async_wait_group(0)
+    if const_expr(NUM_STAGES == 1):
+        load_step(g2s, tidx, mQ, mdO, sQ, sdO, m, head)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+    else:
+        cute.arch.cp_async_wait_group(1)  # this step's Q and dO (the next step's may still fly)
     cute.arch.barrier()
 
     # S^T = K Q^T and dP^T = V dO^T over the head dim.
@@ -666,7 +737,8 @@ def bwd_step(
     cute.arch.barrier()
     sKt = transposed_view(sK)  # (HEAD_DIM, TILE_K)
     sdSt = transposed_view(sdS)  # (TILE_Q, TILE_K): queries as N, keys as K
-    tQcQ = thr_mma.partition_C(cute.make_identity_tensor((DQ_ROWS, TILE_Q)))
+    thr_mma_dq = tiled_mma_dq.get_slice(tidx)
+    tQcQ = thr_mma_dq.partition_C(cute.make_identity_tensor((DQ_ROWS, TILE_Q)))
     if const_expr(DETERMINISTIC):
         semaphore = mSemaphore.iterator + stats // TILE_Q  # the q block's: one per TILE_Q statistics
         if tidx == 0:
@@ -676,11 +748,11 @@ def bwd_step(
         cute.arch.barrier()  # the lower k tiles' additions have landed
     for h in cutlass.range_constexpr(HEAD_DIM // DQ_ROWS):
         sKt_h = cute.local_tile(sKt, (DQ_ROWS, TILE_K), (h, 0))
-        acc_dQ = cute.make_rmem_tensor(tiled_mma.partition_shape_C((DQ_ROWS, TILE_Q)), Float32)
+        acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.partition_shape_C((DQ_ROWS, TILE_Q)), Float32)
         acc_dQ.fill(0.0)
-        tAt = thr_mma.make_fragment_A(thr_mma.partition_A(sKt_h))
-        tBd = thr_mma.make_fragment_B(thr_mma.partition_B(sdSt))
-        gemm_ss(tiled_mma, acc_dQ, s2r_at, s2r_at.partition_S(sKt_h), tAt, s2r_bt, s2r_bt.partition_S(sdSt), tBd)
+        tAt = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sKt_h))
+        tBd = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sdSt))
+        gemm_ss(tiled_mma_dq, acc_dQ, s2r_dq_a, s2r_dq_a.partition_S(sKt_h), tAt, s2r_dq_b, s2r_dq_b.partition_S(sdSt), tBd)
         for e in cutlass.range_constexpr(cute.size(acc_dQ)):
             d, q = tQcQ[e]
             row = m * TILE_Q + q
@@ -769,8 +841,8 @@ def launch_bwd_prep(mO, mdO, mLSE, mdLSE, mLSE2, mDelta, lse_log2_offset, stream
 class SharedStorage:
     sK: cute.struct.Align[cute.struct.MemRange[DTYPE, TILE_K * HEAD_DIM], 1024]
     sV: cute.struct.Align[cute.struct.MemRange[DTYPE, TILE_K * HEAD_DIM], 1024]
-    sQ: cute.struct.Align[cute.struct.MemRange[DTYPE, TILE_Q * HEAD_DIM], 1024]
-    sdO: cute.struct.Align[cute.struct.MemRange[DTYPE, TILE_Q * HEAD_DIM], 1024]
+    sQ: cute.struct.Align[cute.struct.MemRange[DTYPE, NUM_STAGES * TILE_Q * HEAD_DIM], 1024]
+    sdO: cute.struct.Align[cute.struct.MemRange[DTYPE, NUM_STAGES * TILE_Q * HEAD_DIM], 1024]
     sdS: cute.struct.Align[cute.struct.MemRange[DTYPE, TILE_K * TILE_Q], 1024]
 
 
@@ -792,6 +864,7 @@ def attn_bwd_kernel(
     softcap_in: Float32 | None,
     softcap_out: Float32 | None,
     tiled_mma: cute.TiledMma,
+    tiled_mma_dq: cute.TiledMma,
     sKV_layout: cute.ComposedLayout,
     sQ_layout: cute.ComposedLayout,
     sdS_layout: cute.ComposedLayout,
@@ -802,14 +875,15 @@ def attn_bwd_kernel(
     # The layouts swizzle element offsets (not byte addresses): they go in whole.
     sK = storage.sK.get_tensor(sKV_layout)[None, None, 0]  # (TILE_K, HEAD_DIM)
     sV = storage.sV.get_tensor(sKV_layout)[None, None, 0]
-    sQ = storage.sQ.get_tensor(sQ_layout)[None, None, 0]  # (TILE_Q, HEAD_DIM)
-    sdO = storage.sdO.get_tensor(sQ_layout)[None, None, 0]
+    sQ = storage.sQ.get_tensor(sQ_layout)  # (TILE_Q, HEAD_DIM, NUM_STAGES)
+    sdO = storage.sdO.get_tensor(sQ_layout)
     sdS = storage.sdS.get_tensor(sdS_layout)[None, None, 0]  # (TILE_K, TILE_Q): dS^T
 
     g2s = make_row_copy(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), NUM_THREADS)
     # A: K, V (keys x head dim); B: Q, dO (queries x head dim); A transposed: K^T; B transposed:
     # dO^T, Q^T, dS (transposed views).
     s2r_a, s2r_b, s2r_at, s2r_bt = ldmatrix_copies(tiled_mma, tidx)
+    _, _, s2r_dq_a, s2r_dq_b = ldmatrix_copies(tiled_mma_dq, tidx)  # K^T and dS of dQ^T = K^T dS^T
     thr_mma = tiled_mma.get_slice(tidx)
     acc_dK = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_K, HEAD_DIM)), Float32)
     acc_dV = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_K, HEAD_DIM)), Float32)
@@ -865,17 +939,30 @@ def attn_bwd_kernel(
             for step in cutlass.range(blocks * num_heads, unroll=1):
                 head = head_first + g
                 rank_pair = pair if const_expr(DETERMINISTIC) else None  # the walk counts pairs only then
+                stage = 0
+                if const_expr(NUM_STAGES > 1):
+                    # The item's first Q and dO; then the next step's, into the other stage (which the step
+                    # before this one has finished reading), while this one computes.
+                    stage = step % NUM_STAGES
+                    if step == 0:
+                        load_step(g2s, tidx, mQ, mdO, sQ[None, None, 0], sdO[None, None, 0], m, head)
+                        cute.arch.cp_async_commit_group()
+                    if step + 1 < blocks * num_heads:
+                        load_step(g2s, tidx, mQ, mdO, sQ[None, None, 1 - stage], sdO[None, None, 1 - stage], ahead_m, ahead_head)
+                    cute.arch.cp_async_commit_group()  # empty on the last step: the step's wait counts groups
+                sQ_step = sQ[None, None, stage]
+                sdO_step = sdO[None, None, stage]
                 if partial != 0:
                     bwd_step(
-                        tiled_mma, g2s, s2r_a, s2r_b, s2r_at, s2r_bt, sK, sV, sQ, sdO, sdS, acc_dK, acc_dV, tScS, mQ, mdO, mLSE,
-                        mDelta, mdQ, m, head, tidx, score_scale_log2, softmax_scale, softcap_in, softcap_out, mSemaphore,
-                        schedule, rank_pair, item_lines,
+                        tiled_mma, tiled_mma_dq, g2s, s2r_a, s2r_b, s2r_at, s2r_bt, s2r_dq_a, s2r_dq_b, sK, sV, sQ_step, sdO_step,
+                        sdS, acc_dK, acc_dV, tScS, mQ, mdO, mLSE, mDelta, mdQ, m, head, tidx, score_scale_log2, softmax_scale,
+                        softcap_in, softcap_out, mSemaphore, schedule, rank_pair, item_lines,
                     )
                 else:
                     bwd_step(
-                        tiled_mma, g2s, s2r_a, s2r_b, s2r_at, s2r_bt, sK, sV, sQ, sdO, sdS, acc_dK, acc_dV, tScS, mQ, mdO, mLSE,
-                        mDelta, mdQ, m, head, tidx, score_scale_log2, softmax_scale, softcap_in, softcap_out, mSemaphore,
-                        schedule, rank_pair, None,
+                        tiled_mma, tiled_mma_dq, g2s, s2r_a, s2r_b, s2r_at, s2r_bt, s2r_dq_a, s2r_dq_b, sK, sV, sQ_step, sdO_step,
+                        sdS, acc_dK, acc_dV, tScS, mQ, mdO, mLSE, mDelta, mdQ, m, head, tidx, score_scale_log2, softmax_scale,
+                        softcap_in, softcap_out, mSemaphore, schedule, rank_pair, None,
                     )
 
                 # The next (run, q block, head) of the walk.
@@ -898,8 +985,8 @@ def attn_bwd_kernel(
                         m_stop = lo - 1 + (hi - lo + 1) * up
                         partial = schedule.ranges[r, 2]
             acc_dK.store(acc_dK.load() * softmax_scale)
-            store_tile(acc_dK, sK, mdK_head, n_tile, tiled_mma, tidx)
-            store_tile(acc_dV, sV, mdV_head, n_tile, tiled_mma, tidx)
+            store_tile(acc_dK, sK, mdK_head, mdK_head.shape[0], n_tile, tiled_mma, tidx)
+            store_tile(acc_dV, sV, mdV_head, mdV_head.shape[0], n_tile, tiled_mma, tidx)
         else:
             store_o_zero(mdK, head_kv, n_tile * WG_ROWS, tidx, seqlen_k)
             store_o_zero(mdV, head_kv, n_tile * WG_ROWS, tidx, seqlen_k)
@@ -973,7 +1060,8 @@ def attn_bwd(
         softcap_in if const_expr(HAS_SOFTCAP) else None,
         softcap_out if const_expr(HAS_SOFTCAP) else None,
         make_tiled_mma(),
+        make_tiled_mma(DQ_WARPS_M, DQ_WARPS_N),
         make_smem_layout(TILE_K, HEAD_DIM, 1),
-        make_smem_layout(TILE_Q, HEAD_DIM, 1),
+        make_smem_layout(TILE_Q, HEAD_DIM, NUM_STAGES),
         make_smem_layout(TILE_K, TILE_Q, 1),
     ).launch(grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], stream=stream)

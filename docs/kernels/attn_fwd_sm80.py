@@ -37,6 +37,11 @@ HEAD_DIM_V = 128  # of v and the output
 NUM_HEADS_Q = 64
 NUM_HEADS_KV = 8
 QHEADS_PER_KVHEAD = 8  # query heads sharing one K/V head (the backward adds up their dK, dV)
+# PackGQA: an M tile holds the PACK_G query heads of one K/V head for TILE_M / PACK_G consecutive
+# tokens (packed row p = token * PACK_G + g), so each K/V block serves every head of its group.
+# Without PackGQA a row is one token of one query head (PACK_G = 1).
+PACK_G = 1
+PACK_G_LOG2 = PACK_G.bit_length() - 1
 LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * LOG2_E)
 
 TILE_M = 64  # query rows of a work item: q tile m covers rows [m*TILE_M, (m+1)*TILE_M)
@@ -45,10 +50,13 @@ NUM_STAGES = 2  # K/V buffers: the next block loads while this one computes
 
 L2_SECTION = 16  # work items (q tiles) scheduled together, grouped by K/V head (see decode_item)
 
-NUM_WARPS = 4  # each owns 16 query rows (one m16n8k16 M extent)
+NUM_WARPS = 4  # each owns ROW_ATOMS m16n8k16 M extents of 16 query rows
+ROW_ATOMS = TILE_M // (NUM_WARPS * 16)  # with two, both share every K and V fragment
+Q_IN_REGISTERS = ROW_ATOMS == 1  # else Q is read from shared memory one k step at a time
+B_BY_X4 = False  # K and V fragments one ldmatrix.x4 (two n8 atoms) at a time: fewer registers
 NUM_THREADS = 128
 WG_ROWS = TILE_M  # rows of the zero store of an item with no k block (common epilogue)
-ROWS_PER_THREAD = 2  # rows of a warp's 16 held by one thread (r and r + 8)
+ROWS_PER_THREAD = 2 * ROW_ATOMS  # rows of a warp's held by one thread (r and r + 8 of each M extent)
 COLS_PER_THREAD = TILE_N // 4  # columns of an S block held by one thread in each of its rows
 # A thread's columns of a row, for the line masks (common/mask.jinja): pairs every 8 columns.
 MASK_GROUP = 2
@@ -76,11 +84,22 @@ def transposed_view(s: cute.Tensor) -> cute.Tensor:
     return cute.composition(s, cute.make_ordered_layout(shape, order=(1, 0, *range(2, rank))))
 
 
+def packed_rows_dim_head(t: cute.Tensor) -> cute.Tensor:
+    """PackGQA: (seq, head, dim) -> ((PACK_G, seq), dim, head_kv). Packed row p = seq * PACK_G + g
+    is query head head_kv * PACK_G + g; a TMA box is (WG_ROWS / PACK_G tokens x PACK_G heads, dim)."""
+    layout = cute.make_layout(
+        ((PACK_G, t.shape[0]), t.shape[2], NUM_HEADS_KV),
+        stride=((t.stride[1], t.stride[0]), t.stride[2], t.stride[1] * PACK_G),
+    )
+    return cute.make_tensor(t.iterator, layout)
+
+
 def make_row_copy(op, threads: int) -> cute.TiledCopy:
     """16-byte copies (`op`: cp.async, or plain loads and stores) of (rows x HEAD_DIM) tiles by
-    `threads` threads, HEAD_DIM / 8 of them per row."""
+    `threads` threads, HEAD_DIM / 8 of them per row; where they do not divide the threads
+    (d=96: 12), 4 per row, each copying 32-column segments in turn."""
     vec = 128 // DTYPE.width
-    per_row = HEAD_DIM // vec
+    per_row = HEAD_DIM // vec if threads % (HEAD_DIM // vec) == 0 else 32 // vec
     return cute.make_tiled_copy_tv(
         cute.make_copy_atom(op, DTYPE, num_bits_per_copy=128),
         cute.make_ordered_layout((threads // per_row, per_row), order=(1, 0)),
@@ -91,18 +110,23 @@ def make_row_copy(op, threads: int) -> cute.TiledCopy:
 # ---------------------------------------------------------------------------------------------
 # Warp MMA, shared-memory layouts, copies
 # ---------------------------------------------------------------------------------------------
-def make_tiled_mma():
-    """m16n8k16 warp MMAs (fp32 accumulators) with the four warps stacked along M; N is tiled
-    by 16 so one ldmatrix.x4 feeds two n8 atoms."""
+def make_tiled_mma(warps_m: int = NUM_WARPS, warps_n: int = 1):
+    """m16n8k16 warp MMAs (fp32 accumulators) with the warps in a warps_m x warps_n grid (by
+    default all stacked along M); each warp's N is tiled by 16 so one ldmatrix.x4 feeds two n8
+    atoms."""
     return cute.make_tiled_mma(
-        warp.MmaF16BF16Op(DTYPE, Float32, (16, 8, 16)), (NUM_WARPS, 1, 1), permutation_mnk=(NUM_WARPS * 16, 16, 16)
+        warp.MmaF16BF16Op(DTYPE, Float32, (16, 8, 16)), (warps_m, warps_n, 1), permutation_mnk=(warps_m * 16, warps_n * 16, 16)
     )
 
 
 def make_smem_layout(rows: int, cols: int, count: int):
     """`count` (rows x cols) tiles of 64-element (128-byte) row segments, swizzled so that the
-    16-byte cp.async writes and the ldmatrix reads of eight rows hit eight different banks."""
-    atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+    16-byte cp.async writes and the ldmatrix reads of eight rows hit eight different banks; of
+    32-element (64-byte) segments where cols is no multiple of 64 (d=96), which spreads eight
+    rows over four."""
+    atom_cols = 64 if cols % 64 == 0 else 32
+    bits = atom_cols.bit_length() - 4  # log2 of the 16-byte chunks of a segment
+    atom = cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, atom_cols), stride=(atom_cols, 1)))
     return cute.tile_to_shape(atom, (rows, cols, count), order=(0, 1, 2))
 
 
@@ -157,12 +181,37 @@ def load_rows(tiled_copy: cute.TiledCopy, tidx: Int32, src: cute.Tensor, coords:
 
 
 @cute.jit
-def gemm_rs(tiled_mma: cute.TiledMma, acc: cute.Tensor, tAr: cute.Tensor, s2r_b, tBs: cute.Tensor, tBr: cute.Tensor):
-    """acc += A B with A in registers and B from shared memory, ldmatrix'ed one k step at a time."""
+def gemm_rs(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tAr: cute.Tensor,
+    s2r_b,
+    tBs: cute.Tensor,
+    tBr: cute.Tensor,
+    s2r_a=None,
+    tAs: cute.Tensor | None = None,
+):
+    """acc += A B with A in registers and B from shared memory, ldmatrix'ed one k step at a time;
+    given `s2r_a` and `tAs`, A's k step is ldmatrix'ed from shared memory beside B's (only one k
+    step of A is live: the forward's Q of 32 rows a warp). With B_BY_X4, B's k step is too, one
+    ldmatrix.x4 at a time, each feeding its two n8 atoms (only those are live)."""
     tBr_view = s2r_b.retile(tBr)
+    if const_expr(B_BY_X4):
+        # The (V, M) x (V, 2) products of copy j's two n8 atoms (ldmatrix.x4 j of a k step fills
+        # atoms 2j and 2j + 1).
+        tBr_pairs = cute.make_tensor(tBr.iterator, cute.logical_divide(tBr.layout, (None, 2, None)))
+        acc_pairs = cute.make_tensor(acc.iterator, cute.logical_divide(acc.layout, (None, None, 2)))
     for k in cutlass.range_constexpr(cute.size(tBs, mode=[2])):
-        cute.copy(s2r_b, tBs[None, None, k], tBr_view[None, None, k])
-        cute.gemm(tiled_mma, acc, tAr[None, None, k], tBr[None, None, k], acc)
+        if const_expr(s2r_a is not None):
+            cute.copy(s2r_a, tAs[None, None, k], s2r_a.retile(tAr)[None, None, k])
+        if const_expr(B_BY_X4):
+            for j in cutlass.range_constexpr(cute.size(tBs, mode=[1])):
+                cute.copy(s2r_b, tBs[None, j, k], tBr_view[None, j, k])
+                pair = acc_pairs[None, None, (None, j)]
+                cute.gemm(tiled_mma, pair, tAr[None, None, k], tBr_pairs[None, (None, j), k], pair)
+        else:
+            cute.copy(s2r_b, tBs[None, None, k], tBr_view[None, None, k])
+            cute.gemm(tiled_mma, acc, tAr[None, None, k], tBr[None, None, k], acc)
 
 
 @cute.jit
@@ -184,9 +233,13 @@ def gemm_ss(
 
 
 @cute.jit
-def store_tile(acc: cute.Tensor, sX: cute.Tensor, mX_head: cute.Tensor, tile: Int32, tiled_mma: cute.TiledMma, tidx: Int32):
+def store_tile(
+    acc: cute.Tensor, sX: cute.Tensor, mX_head: cute.Tensor, rows_end: Int32, tile: Int32, tiled_mma: cute.TiledMma,
+    tidx: Int32,
+):
     """An fp32 (rows x HEAD_DIM) accumulator (O, dK, dV) -> DTYPE in shared memory (sX, which no
-    warp reads any more) -> 16-byte stores of row block `tile` of mX_head, rows inside it only."""
+    warp reads any more) -> 16-byte stores of row block `tile` of mX_head (rows x HEAD_DIM, its
+    rows end at `rows_end`), rows inside it only."""
     rX = cute.make_rmem_tensor_like(acc, DTYPE)
     rX.store(acc.load().to(DTYPE))
     r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), DTYPE, num_bits_per_copy=32)
@@ -197,11 +250,11 @@ def store_tile(acc: cute.Tensor, sX: cute.Tensor, mX_head: cute.Tensor, tile: In
     thr = s2g.get_slice(tidx)
     blk = (cute.size(sX, mode=[0]), HEAD_DIM)
     tXg = thr.partition_D(cute.local_tile(mX_head, blk, (tile, 0)))
-    tXc = thr.partition_D(cute.local_tile(cute.make_identity_tensor(mX_head.shape), blk, (tile, 0)))
+    tXc = thr.partition_D(cute.local_tile(cute.make_identity_tensor((rows_end, HEAD_DIM)), blk, (tile, 0)))
     tXr = cute.make_rmem_tensor_like(tXg)
     cute.autovec_copy(thr.partition_S(sX), tXr)
     for r in cutlass.range_constexpr(cute.size(tXg, mode=[1])):
-        if tXc[0, r, 0][0] < mX_head.shape[0]:
+        if tXc[0, r, 0][0] < rows_end:
             cute.copy(s2g, tXr[None, r, None], tXg[None, r, None])
 
 
@@ -313,6 +366,20 @@ def dealt_item(slot: Int32, grid: Int32, num_items: Int32) -> Int32:
     if round_ % 2 == 1:
         dealt = first + cutlass.min(grid, num_items - first) - 1 - (slot - first)
     return dealt
+
+
+@cute.jit
+def tile_rows(rows: cute.Tensor, row_heads: cute.Tensor | None, first_row: Int32, tScS: cute.Tensor, head_kv: Int32):
+    """This thread's rows of a q tile whose first row is `first_row`: their tokens (what the line
+    masks see) into `rows`; with PackGQA (packed row p = token * PACK_G + g) their query heads
+    into `row_heads`."""
+    for i in cutlass.range_constexpr(ROWS_PER_THREAD):
+        if const_expr(PACK_GQA):
+            packed_row = first_row + tScS[i, 0][0]  # token * PACK_G + g
+            rows[i] = packed_row >> PACK_G_LOG2
+            row_heads[i] = head_kv * PACK_G + (packed_row & (PACK_G - 1))
+        else:
+            rows[i] = first_row + tScS[i, 0][0]
 
 
 @cute.jit
@@ -656,6 +723,19 @@ def sink_logsumexp_log2(mSink: cute.Tensor, head: Int32) -> Float32:
     return top_safe * LOG2_E + cute.math.log2(total, fastmath=True)
 
 
+@cute.jit
+def sink_rows_log2(mSink: cute.Tensor, heads):
+    """sink_logsumexp_log2 of this thread's rows: of their query head `heads`, or with PackGQA
+    one per row (`heads` holds each row's query head)."""
+    if const_expr(PACK_GQA):
+        sinks = cute.make_rmem_tensor(ROWS_PER_THREAD, Float32)
+        for i in cutlass.range_constexpr(ROWS_PER_THREAD):
+            sinks[i] = sink_logsumexp_log2(mSink, heads[i])
+    else:
+        sinks = sink_logsumexp_log2(mSink, heads)
+    return sinks
+
+
 # ---------------------------------------------------------------------------------------------
 # Epilogue
 # ---------------------------------------------------------------------------------------------
@@ -737,6 +817,14 @@ def next_block(schedule: Schedule, r: Int32, n: Int32, r_last: Int32):
     return n_next, has_next
 
 
+def head_rows(mX: cute.Tensor, head: Int32):
+    """The rows of `head` of mX (seq, heads, dim) as (rows, dim), and where they end: one query
+    head's tokens, or with PackGQA the packed rows of K/V head `head` (packed_rows_dim_head)."""
+    if const_expr(PACK_GQA):
+        return packed_rows_dim_head(mX)[None, None, head], mX.shape[0] * PACK_G
+    return mX[None, head, None], mX.shape[0]
+
+
 @cute.jit
 def load_kv(g2s: cute.TiledCopy, tidx: Int32, mK_head, mV_head, cKV, sK, sV, n: Int32, stage: Int32):
     """cp.async K and V of block n into `stage`, as one commit group."""
@@ -754,6 +842,8 @@ def walk_block(
     s2r_k: cute.TiledCopy,
     s2r_v: cute.TiledCopy,
     tSrQ: cute.Tensor,
+    s2r_q: cute.TiledCopy,
+    tSsQ: cute.Tensor,
     tSsK: cute.Tensor,
     tSrK: cute.Tensor,
     tOsV: cute.Tensor,
@@ -790,7 +880,10 @@ def walk_block(
 
     acc_S = cute.make_rmem_tensor(tiled_mma.partition_shape_C((TILE_M, TILE_N)), Float32)
     acc_S.fill(0.0)
-    gemm_rs(tiled_mma, acc_S, tSrQ, s2r_k, tSsK[None, None, None, stage], tSrK)
+    if const_expr(Q_IN_REGISTERS):
+        gemm_rs(tiled_mma, acc_S, tSrQ, s2r_k, tSsK[None, None, None, stage], tSrK)
+    else:
+        gemm_rs(tiled_mma, acc_S, tSrQ, s2r_k, tSsK[None, None, None, stage], tSrK, s2r_q, tSsQ)
     s = acc_rows_cols(acc_S)
     if const_expr(HAS_SOFTCAP):
         apply_softcap(s, softcap_in, softcap_out)
@@ -863,6 +956,7 @@ def attn_fwd_kernel(
     row_scale = cute.make_rmem_tensor(ROWS_PER_THREAD, Float32)
     lse = cute.make_rmem_tensor(ROWS_PER_THREAD, Float32)
     rows = cute.make_rmem_tensor(ROWS_PER_THREAD, Int32)
+    row_heads = cute.make_rmem_tensor(ROWS_PER_THREAD, Int32) if const_expr(PACK_GQA) else None  # each row's query head
     bounds = cute.make_rmem_tensor((ROWS_PER_THREAD, max(MASK_SLOTS, 1), 2), Int32)
 
     num_work = schedule.work_tile.shape[0]
@@ -875,15 +969,16 @@ def attn_fwd_kernel(
         r_first = schedule.work_ranges[work]
         r_last = schedule.work_ranges[work + 1]
         has_blocks = r_first < r_last
-        for i in cutlass.range_constexpr(ROWS_PER_THREAD):
-            rows[i] = m_tile * TILE_M + tScS[i, 0][0]
+        tile_rows(rows, row_heads, m_tile * TILE_M, tScS, head_kv)
         first_col0 = tScS[0, 0][1]  # key of this thread's column 0 in block 0
         item_lines = load_item_lines(bounds, first_col0, rows, schedule, work)
         acc_O.fill(0.0)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        sink_lse_log2 = sink_logsumexp_log2(mSink, head) if const_expr(HAS_SINK) else None
-        mQ_head = mQ[None, head, None]
+        # The query heads of the rows: one, or with PackGQA one per row (`head` is then the K/V head).
+        heads = row_heads if const_expr(PACK_GQA) else head
+        sink_lse_log2 = sink_rows_log2(mSink, heads) if const_expr(HAS_SINK) else None
+        mQ_rows, q_rows_end = head_rows(mQ, head)
         mK_head = mK[None, head_kv, None]
         mV_head = mV[None, head_kv, None]
         cKV = cute.make_identity_tensor(mK_head.shape)
@@ -892,8 +987,8 @@ def attn_fwd_kernel(
         if has_blocks:
             blk = (TILE_M, HEAD_DIM)
             load_rows(
-                g2s, tidx, cute.local_tile(mQ_head, blk, (m_tile, 0)),
-                cute.local_tile(cute.make_identity_tensor(mQ_head.shape), blk, (m_tile, 0)), sQ, seqlen_q,
+                g2s, tidx, cute.local_tile(mQ_rows, blk, (m_tile, 0)),
+                cute.local_tile(cute.make_identity_tensor((q_rows_end, HEAD_DIM)), blk, (m_tile, 0)), sQ, q_rows_end,
             )
             cute.arch.cp_async_commit_group()
             n = schedule.ranges[r_first, 0]
@@ -901,7 +996,8 @@ def attn_fwd_kernel(
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)  # Q (K and V may still fly)
             cute.arch.barrier()
-            cute.copy(s2r_q, tSsQ, s2r_q.retile(tSrQ))  # Q stays in registers for the whole item
+            if const_expr(Q_IN_REGISTERS):
+                cute.copy(s2r_q, tSsQ, s2r_q.retile(tSrQ))  # Q stays in registers for the whole item
 
             # The blocks range by range: partial ones with the line mask.
             stage = Int32(0)
@@ -909,15 +1005,15 @@ def attn_fwd_kernel(
                 if schedule.ranges[r, 2] != 0:
                     for n in cutlass.range(schedule.ranges[r, 0], schedule.ranges[r, 1], unroll=1):
                         stage = walk_block(
-                            tiled_mma, g2s, s2r_k, s2r_v, tSrQ, tSsK, tSrK, tOsV, tOrV, acc_O, row_max, row_sum, mK_head,
-                            mV_head, cKV, sK, sV, schedule, r, n, r_last, stage, tidx, score_scale_log2, softcap_in,
+                            tiled_mma, g2s, s2r_k, s2r_v, tSrQ, s2r_q, tSsQ, tSsK, tSrK, tOsV, tOrV, acc_O, row_max, row_sum,
+                            mK_head, mV_head, cKV, sK, sV, schedule, r, n, r_last, stage, tidx, score_scale_log2, softcap_in,
                             softcap_out, item_lines,
                         )
                 else:
                     for n in cutlass.range(schedule.ranges[r, 0], schedule.ranges[r, 1], unroll=1):
                         stage = walk_block(
-                            tiled_mma, g2s, s2r_k, s2r_v, tSrQ, tSsK, tSrK, tOsV, tOrV, acc_O, row_max, row_sum, mK_head,
-                            mV_head, cKV, sK, sV, schedule, r, n, r_last, stage, tidx, score_scale_log2, softcap_in,
+                            tiled_mma, g2s, s2r_k, s2r_v, tSrQ, s2r_q, tSsQ, tSsK, tSrK, tOsV, tOrV, acc_O, row_max, row_sum,
+                            mK_head, mV_head, cKV, sK, sV, schedule, r, n, r_last, stage, tidx, score_scale_log2, softcap_in,
                             softcap_out, None,
                         )
 
@@ -934,7 +1030,7 @@ def attn_fwd_kernel(
         store_row_stats(
             is_row_owner,
             rows,
-            head,
+            heads,
             seqlen_q,
             mLSE,
             lse,
@@ -945,7 +1041,8 @@ def attn_fwd_kernel(
             logit_scale,
         )
         if has_blocks:
-            store_tile(acc_O, sQ, mO[None, head, None], m_tile, tiled_mma, tidx)  # through the Q tile, read at the start
+            mO_rows, o_rows_end = head_rows(mO, head)
+            store_tile(acc_O, sQ, mO_rows, o_rows_end, m_tile, tiled_mma, tidx)  # through the Q tile, read at the start
         else:
             store_o_zero(mO, head, m_tile * WG_ROWS, tidx, seqlen_q)
 

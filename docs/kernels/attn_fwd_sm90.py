@@ -56,13 +56,12 @@ HEAD_DIM_V = 128  # of v and the output
 NUM_HEADS_Q = 64
 NUM_HEADS_KV = 8
 QHEADS_PER_KVHEAD = 8  # query heads sharing one K/V head (the backward adds up their dK, dV)
-LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * LOG2_E)
 # PackGQA: an M tile holds the PACK_G query heads of one K/V head for TILE_M / PACK_G consecutive
 # tokens (packed row p = token * PACK_G + g), so each K/V block serves every head of its group.
 # Without PackGQA a row is one token of one query head (PACK_G = 1).
-PACK_G = QHEADS_PER_KVHEAD if PACK_GQA else 1
+PACK_G = 1
 PACK_G_LOG2 = PACK_G.bit_length() - 1
-
+LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * LOG2_E)
 TILE_M = 128  # rows of a work item: q tile m covers rows [m*TILE_M, (m+1)*TILE_M) (PackGQA: packed
 # rows, i.e. tokens [m*TILE_M/PACK_G, (m+1)*TILE_M/PACK_G) of PACK_G heads; DOCUMENT_ROWS: its box is
 # the TILE_M rows from mQueryBounds[m], its own rows end at mQueryBounds[m + 1])
@@ -112,11 +111,22 @@ def transposed_view(s: cute.Tensor) -> cute.Tensor:
     return cute.composition(s, cute.make_ordered_layout(shape, order=(1, 0, *range(2, rank))))
 
 
+def packed_rows_dim_head(t: cute.Tensor) -> cute.Tensor:
+    """PackGQA: (seq, head, dim) -> ((PACK_G, seq), dim, head_kv). Packed row p = seq * PACK_G + g
+    is query head head_kv * PACK_G + g; a TMA box is (WG_ROWS / PACK_G tokens x PACK_G heads, dim)."""
+    layout = cute.make_layout(
+        ((PACK_G, t.shape[0]), t.shape[2], NUM_HEADS_KV),
+        stride=((t.stride[1], t.stride[0]), t.stride[2], t.stride[1] * PACK_G),
+    )
+    return cute.make_tensor(t.iterator, layout)
+
+
 def make_row_copy(op, threads: int) -> cute.TiledCopy:
     """16-byte copies (`op`: cp.async, or plain loads and stores) of (rows x HEAD_DIM) tiles by
-    `threads` threads, HEAD_DIM / 8 of them per row."""
+    `threads` threads, HEAD_DIM / 8 of them per row; where they do not divide the threads
+    (d=96: 12), 4 per row, each copying 32-column segments in turn."""
     vec = 128 // DTYPE.width
-    per_row = HEAD_DIM // vec
+    per_row = HEAD_DIM // vec if threads % (HEAD_DIM // vec) == 0 else 32 // vec
     return cute.make_tiled_copy_tv(
         cute.make_copy_atom(op, DTYPE, num_bits_per_copy=128),
         cute.make_ordered_layout((threads // per_row, per_row), order=(1, 0)),
@@ -378,6 +388,20 @@ def dealt_item(slot: Int32, grid: Int32, num_items: Int32) -> Int32:
     if round_ % 2 == 1:
         dealt = first + cutlass.min(grid, num_items - first) - 1 - (slot - first)
     return dealt
+
+
+@cute.jit
+def tile_rows(rows: cute.Tensor, row_heads: cute.Tensor | None, first_row: Int32, tScS: cute.Tensor, head_kv: Int32):
+    """This thread's rows of a q tile whose first row is `first_row`: their tokens (what the line
+    masks see) into `rows`; with PackGQA (packed row p = token * PACK_G + g) their query heads
+    into `row_heads`."""
+    for i in cutlass.range_constexpr(ROWS_PER_THREAD):
+        if const_expr(PACK_GQA):
+            packed_row = first_row + tScS[i, 0][0]  # token * PACK_G + g
+            rows[i] = packed_row >> PACK_G_LOG2
+            row_heads[i] = head_kv * PACK_G + (packed_row & (PACK_G - 1))
+        else:
+            rows[i] = first_row + tScS[i, 0][0]
 
 
 @cute.jit
@@ -719,6 +743,19 @@ def sink_logsumexp_log2(mSink: cute.Tensor, head: Int32) -> Float32:
     for j in cutlass.range(mSink.shape[0], unroll=1):
         total += cute.math.exp2((mSink[j, head] - top_safe) * LOG2_E, fastmath=True)
     return top_safe * LOG2_E + cute.math.log2(total, fastmath=True)
+
+
+@cute.jit
+def sink_rows_log2(mSink: cute.Tensor, heads):
+    """sink_logsumexp_log2 of this thread's rows: of their query head `heads`, or with PackGQA
+    one per row (`heads` holds each row's query head)."""
+    if const_expr(PACK_GQA):
+        sinks = cute.make_rmem_tensor(ROWS_PER_THREAD, Float32)
+        for i in cutlass.range_constexpr(ROWS_PER_THREAD):
+            sinks[i] = sink_logsumexp_log2(mSink, heads[i])
+    else:
+        sinks = sink_logsumexp_log2(mSink, heads)
+    return sinks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1205,13 +1242,7 @@ def consumer(
         if const_expr(DOCUMENT_ROWS):
             o_row = schedule.query_bounds[m_tile] + wg * WG_ROWS
             row_end = schedule.query_bounds[m_tile + 1]
-        for i in cutlass.range_constexpr(ROWS_PER_THREAD):
-            if const_expr(PACK_GQA):
-                packed_row = o_row + tScS[i, 0][0]  # token * PACK_G + g
-                rows[i] = packed_row >> PACK_G_LOG2  # the token: what the mask lines see
-                row_heads[i] = head_kv * PACK_G + (packed_row & (PACK_G - 1))
-            else:
-                rows[i] = o_row + tScS[i, 0][0]
+        tile_rows(rows, row_heads if const_expr(PACK_GQA) else None, o_row, tScS, head_kv)
         first_col0 = tScS[0, 0][1]  # key of this thread's column 0 in block 0
         l_begin = schedule.work_lines[work]
         l_end = schedule.work_lines[work + 1]
@@ -1224,15 +1255,7 @@ def consumer(
         row_sum.fill(0.0)
         # The query heads of the rows: one, or with PackGQA one per row.
         heads = row_heads if const_expr(PACK_GQA) else head
-        if const_expr(HAS_SINK):
-            if const_expr(PACK_GQA):
-                sink_lse_log2 = cute.make_rmem_tensor(ROWS_PER_THREAD, Float32)
-                for i in cutlass.range_constexpr(ROWS_PER_THREAD):
-                    sink_lse_log2[i] = sink_logsumexp_log2(mSink, row_heads[i])
-            else:
-                sink_lse_log2 = sink_logsumexp_log2(mSink, head)
-        else:
-            sink_lse_log2 = None
+        sink_lse_log2 = sink_rows_log2(mSink, heads) if const_expr(HAS_SINK) else None
 
         if has_blocks:
             q_tile = uniform(q_state.index * NUM_MMA_WG + wg)  # this warpgroup's Q tile in the current buffer
@@ -1416,16 +1439,6 @@ def attn_fwd_kernel(
 # ---------------------------------------------------------------------------------------------
 # Host function (the exported symbol). The argument list is maskc's fixed forward ABI.
 # ---------------------------------------------------------------------------------------------
-def packed_rows_dim_head(t: cute.Tensor) -> cute.Tensor:
-    """PackGQA: (seq, head, dim) -> ((PACK_G, seq), dim, head_kv). Packed row p = seq * PACK_G + g
-    is query head head_kv * PACK_G + g; a TMA box is (WG_ROWS / PACK_G tokens x PACK_G heads, dim)."""
-    layout = cute.make_layout(
-        ((PACK_G, t.shape[0]), t.shape[2], NUM_HEADS_KV),
-        stride=((t.stride[1], t.stride[0]), t.stride[2], t.stride[1] * PACK_G),
-    )
-    return cute.make_tensor(t.iterator, layout)
-
-
 @cute.jit
 def attn_fwd(
     mQ: cute.Tensor,  # [Tq, Hq, D] DTYPE

@@ -24,6 +24,12 @@ from typing import Any
 
 from maskc.errors import VariantError
 
+#: Shared memory a CTA has on the archs whose kernels take `Kernel.compact_tiles`.
+COMPACT_SMEM = 99 * 1024
+
+#: Environment variable that opts a process into the experimental portable kernels (PORTABLE_NEXT).
+PORTABLE_NEXT_ENV = "MASKC_PORTABLE_NEXT"
+
 #: Rows of the query tile owned by one consumer warpgroup (one wgmma M extent); the backward's
 #: per-warpgroup counters (dQ semaphores, split-item counts) count in blocks of as many keys.
 WARPGROUP_ROWS = 64
@@ -149,16 +155,30 @@ class Kernel:
     #: A second, taller shape compiled for some head dims (more query rows a tile), which the
     #: runtime takes per mask where its estimate is faster (maskc.ir.strategy.select_forward).
     tall_tiles: Mapping[HeadDim, Tiles] = field(default_factory=dict)
+    #: The tile shapes on archs with COMPACT_SMEM a CTA, where `tiles` would not fit; None: `tiles`
+    #: fit every arch. A head dim left out has no kernel there.
+    compact_tiles: Mapping[HeadDim, Tiles] | None = None
+    #: Why head dims of the family's forward have none of this kernel, for the error that says so.
+    missing: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiles", MappingProxyType(dict(self.tiles)))
         object.__setattr__(self, "tall_tiles", MappingProxyType(dict(self.tall_tiles)))
+        if self.compact_tiles is not None:
+            object.__setattr__(self, "compact_tiles", MappingProxyType(dict(self.compact_tiles)))
+            assert self.compact_tiles.keys() <= self.tiles.keys() and not self.tall_tiles
         assert self.flags <= FLAGS.keys(), self.flags - FLAGS.keys()
         assert self.tall_tiles.keys() <= self.tiles.keys()
 
     @property
     def head_dims(self) -> tuple[HeadDim, ...]:
         return tuple(sorted(self.tiles))
+
+    def arch_tiles(self, arch_name: str) -> Mapping[HeadDim, Tiles]:
+        """The tile shape compiled for each head dim on `arch_name` (the head dims it has there)."""
+        if self.compact_tiles is not None and arch(arch_name).smem_bytes <= COMPACT_SMEM:
+            return self.compact_tiles
+        return self.tiles
 
 
 @dataclass(frozen=True, eq=False)
@@ -181,7 +201,7 @@ class KernelFamily:
     experimental: bool = False
     #: Backward items may be split into pieces, one per query head of their K/V head.
     split_backward: bool = False
-    #: Persistent CTAs per SM.
+    #: Persistent CTAs per SM (the portable kernels': `portable_ctas_per_sm`).
     ctas_per_sm: int = 1
     #: The forward takes k blocks and the backward k tiles at any key, and the backward q
     #: blocks at any query but in the deterministic kernel (`maskc.ir.schedule.document_tiles`:
@@ -199,6 +219,15 @@ class KernelFamily:
     def head_dims(self) -> tuple[HeadDim, ...]:
         """Every head dim it has a forward for (the backward's are among them)."""
         return self.forward.head_dims
+
+    @property
+    def selector(self) -> dict[str, bool]:
+        """The request and variant fields that pick it among an arch's families."""
+        return {"portable": self.portable, "portable_next": self is PORTABLE_NEXT}
+
+    def ctas_per_sm_of(self, direction: str, tile_m: int, tile_n: int) -> int:
+        """Persistent CTAs per SM of its `direction` kernel with a tile_m x tile_n tile."""
+        return portable_ctas_per_sm(direction, tile_m, tile_n) if self.portable else self.ctas_per_sm
 
     def kernel(self, direction: str) -> Kernel:
         return self.forward if direction == "fwd" else self.backward
@@ -349,12 +378,45 @@ PORTABLE = KernelFamily(
         summary="warp MMA, dQ by L2 reductions",
     ),
     portable=True,
-    # 128 threads of at most 255 registers and 80 KiB of shared memory at d=128: two fit an
-    # SM80 or SM90 SM (each also runs alone).
-    ctas_per_sm=2,
 )
 
-FAMILIES: tuple[KernelFamily, ...] = (SM90, SM100, PORTABLE)
+# Never run: the portable kernels rewritten for speed (issue 58), behind PORTABLE_NEXT_ENV.
+# Forward: 32 query rows a warp, PackGQA, d=96 and d=256. Backward: FlashAttention-2's shape,
+# eight warps of 16 keys (a 128-key k tile) against q blocks of 64 queries, two (Q, dO) stages:
+# the next step's Q and dO load while this one computes.
+PORTABLE_NEXT = KernelFamily(
+    name="portable_next",
+    title="portable next",
+    archs=ARCH_NAMES,
+    templates="sm80",
+    forward=Kernel(
+        # 32 query rows a warp (two M extents share each K and V fragment; Q read from shared
+        # memory a k step at a time) up to d=128: 128 x 128 at d=64, 128 x 64 at d=96, 128 x 32
+        # at d=128 (O has 128 registers a thread there; 64 keys spill). d=256: 16 rows a warp
+        # against 32-key blocks (two K/V stages fill 96 KiB, which every arch has).
+        tiles={HeadDim(64, 64): Tiles(128, 128, 2), HeadDim(96, 96): Tiles(128, 64, 2),
+               HeadDim(128, 128): Tiles(128, 32, 2), HeadDim(256, 256): Tiles(64, 32, 2)},  # fmt: skip
+        flags=frozenset({"has_softcap", "has_sink", "has_max_logits", "pack_gqa"}),
+        choices=TileChoices(tile_m=(64, 128), tile_n=(32, 64, 128), num_stages=(2,)),
+        summary="warp MMA, cp.async, ldmatrix, 32 query rows a warp up to d=128",
+    ),
+    backward=Kernel(
+        tiles=dict.fromkeys(_square(64, 96, 128), Tiles(64, 128, 2)),
+        flags=frozenset({"has_softcap", "deterministic"}),
+        choices=None,
+        summary="warp MMA, a warp per 16 keys of the k tile, the next step's Q and dO by cp.async during this one (two stages), dQ by L2 reductions",
+        missing="d=256 has the forward only: a backward that fits is not written yet",
+        # On 99 KiB: d=128's 144 KiB become 88 with 32-query blocks and one stage (ptxas, sm_86
+        # and sm_89: no spill, where the verified 64-key tile spills 2600 bytes; sm_120a: 1584,
+        # 1208); d=96's 112 KiB 80 with 64 keys (its dQ^T warp grid needs 64-query blocks).
+        compact_tiles={HeadDim(64, 64): Tiles(64, 128, 2), HeadDim(96, 96): Tiles(64, 64, 2),
+                       HeadDim(128, 128): Tiles(32, 128, 1)},  # fmt: skip
+    ),
+    portable=True,
+    experimental=True,
+)
+
+FAMILIES: tuple[KernelFamily, ...] = (SM90, SM100, PORTABLE, PORTABLE_NEXT)
 HEAD_DIMS = tuple(sorted({d for f in FAMILIES for d in f.head_dims}))
 
 
@@ -370,6 +432,18 @@ def arch_of_capability(capability: tuple[int, int]) -> Arch | None:
     return next((a for a in ARCHS if a.capability == capability), None)
 
 
+def portable_warps(direction: str, tile_m: int, tile_n: int) -> int:
+    """Warps of a portable CTA: four in the forward (16 or 32 query rows each), one per 16 keys
+    of the backward's k tile."""
+    return 4 if direction == "fwd" else tile_n // 16
+
+
+def portable_ctas_per_sm(direction: str, tile_m: int, tile_n: int) -> int:
+    """Persistent CTAs of a portable kernel per SM: as many as fit the 64K registers of an SM at
+    up to 255 registers a thread (two of 128 threads, one of 256), each also running alone."""
+    return max(1, 65536 // (256 * 32 * portable_warps(direction, tile_m, tile_n)))
+
+
 def native_family(arch_name: str) -> KernelFamily | None:
     """The family written for `arch_name` itself, or None where only the portable kernels serve it."""
     return next((f for f in FAMILIES if not f.portable and arch_name in f.archs), None)
@@ -382,10 +456,11 @@ def default_family(arch_name: str) -> KernelFamily:
     return native if native is not None and not native.experimental else PORTABLE
 
 
-def family_of(arch_name: str, portable: bool = False) -> KernelFamily:
-    """The family of a kernel for `arch_name`: the portable one, or the arch's own."""
+def family_of(arch_name: str, portable: bool = False, portable_next: bool = False) -> KernelFamily:
+    """The family of a kernel for `arch_name`: the portable one (its experimental next kernels
+    with `portable_next`), or the arch's own."""
     if portable:
-        return PORTABLE
+        return PORTABLE_NEXT if portable_next else PORTABLE
     family = native_family(arch_name)
     if family is None:
         raise VariantError(f"arch {arch_name} has only the portable kernel (portable=True)")
@@ -393,20 +468,21 @@ def family_of(arch_name: str, portable: bool = False) -> KernelFamily:
 
 
 def select_tiles(
-    arch_name: str, head_dim: HeadDim, direction: str = "fwd", portable: bool = False, tall: bool = False
+    arch_name: str, head_dim: HeadDim, direction: str = "fwd", portable: bool = False, tall: bool = False,
+    portable_next: bool = False,
 ) -> Tiles:
     """Tile shape of the `direction` kernel for `arch_name` and `head_dim` (backward: tile_m is
-    the q block, tile_n the k tile), the arch's own kernel or the portable one; with `tall` its
-    tall shape (`Kernel.tall_tiles`)."""
+    the q block, tile_n the k tile), the arch's own kernel or the portable one (`portable_next`:
+    its experimental next kernels); with `tall` its tall shape (`Kernel.tall_tiles`)."""
     if head_dim not in HEAD_DIMS:
         raise VariantError(f"head_dim {head_dim} is not supported; supported head dims: {_listed(HEAD_DIMS)}")
     if not portable and native_family(arch_name) is None:
         raise VariantError(f"no kernel of its own for arch {arch_name!r} ({_native_archs()} have them); use the portable kernel")
-    family = family_of(arch_name, portable)
-    check_head_dim(family, direction, head_dim)
+    family = family_of(arch_name, portable, portable_next)
+    check_head_dim(family, direction, head_dim, arch_name)
     kernel = family.kernel(direction)
     if not tall:
-        return kernel.tiles[head_dim]
+        return kernel.arch_tiles(arch_name)[head_dim]
     if head_dim not in kernel.tall_tiles:
         raise VariantError(
             f"the {family.title} {'forward' if direction == 'fwd' else 'backward'} has no tall tile for head_dim {head_dim}"
@@ -415,13 +491,19 @@ def select_tiles(
     return kernel.tall_tiles[head_dim]
 
 
-def check_head_dim(family: KernelFamily, direction: str, head_dim: HeadDim) -> None:
-    """Raise VariantError naming the supported set where `family` has no `direction` kernel for `head_dim`."""
+def check_head_dim(family: KernelFamily, direction: str, head_dim: HeadDim, arch_name: str | None = None) -> None:
+    """Raise VariantError naming the supported set where `family` has no `direction` kernel for
+    `head_dim` (on `arch_name`, where given: archs with less shared memory may have fewer)."""
     kernel = family.kernel(direction)
+    name = f"the {family.title} {'forward' if direction == 'fwd' else 'backward'}"
     if head_dim not in kernel.tiles:
+        why = f" ({kernel.missing})" if kernel.missing else ""
+        raise VariantError(f"{name} has no kernel for head_dim {head_dim}{why}; it supports {_listed(kernel.head_dims)}")
+    tiles = kernel.arch_tiles(arch_name) if arch_name is not None else kernel.tiles
+    if head_dim not in tiles:
         raise VariantError(
-            f"the {family.title} {'forward' if direction == 'fwd' else 'backward'} has no kernel for head_dim {head_dim}; "
-            f"it supports {_listed(kernel.head_dims)}"
+            f"{name} has no kernel for head_dim {head_dim} on {arch_name} (its shapes need more than the "
+            f"{COMPACT_SMEM // 1024} KiB of shared memory a CTA has there); there it supports {_listed(tuple(sorted(tiles)))}"
         )
 
 
@@ -450,11 +532,19 @@ def _options(kernel: Kernel) -> str:
 
 
 def _tiles(kernel: Kernel) -> str:
+    text = _shapes(kernel.tiles, kernel.tall_tiles)
+    if kernel.compact_tiles is None:
+        return text
+    compact = ", ".join(f"`{a.name}`" for a in ARCHS if a.smem_bytes <= COMPACT_SMEM)
+    return f"{text}; on {compact} (99 KiB a CTA): {_shapes(kernel.compact_tiles, {})}"
+
+
+def _shapes(tiles: Mapping[HeadDim, Tiles], tall_tiles: Mapping[HeadDim, Tiles]) -> str:
     shapes = {}
-    for head_dim, t in kernel.tiles.items():
+    for head_dim, t in tiles.items():
         shape = f"{t.tile_m} x {t.tile_n}"
-        if head_dim in kernel.tall_tiles:
-            tall = kernel.tall_tiles[head_dim]
+        if head_dim in tall_tiles:
+            tall = tall_tiles[head_dim]
             shape += f" (or {tall.tile_m} x {tall.tile_n} per mask)"
         shapes.setdefault(f"{shape}, {t.num_stages} stage{'s' if t.num_stages > 1 else ''}", []).append(head_dim)
     if len(shapes) == 1:
@@ -472,6 +562,7 @@ def support_table() -> str:
         default = default_family(a.name)
         others = [f for f in (native_family(a.name), PORTABLE) if f is not None and f is not default]
         kernels = [f"{default.title}"] + [f"{f.title} (`portable={f.portable}`)" for f in others]
+        kernels.append(f"{PORTABLE_NEXT.title} (experimental: `{PORTABLE_NEXT_ENV}=1`)")
         lines.append(f"| `{a.name}` | {a.gpus} | {', '.join(kernels)} | {'yes' if a.tested else 'no: compiled only'} |")
     lines += [
         "",

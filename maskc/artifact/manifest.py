@@ -287,7 +287,7 @@ _INT, _STR, _BOOL = _of(int, "an integer"), _of(str, "a string"), _of(bool, "tru
 _FIELDS = _record(
     {name: _STR for name in ("arch", "direction", "dtype")}
     | {name: _INT for name in ("head_dim", "num_heads_q", "num_heads_kv", "tile_m", "tile_n", "num_stages")},
-    {name: _BOOL for name in (*FLAGS, "portable", "tall")} | {"head_dim_v": _INT},
+    {name: _BOOL for name in (*FLAGS, "portable", "portable_next", "tall")} | {"head_dim_v": _INT},
 )
 _VARIANT = _record(
     {"key": _STR, "object": _STR, "function": _STR, "abi": _list(_of(dict, "an object")), "fields": _FIELDS},

@@ -31,6 +31,7 @@ from maskc.artifact.kernel_families import (
     check_head_dim,
     family_of,
     pack_gqa_supported,
+    portable_warps,
     select_tiles,
     sm90_p_in_smem,
 )
@@ -72,6 +73,9 @@ class KernelVariant:
     #: The head dim of v and the output where it differs from q and k's (MLA: 192 / 128);
     #: None: the same.
     head_dim_v: int | None = None
+    #: With `portable`: the experimental next portable kernels (PORTABLE_NEXT: compiled and checked
+    #: offline, never run on a GPU), which the runtime takes only where $MASKC_PORTABLE_NEXT is 1.
+    portable_next: bool = False
     #: Forward only: the family's tall tile for the head dim (`Kernel.tall_tiles`), compiled
     #: beside the other and taken per mask (maskc.ir.strategy.select_forward).
     tall: bool = False
@@ -89,15 +93,17 @@ class KernelVariant:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise VariantError(f"{name} must be a positive int, got {value!r}")
-        for name in (*FLAGS, "portable", "tall"):
+        for name in (*FLAGS, "portable", "portable_next", "tall"):
             if not isinstance(getattr(self, name), bool):
                 raise VariantError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        family = family_of(self.arch, self.portable)
+        if self.portable_next and not self.portable:
+            raise VariantError("portable_next chooses among the portable kernels: it needs portable=True")
+        family = self.family
         if self.head_dims not in family.head_dims:
             raise VariantError(
                 f"head_dim {self.head_dims} is not supported; supported head dims: {', '.join(map(str, family.head_dims))}"
             )
-        check_head_dim(family, self.direction, self.head_dims)
+        check_head_dim(family, self.direction, self.head_dims, self.arch)
         if self.num_heads_q % self.num_heads_kv:
             raise VariantError(
                 f"num_heads_q ({self.num_heads_q}) must be a multiple of num_heads_kv ({self.num_heads_kv})"
@@ -108,7 +114,7 @@ class KernelVariant:
                 f"got {self.num_heads_q} / {self.num_heads_kv} = {self.num_heads_q // self.num_heads_kv}"
             )
         if self.tall:
-            select_tiles(self.arch, self.head_dims, self.direction, self.portable, tall=True)  # names where there is one
+            select_tiles(self.arch, self.head_dims, self.direction, self.portable, True, self.portable_next)  # names where there is one
         if self.direction == "fwd":
             if self.deterministic:
                 raise VariantError("deterministic is a backward option (the forward is deterministic already)")
@@ -141,7 +147,7 @@ class KernelVariant:
         tiles = Tiles(self.tile_m, self.tile_n, self.num_stages)
         choices = kernel.choices
         if choices is None:
-            default = kernel.tiles[self.head_dims]
+            default = kernel.arch_tiles(self.arch)[self.head_dims]
             if tiles != default:
                 raise VariantError(
                     f"{self._kernel_name(family)} tiles {self.tile_m} x {self.tile_n} with {self.num_stages} stage(s) are "
@@ -175,7 +181,7 @@ class KernelVariant:
     @property
     def family(self) -> KernelFamily:
         """The kernel family whose templates render this variant."""
-        return family_of(self.arch, self.portable)
+        return family_of(self.arch, self.portable, self.portable_next)
 
     @property
     def experimental(self) -> bool:
@@ -197,6 +203,11 @@ class KernelVariant:
     @property
     def qheads_per_kvhead(self) -> int:
         return self.num_heads_q // self.num_heads_kv
+
+    @property
+    def pack_g(self) -> int:
+        """Query heads of a packed row group: G = Hq / Hkv with PackGQA, else 1 (the templates' PACK_G)."""
+        return self.qheads_per_kvhead if self.pack_gqa else 1
 
     @property
     def tile_tokens(self) -> int:
@@ -318,6 +329,27 @@ class KernelVariant:
         return (1, 2)
 
     @property
+    def portable_dq_warps(self) -> tuple[int, int]:
+        """The portable backward's warp grid (head dims x queries) for dQ^T = K^T dS^T, whose M
+        is the head dims: all warps on M where they have 16 head dims each per product, else as
+        many as whole 16-row blocks of the head dims allow (d=64 with 8 warps: 4 x 2; d=96: 2 x 4)
+        and the rest across the q block's queries."""
+        warps = portable_warps("bwd", self.tile_m, self.tile_n)
+        warps_m = warps
+        while self.head_dim % (16 * warps_m):
+            warps_m //= 2
+        return warps_m, warps // warps_m
+
+    @property
+    def portable_b_by_x4(self) -> bool:
+        """The portable kernels' B operands (K and V in the forward) are ldmatrix'ed one x4 (two n8
+        atoms) at a time, each product beside its copy (the templates' B_BY_X4): in the next
+        forward's 32-key blocks (d=128 and 256), where ptxas measured it: sm_80 spill bytes 132 ->
+        8 at d=128, 88 -> 64 at d=256. Elsewhere it spilled more (the 32-row forward's 128x128 at
+        d=64: 240 -> 420, 128x64 at d=96: 48 -> 224) or the same (the next backward)."""
+        return self.portable_next and self.direction == "fwd" and self.tile_n == 32
+
+    @property
     def q_stages(self) -> int:
         """Q buffers: two when they fit, so the next work item's Q loads while this one's
         softmax tail and epilogue run (and its O tile leaves through the other buffer). The
@@ -332,7 +364,11 @@ class KernelVariant:
     # ---- naming ----------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Its fields; `portable_next` only where set, so the kernels from before it keep their digests."""
+        fields = asdict(self)
+        if not self.portable_next:
+            del fields["portable_next"]
+        return fields
 
     def digest(self) -> str:
         """A short hash of every field (stable across runs and machines)."""
@@ -351,7 +387,7 @@ class KernelVariant:
             if on
         )
         if self.portable:
-            arch += "_portable"
+            arch += "_portable_next" if self.portable_next else "_portable"
         v = f"v{self.head_dim_v}" if self.head_dim_v != self.head_dim else ""
         return (
             f"attn_{self.direction}_{arch}_d{self.head_dim}{v}_{self.dtype}_h{self.num_heads_q}x{self.num_heads_kv}"
@@ -364,7 +400,8 @@ def variant_for(request: Mapping[str, Any]) -> KernelVariant:
     request plus the tile shape its kernel family compiles for the head dim (the tall one
     where the request asks for it)."""
     tiles = select_tiles(
-        request["arch"], HeadDim.of(request), request["direction"], request.get("portable", False), request.get("tall", False)
+        request["arch"], HeadDim.of(request), request["direction"], request.get("portable", False), request.get("tall", False),
+        request.get("portable_next", False),
     )
     return KernelVariant(**request, tile_m=tiles.tile_m, tile_n=tiles.tile_n, num_stages=tiles.num_stages)
 

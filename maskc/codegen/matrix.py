@@ -7,7 +7,15 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any
 
-from maskc.artifact.kernel_families import PORTABLE, HeadDim, KernelFamily, native_family, pack_gqa_supported, select_tiles
+from maskc.artifact.kernel_families import (
+    PORTABLE,
+    PORTABLE_NEXT,
+    HeadDim,
+    KernelFamily,
+    native_family,
+    pack_gqa_supported,
+    select_tiles,
+)
 from maskc.ir import Mask
 from maskc.ir.schedule import backward_has_partial_blocks
 
@@ -23,6 +31,8 @@ class Features:
     deterministic: bool = False
     #: Also the portable kernels where the arch has kernels of its own.
     portable: bool = False
+    #: Also the experimental next portable kernels (PORTABLE_NEXT) beside the portable ones.
+    portable_next: bool = False
 
 
 def kernel_requests(
@@ -36,7 +46,8 @@ def kernel_requests(
     """The kernels (as runtime requests) a job on `masks` needs, per arch, head dim, heads and
     dtype, from each family that serves the arch: the portable one where the arch has no
     verified kernels of its own (none, or experimental ones) or `features.portable` asks for
-    it, and the arch's own. Per family, the forward per GQA strategy (plain, and PackGQA where
+    it, and the arch's own; beside the portable ones the experimental next portable kernels
+    where `features.portable_next` asks for them or the head dim has only them. Per family, the forward per GQA strategy (plain, and PackGQA where
     the family has it and the heads allow it) and tile shape (also the tall one where the
     family has one for the head dim; the runtime picks both per mask) and the backward
     (softcap is its only feature: sinks and max logits need nothing in it), also without line
@@ -52,31 +63,34 @@ def kernel_requests(
         if native is not None:
             families.append(native)
         for head_dim in head_dims:
-            for family in families:
-                select_tiles(arch, head_dim, "fwd", family.portable)  # names the head dims it has otherwise
-            unmasked = {family: _unmasked_choices(family, arch, head_dim, masks) for family in families}
+            chosen = [f for f in families if f is not PORTABLE or head_dim in PORTABLE.head_dims]
+            if PORTABLE in families and (features.portable_next or PORTABLE not in chosen):
+                chosen.insert(0, PORTABLE_NEXT)
+            for family in chosen:
+                select_tiles(arch, head_dim, "fwd", family.portable, portable_next=family is PORTABLE_NEXT)  # names the head dims it has otherwise
+            unmasked = {family: _unmasked_choices(family, arch, head_dim, masks) for family in chosen}
             for (hq, hkv), dtype in product(heads, dtypes):
                 base = {"arch": arch, "head_dim": head_dim.qk, "head_dim_v": head_dim.v, "dtype": dtype,
                         "num_heads_q": hq, "num_heads_kv": hkv}  # fmt: skip
-                for family in families:
+                for family in chosen:
                     requests += _family_requests(family, base, features, unmasked[family])
     return requests
 
 
 def _unmasked_choices(family: KernelFamily, arch: str, head_dim: HeadDim, masks: Sequence[Mask]) -> tuple[bool, ...]:
     """The backward variants by line masks: () where the family has no backward for the head dim."""
-    if head_dim not in family.backward.tiles:
+    if head_dim not in family.backward.arch_tiles(arch):
         return ()
     if not family.has("bwd", "unmasked"):
         return (False,)
-    tiles = select_tiles(arch, head_dim, "bwd", family.portable)
+    tiles = select_tiles(arch, head_dim, "bwd", family.portable, portable_next=family is PORTABLE_NEXT)
     return (False, True) if any(not backward_has_partial_blocks(m, tiles.tile_m, tiles.tile_n) for m in masks) else (False,)
 
 
 def _family_requests(
     family: KernelFamily, base: dict[str, Any], features: Features, unmasked: tuple[bool, ...]
 ) -> list[dict[str, Any]]:
-    kind = {"portable": True} if family.portable else {}
+    kind = {name: True for name, on in family.selector.items() if on}
     packs = (False, True) if family.has("fwd", "pack_gqa") and pack_gqa_supported(base["num_heads_q"], base["num_heads_kv"]) else (False,)
     talls = (False, True) if HeadDim.of(base) in family.forward.tall_tiles else (False,)
     forward = [

@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2
 
 from maskc.artifact.abi import ENTRY_POINTS, PACE_COUNTERS
-from maskc.artifact.kernel_families import DIRECTIONS, DTYPES, FAMILIES, SM100, WARPGROUP_ROWS
+from maskc.artifact.kernel_families import DIRECTIONS, DTYPES, FAMILIES, SM100, WARPGROUP_ROWS, portable_warps
 from maskc.artifact.variant import KernelVariant, variant_for
 
 _DTYPES = {d.name: d for d in DTYPES}
@@ -52,7 +52,8 @@ def context(variant: KernelVariant) -> dict:
         "pace_counters": PACE_COUNTERS,
     }
     if variant.portable:
-        return {**base, "num_threads": 128}
+        warps = portable_warps(variant.direction, variant.tile_m, variant.tile_n)
+        return {**base, "num_warps": warps, "num_threads": 32 * warps, "dq_warps": variant.portable_dq_warps}
     if variant.family is SM100:
         # TMEM-owning warps (forward: 4 softmax; backward: 8 computing P and dS, 4 reducing dQ),
         # one MMA warp, one TMA warp.
@@ -87,14 +88,16 @@ def reference_variants() -> dict[str, KernelVariant]:
     """The kernels committed rendered in docs/kernels/ so that they can be read without running
     the compiler (and a template change shows up as a diff of kernel code), by file name: each
     family's forward and backward at `maskc compile`'s defaults (heads 64:8, head dim 128, bf16,
-    no options), the plain forward (not tall, no PackGQA) and the masked backward."""
+    no options), the plain forward (not tall, no PackGQA) and the masked backward; the next
+    portable kernels' as `<name>_next.py`."""
     variants = {}
     for family in FAMILIES:
         for direction in DIRECTIONS:
             request = {"arch": family.archs[0], "direction": direction, "head_dim": 128, "dtype": "bf16",
-                       "num_heads_q": 64, "num_heads_kv": 8, "portable": family.portable}  # fmt: skip
+                       "num_heads_q": 64, "num_heads_kv": 8, **family.selector}  # fmt: skip
             variant = variant_for(request)
-            variants[template_name(variant).removesuffix(".jinja")] = variant
+            name = template_name(variant).removesuffix(".py.jinja") + ("_next" if variant.portable_next else "")
+            variants[f"{name}.py"] = variant
     return variants
 
 
