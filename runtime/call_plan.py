@@ -149,6 +149,7 @@ def make_target(capability: tuple[int, int], num_sms: int, dtype: torch.dtype, n
         raise MaskcError(
             f"the {family.title} kernel (the one used on {arch.name}) has no PackGQA yet"
             + (f"; on {arch.name} pass portable=None" if default_family(arch.name).has("fwd", "pack_gqa") else "")
+            + (f"; the experimental next portable kernels have it ({PORTABLE_NEXT_ENV}=1)" if family is PORTABLE else "")
         )
     if pack_gqa and not pack_gqa_supported(num_heads_q, num_heads_kv):
         raise MaskcError(f"pack_gqa needs Hq / Hkv a power of two in [2, 64]; got {num_heads_q} / {num_heads_kv}")
