@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import sys
 import time
@@ -59,7 +60,7 @@ from record import HOST_IMPLS, HOST_PASSES, RESULTS, Run
 from report import kernel_tables, markdown_table
 
 import maskc
-from maskc.artifact.kernel_families import HeadDim
+from maskc.artifact.kernel_families import PORTABLE_NEXT_ENV, HeadDim
 from maskc.frontend import load
 from maskc.ir import Mask
 from maskc.runtime.call_plan import TORCH_DTYPES
@@ -82,6 +83,9 @@ HOST_CALLS = 2000
 HOST_ROUNDS = 10
 #: The dtypes --dtypes may name (maskc's kernel dtypes), by the name their rows record.
 DTYPES = {name: dtype for dtype, name in TORCH_DTYPES.items()}
+#: The row name of --portable's calls: the experimental kernels run in their place where
+#: $MASKC_PORTABLE_NEXT is 1, and their rows must not pass for the verified ones.
+PORTABLE_IMPL = "maskc_portable_next" if os.environ.get(PORTABLE_NEXT_ENV) == "1" else "maskc_portable"
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window_causal", "varlen_block_causal",
          "shared_question", "global_sliding_window")  # fmt: skip
 
@@ -679,7 +683,7 @@ def measure_kernels(run: Run, args: argparse.Namespace) -> list[dict]:
                 if args.deterministic:
                     calls["maskc_det"] = maskc_call(q, k, v, mask, deterministic=True)
                 if args.portable:
-                    calls["maskc_portable"] = maskc_call(q, k, v, mask, portable=True)
+                    calls[PORTABLE_IMPL] = maskc_call(q, k, v, mask, portable=True)
                 if not args.no_baselines:
                     calls.update(baselines(name, seqlen, lens, q, k, v))
                 leaves = [q, k, v] if args.backward else None

@@ -36,6 +36,7 @@ KERNEL_IMPLS = {
     "maskc": "maskc",
     "maskc_det": "maskc deterministic",
     "maskc_portable": "maskc portable",
+    "maskc_portable_next": "maskc portable next (experimental)",
     "fa4": "FA4",
     "sdpa_cudnn": "cuDNN",
     "sdpa_flash": "SDPA flash",
@@ -908,11 +909,23 @@ def at_settings(row: dict) -> bool:
     return shape(row) == DEFAULT_SHAPE and row["seqlen"] in TARGET_SEQLENS and row["impl"] in KERNEL_IMPLS
 
 
+#: Implementations that are not a default anywhere (opt-in, experimental): a run timing them is
+#: kept on the history page, and the main page shows the runs of what users get.
+EXPERIMENTAL_IMPLS = ("maskc_portable_next",)
+
+
+def shipped_at_settings(rows: Sequence[dict], kind: str) -> Callable[[dict], bool]:
+    """at_settings, for the rows of runs that time no EXPERIMENTAL_IMPLS."""
+    experimental = {row["run"] for row in rows if row["kind"] == kind and row["impl"] in EXPERIMENTAL_IMPLS}
+    return lambda row: at_settings(row) and row["run"] not in experimental
+
+
 def newest_runs_at_settings(rows: Sequence[dict]) -> dict[str, dict[int, str]]:
     """Per device, per length of TARGET_SEQLENS, the newest run measuring maskc beside another
-    library at DEFAULT_SHAPE: what the main page's tables show."""
+    library at DEFAULT_SHAPE (shipped_at_settings): what the main page's tables show."""
     newest: dict[str, dict[int, str]] = defaultdict(dict)
-    for (device, seqlen), run in sorted(newest_runs(rows, "kernel", at_settings, lambda row: (row["device"], row["seqlen"])).items()):
+    keep = shipped_at_settings(rows, "kernel")
+    for (device, seqlen), run in sorted(newest_runs(rows, "kernel", keep, lambda row: (row["device"], row["seqlen"])).items()):
         newest[device][seqlen] = run
     return dict(newest)
 
@@ -940,7 +953,7 @@ def device_section(rows: Sequence[dict], device: str, runs: dict[int, str]) -> l
 
 def memory_section(rows: Sequence[dict]) -> list[str]:
     """The main page's peaks: each length's from the newest run measuring maskc's beside another library's."""
-    runs = newest_runs(rows, "memory", at_settings, lambda row: row["seqlen"])
+    runs = newest_runs(rows, "memory", shipped_at_settings(rows, "memory"), lambda row: row["seqlen"])
     if not runs:
         return []
     caption = f"Of one forward + backward on top of q, k and v, in MiB (the range over masks); {sources(rows, runs)}:"
