@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kernel.add_argument(
         "--portable-next", action="store_true",
-        help="also the experimental next portable kernels (never run; the runtime takes them with MASKC_PORTABLE_NEXT=1) "
+        help="also the experimental next portable kernels (checked on an H100 only; the runtime takes them with MASKC_PORTABLE_NEXT=1) "
         "beside the portable ones; a head dim that only they have gets them without it",
     )  # fmt: skip
     kernel.add_argument("--bundle-runtime", action="store_true", help="ship libcute_dsl_runtime.so.xz in the artifact directory")

@@ -127,7 +127,7 @@ def attention(
     verified ones (Hopper), else the portable ones (warp MMA: every GPU since Ampere); True
     forces the portable ones (no PackGQA yet); False asks for the GPU's own kernels, also the
     experimental Blackwell forward and backward (never run by maskc). With $MASKC_PORTABLE_NEXT=1
-    in the environment the portable kernels are the experimental next ones (never run by maskc:
+    in the environment the portable kernels are the experimental next ones (tested on an H100 only:
     a faster backward, PackGQA, head dims 96 and 256; docs/support.md).
     """
     table, prepared, positions = _mask_tensors(mask)

@@ -73,8 +73,8 @@ class KernelVariant:
     #: The head dim of v and the output where it differs from q and k's (MLA: 192 / 128);
     #: None: the same.
     head_dim_v: int | None = None
-    #: With `portable`: the experimental next portable kernels (PORTABLE_NEXT: compiled and checked
-    #: offline, never run on a GPU), which the runtime takes only where $MASKC_PORTABLE_NEXT is 1.
+    #: With `portable`: the experimental next portable kernels (PORTABLE_NEXT: the GPU suite passed on
+    #: an H100, not yet a default), which the runtime takes only where $MASKC_PORTABLE_NEXT is 1.
     portable_next: bool = False
     #: Forward only: the family's tall tile for the head dim (`Kernel.tall_tiles`), compiled
     #: beside the other and taken per mask (maskc.ir.strategy.select_forward).
