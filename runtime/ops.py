@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, NamedTuple
 
@@ -40,16 +40,18 @@ class Options:
     portable: bool | None
     positions: tuple[int, int, int] | None = None
     """`PositionMask.options()` when the mask tensor holds position ids; None for a table."""
+    portable_next: bool = field(default_factory=call_plan.portable_next_opted_in)
+    """$MASKC_PORTABLE_NEXT when the call began: its forward and backward run one family."""
 
     def encode(self) -> list[int]:
         positions = [1, *self.positions] if self.positions is not None else [0, 0, -1, -1]
-        return [_tristate(self.pack_gqa), int(self.deterministic), _tristate(self.portable), *positions]
+        return [_tristate(self.pack_gqa), int(self.deterministic), _tristate(self.portable), *positions, int(self.portable_next)]
 
     @classmethod
     def decode(cls, values: Sequence[int]) -> Options:
-        pack_gqa, deterministic, portable, by_positions, *positions = values
+        pack_gqa, deterministic, portable, by_positions, *positions, portable_next = values
         return cls(None if pack_gqa < 0 else bool(pack_gqa), bool(deterministic), None if portable < 0 else bool(portable),
-                   tuple(positions) if by_positions else None)  # fmt: skip
+                   tuple(positions) if by_positions else None, bool(portable_next))  # fmt: skip
 
 
 def _tristate(value: bool | None) -> int:
@@ -63,7 +65,7 @@ def call_target(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_softcap: 
     *_, hq, d = q.shape
     return call_plan.make_target(capability, num_sms, q.dtype, hq, k.shape[-2], HeadDim(d, v.shape[-1]), has_softcap, has_sink,
                                  return_max_logits, options.pack_gqa, options.deterministic, sm_margin, options.portable,
-                                 call_plan.portable_next_opted_in())  # fmt: skip
+                                 options.portable_next)  # fmt: skip
 
 
 def packed_rows(x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from maskc.artifact.manifest import write_manifest
 from maskc.codegen import LoweredMask, write_artifact
 from maskc.errors import ArtifactError
 from maskc.ir import Mask
-from maskc.runtime import call_plan, launch, register_artifact, registry
+from maskc.runtime import call_plan, launch, ops, register_artifact, registry
 
 
 def kernel_artifact(directory: Path, extra: dict[str, bytes] | None = None, toolchain: dict | None = None) -> Path:
@@ -424,6 +424,17 @@ def test_a_read_only_artifact_directory_registers_without_a_write(tmp_path: Path
         art.chmod(0o755)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"[{KEY!r}] ['docs']"
+
+
+def test_a_call_keeps_the_opt_in_it_began_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call's options hold $MASKC_PORTABLE_NEXT as it was when the call began, so a backward
+    run after the variable changed still runs the forward's family (its lse_log2 rows follow
+    that family's tiles)."""
+    monkeypatch.setenv("MASKC_PORTABLE_NEXT", "1")
+    encoded = ops.Options(None, False, True).encode()
+    monkeypatch.setenv("MASKC_PORTABLE_NEXT", "0")
+    assert ops.Options.decode(encoded).portable_next
+    assert not ops.Options.decode(ops.Options(None, False, True).encode()).portable_next
 
 
 def test_the_next_portable_kernels_run_only_where_the_environment_opts_in(monkeypatch: pytest.MonkeyPatch) -> None:
