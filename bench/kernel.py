@@ -18,7 +18,8 @@ goes on.
 
 With --backward, also the backward TFLOP/s (2.5 x the forward FLOPs, `out.backward` timed alone)
 and the peak memory of one forward + backward of every implementation. --deterministic adds
-maskc with deterministic=True, --portable maskc's portable kernels.
+maskc with deterministic=True, --portable maskc's portable kernels, --portable-next the experimental
+next portable kernels beside them in the same run.
 
 First comes the host time: the CPU time of one call on a problem so small (128 causal tokens,
 64:8 heads, d=128, bf16) that the GPU never holds the host back, of maskc.attention beside SDPA
@@ -29,7 +30,7 @@ libraries' (the median batch). --host-only measures just that, for a short GPU c
 
 Run on the GPU machine: `python bench/kernel.py --artifacts DIR... [--seqlens 16384,65536]
 [--head-dims 64,128,192/128] [--dtypes bf16,fp16] [--heads 64:8,64:64] [--backward]
-[--deterministic] [--portable] [--host-only | --no-host]` (DIR: `maskc compile` directories
+[--deterministic] [--portable] [--portable-next] [--host-only | --no-host]` (DIR: `maskc compile` directories
 holding the kernels of those head dims, dtypes and head counts, and bf16 64:8 d=128's with its
 backward for the host time). Appends kernel, memory and host rows to bench/results (or --out;
 see bench/README.md) and prints the run's tables.
@@ -83,9 +84,6 @@ HOST_CALLS = 2000
 HOST_ROUNDS = 10
 #: The dtypes --dtypes may name (maskc's kernel dtypes), by the name their rows record.
 DTYPES = {name: dtype for dtype, name in TORCH_DTYPES.items()}
-#: The row name of --portable's calls: the experimental kernels run in their place where
-#: $MASKC_PORTABLE_NEXT is 1, and their rows must not pass for the verified ones.
-PORTABLE_IMPL = "maskc_portable_next" if os.environ.get(PORTABLE_NEXT_ENV) == "1" else "maskc_portable"
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window_causal", "varlen_block_causal",
          "shared_question", "global_sliding_window")  # fmt: skip
 
@@ -339,6 +337,24 @@ def inputs(seqlen: int, head_dim: HeadDim, requires_grad: bool, device: str = "c
 def maskc_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, **options: bool) -> Callable[[], torch.Tensor]:
     """maskc.attention's output on these inputs, with `options`."""
     return lambda: maskc.attention(q, k, v, mask, **options)[0]
+
+
+def portable_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, next_family: bool) -> Callable[[], torch.Tensor]:
+    """maskc.attention's output with portable=True, on the verified portable kernels or (with
+    `next_family`) the experimental next ones, whatever $MASKC_PORTABLE_NEXT says outside the
+    call: a call's backward runs its forward's family, so one run times both side by side."""
+    def call() -> torch.Tensor:
+        saved = os.environ.get(PORTABLE_NEXT_ENV)
+        os.environ[PORTABLE_NEXT_ENV] = "1" if next_family else "0"
+        try:
+            return maskc.attention(q, k, v, mask, portable=True)[0]
+        finally:
+            if saved is None:
+                del os.environ[PORTABLE_NEXT_ENV]
+            else:
+                os.environ[PORTABLE_NEXT_ENV] = saved
+
+    return call
 
 
 class BaselineMismatch(ValueError):
@@ -631,6 +647,10 @@ def main() -> None:
     parser.add_argument(
         "--portable", action="store_true", help="also maskc's portable kernels (portable=True: warp MMA, every GPU since Ampere)"
     )
+    parser.add_argument(
+        "--portable-next", action="store_true",
+        help="also the experimental next portable kernels (rows maskc_portable_next; needs `maskc compile --portable-next` kernels)",
+    )
     host_time = parser.add_mutually_exclusive_group()
     host_time.add_argument(
         "--host-only", action="store_true", help="measure only the host time of maskc, SDPA cuDNN and FA4, and stop"
@@ -683,7 +703,9 @@ def measure_kernels(run: Run, args: argparse.Namespace) -> list[dict]:
                 if args.deterministic:
                     calls["maskc_det"] = maskc_call(q, k, v, mask, deterministic=True)
                 if args.portable:
-                    calls[PORTABLE_IMPL] = maskc_call(q, k, v, mask, portable=True)
+                    calls["maskc_portable"] = portable_call(q, k, v, mask, next_family=False)
+                if args.portable_next:
+                    calls["maskc_portable_next"] = portable_call(q, k, v, mask, next_family=True)
                 if not args.no_baselines:
                     calls.update(baselines(name, seqlen, lens, q, k, v))
                 leaves = [q, k, v] if args.backward else None
