@@ -283,6 +283,10 @@ def fa4_mask_mod_call(name: str, tables: MaskTables, blocks: object, q: torch.Te
                                    block_sparse_tensors=forward, block_sparse_tensors_bwd=backward)  # fmt: skip
 
 
+#: The baselines' row names (`baselines`), each run where it expresses the mask.
+BASELINES = ("sdpa_cudnn", "sdpa_flash", "flex", "flex_fa4", "fa4", "fa4_mask_mod")
+
+
 def baselines(name: str, seqlen: int, lens: np.ndarray, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable]:
     """The baseline calls that express mask `name` natively (seqlen-first q/k/v): SDPA (full and
     causal), FlexAttention on its Triton and its FA4 backend, and FA4 (its own masks, and every
@@ -640,6 +644,10 @@ def main() -> None:
         help=f"comma-separated query:kv head counts, each measured at every head dim and dtype (default: {HQ}:{HKV})",
     )
     parser.add_argument("--no-baselines", action="store_true")
+    parser.add_argument(
+        "--baselines", type=lambda text: set(text.split(",")), default=None,
+        help=f"comma-separated baselines to run, among {', '.join(BASELINES)} (default: every one)",
+    )
     parser.add_argument("--backward", action="store_true", help="also time the backward of every implementation")
     parser.add_argument(
         "--deterministic", action="store_true", help="also maskc with deterministic=True (needs those kernels)"
@@ -657,6 +665,8 @@ def main() -> None:
     )
     host_time.add_argument("--no-host", action="store_true", help="skip the host time (kernel A/B runs)")
     args = parser.parse_args()
+    if args.baselines is not None and not args.baselines <= set(BASELINES):
+        parser.error(f"--baselines: unknown {', '.join(sorted(args.baselines - set(BASELINES)))}; known: {', '.join(BASELINES)}")
     run = Run.start("kernel", torch.cuda.get_device_name(), args.out)
     for directory in args.artifacts:
         maskc.runtime.register_artifact(directory)
@@ -707,7 +717,8 @@ def measure_kernels(run: Run, args: argparse.Namespace) -> list[dict]:
                 if args.portable_next:
                     calls["maskc_portable_next"] = portable_call(q, k, v, mask, next_family=True)
                 if not args.no_baselines:
-                    calls.update(baselines(name, seqlen, lens, q, k, v))
+                    calls.update((impl, call) for impl, call in baselines(name, seqlen, lens, q, k, v).items()
+                                 if args.baselines is None or impl in args.baselines)  # fmt: skip
                 leaves = [q, k, v] if args.backward else None
                 expected = expectation(calls["maskc"], seqlen, leaves)
                 for impl, call in calls.items():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import runpy
 import sys
 from collections.abc import Callable
@@ -75,6 +76,28 @@ def test_bad_head_dims_stop_the_benchmark_before_it_starts(kernel: dict, monkeyp
         kernel["main"]()
     assert done.value.code == 2
     assert "--head-dims" in capsys.readouterr().err
+
+
+def test_unknown_baselines_stop_the_benchmark_before_it_starts(kernel: dict, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(sys, "argv", ["bench/kernel.py", "--artifacts", "kernels", "--baselines", "flex,fa3"])
+    with pytest.raises(SystemExit) as done:
+        kernel["main"]()
+    assert done.value.code == 2
+    assert "unknown fa3" in capsys.readouterr().err
+
+
+def test_portable_calls_run_the_family_they_name_and_leave_the_environment(kernel: dict,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+    monkeypatch.setattr(maskc, "attention", lambda *a, **kw: (seen.append((kw, os.environ.get("MASKC_PORTABLE_NEXT"))), None))
+    monkeypatch.setenv("MASKC_PORTABLE_NEXT", "1")
+    kernel["portable_call"](None, None, None, None, next_family=False)()
+    assert os.environ["MASKC_PORTABLE_NEXT"] == "1"
+    monkeypatch.delenv("MASKC_PORTABLE_NEXT")
+    kernel["portable_call"](None, None, None, None, next_family=True)()
+    assert seen == [({"portable": True}, "0"), ({"portable": True}, "1")]
+    assert "MASKC_PORTABLE_NEXT" not in os.environ
 
 
 def test_head_dim_rows_are_checked(tmp_path: Path) -> None:
