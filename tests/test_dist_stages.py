@@ -240,6 +240,27 @@ def test_plan_matches_brute_force(problem: tuple, n: int, cost: CostModel, fuse:
         assert all(dag.has_edge(u, v) for u, v in zip(path, path[1:]))
 
 
+@given(
+    st.integers(1, 6), st.integers(1, 8), st.booleans(), st.integers(0, 2**32 - 1),
+    st.floats(1e-7, 1e-3), st.floats(0, 1e-4), st.floats(1e9, 1e13),
+)
+@settings(max_examples=200, deadline=None)
+def test_modelled_times_are_the_dags_longest_paths_exactly(
+    cp: int, n: int, fuse: bool, seed: int, latency: float, launch: float, bandwidth: float
+) -> None:
+    """time_fwd / time_bwd (a recurrence) are the very floats a walk of the unfolded task DAG
+    gives, for random work, rows (empty stages too) and costs: the stage scan compares them to
+    1e-9, so the recurrence must not round differently."""
+    rng = np.random.default_rng(seed)
+    pairs = rng.integers(0, 10**9, size=(cp, n + 1)) * rng.integers(0, 2, size=(cp, n + 1))
+    stage_rows = rng.integers(0, 10**5, size=n) * rng.integers(0, 2, size=n)
+    cost = CostModel(latency=latency, launch=launch, bandwidth=bandwidth, memory_bandwidth=bandwidth * 3)
+    plan = StagePlan(n, np.zeros((0, 2), np.int64), np.zeros(cp * n + 1, np.int64), pairs, stage_rows, cost,
+                     int(rng.integers(1, 10**5)), fuse)  # fmt: skip
+    assert plan.time_fwd == longest_path_by_hand(plan.dag("fwd"))
+    assert plan.time_bwd == longest_path_by_hand(plan.dag("bwd"))
+
+
 @pytest.mark.parametrize("fuse", [False, True])
 def test_stream_orders(fuse: bool) -> None:
     plan = tiny_plan(3, fuse_local=fuse)
