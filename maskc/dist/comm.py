@@ -377,8 +377,11 @@ def _cast(
     return seg_src, bp[seg] - seg_src * span, bp[seg + 1] - seg_src * span, count[seg], dst[run][order]
 
 
-def build_comm_tables(mask: Mask, chunk_size: int, rank_of_chunk: np.ndarray, cp_size: int) -> CommTables:
-    """The communication tables of a square `mask` of len(rank_of_chunk) * chunk_size rows."""
+def build_comm_tables(
+    mask: Mask, chunk_size: int, rank_of_chunk: np.ndarray, cp_size: int, *, pieces: Pieces | None = None
+) -> CommTables:
+    """The communication tables of a square `mask` of len(rank_of_chunk) * chunk_size rows;
+    `pieces` is `cut(mask, chunk_size)` where the caller has it (cutting is the dear part)."""
     if not isinstance(mask, Mask):
         raise MaskError(f"expected a Mask, got {type(mask).__name__}")
     if mask.seqlen_q != mask.seqlen_k:
@@ -389,7 +392,9 @@ def build_comm_tables(mask: Mask, chunk_size: int, rank_of_chunk: np.ndarray, cp
         raise MaskParamError(
             f"rank_of_chunk has {roc.size} chunks of {chunk_size} rows, but the mask has {mask.seqlen_q} rows"
         )
-    return _tables(*_remote(cut(mask, chunk_size), chunk_size, roc), chunk_size, roc, cp)
+    pieces = cut(mask, chunk_size) if pieces is None else pieces
+    _check_pieces(pieces, roc)
+    return _tables(*_remote(pieces, chunk_size, roc), chunk_size, roc, cp)
 
 
 def comm_tables_for(ranges: list[np.ndarray], chunk_size: int, rank_of_chunk: np.ndarray, cp_size: int) -> CommTables:

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from maskc.dist.comm import CommTables, comm_tables_for
-from maskc.dist.pieces import cut
 from maskc.dist.plan import Plan
 from maskc.errors import MaskcError
 from maskc.ir.mask import Mask
@@ -80,8 +79,7 @@ def local_mask(plan: Plan, rank: int, *sources: int | None) -> Mask:
     lengths = end - begin
     offsets = np.cumsum(lengths) - lengths  # where each key range starts in the call's keys
 
-    pieces = cut(plan.mask, cs)
-    pieces = pieces.take(np.flatnonzero(plan.rank_of_chunk[pieces.chunk] == rank))
+    pieces = plan.pieces.take(np.flatnonzero(plan.rank_of_chunk[plan.pieces.chunk] == rank))
     first = np.searchsorted(end, pieces.key_begin(), side="right")
     last = np.searchsorted(begin, pieces.key_end(), side="left") - 1
     piece, rng = expand_spans(first, last)

@@ -12,14 +12,14 @@ one dispatch.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from maskc.dist.assign import ALGORITHMS, imbalance, lower_bound, pad, padded_length, solve
 from maskc.dist.comm import CommTables, build_comm_tables, remote_keys
-from maskc.dist.pieces import Pieces, areas_by_chunk, chunk_areas, cut
+from maskc.dist.pieces import Pieces, areas_by_chunk, cut
 from maskc.dist.stages import CostModel, StagePlan, plan_stages
 from maskc.errors import MaskError, MaskParamError
 from maskc.ir.mask import Mask
@@ -46,7 +46,9 @@ class Plan:
     """A mask dealt over `cp_size` ranks in chunks of `chunk_size` rows (queries and keys).
 
     `mask` is the padded mask (`padded_length` square; rows past `seqlen` attend to nothing);
-    rank r owns the chunks `chunks_of(r)` and holds their rows in ascending chunk order."""
+    rank r owns the chunks `chunks_of(r)` and holds their rows in ascending chunk order.
+    `pieces` is the mask cut into chunks, kept for the ranks' local masks (cutting normalises
+    the mask, the dearest part of it)."""
 
     mask: Mask
     seqlen: int
@@ -58,6 +60,7 @@ class Plan:
     comm: CommTables
     stages: StagePlan
     cost: CostModel
+    pieces: Pieces = field(repr=False)
 
     @property
     def padded_length(self) -> int:
@@ -87,7 +90,7 @@ class Plan:
         if mask.seqlen_q != self.seqlen:
             raise MaskError(f"the mask has {mask.seqlen_q} tokens; this plan is for {self.seqlen}")
         return _derive(pad(mask, self.padded_length), self.seqlen, self.cp_size, self.chunk_size, self.algorithm,
-                       self.rank_of_chunk, self.cost, None, None)  # fmt: skip
+                       self.rank_of_chunk, self.cost, None, None, None)  # fmt: skip
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers: balance, communication against the baselines, stages, modelled time."""
@@ -146,6 +149,7 @@ class Plan:
                 CostModel(**doc["cost"]),
                 int(doc["num_stages"]),
                 doc["fuse_local"],
+                None,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise MaskError(f"not a maskc plan: {type(exc).__name__}: {exc}") from None
@@ -181,10 +185,11 @@ def make_plan(
     check_count(-(-mask.seqlen_q // chunk_size), MAX_ROWS, f"chunks of {chunk_size} tokens", MaskParamError)
     # At least one chunk per rank, so every rank has rows (padding) even for a tiny sequence.
     padded = pad(mask, max(padded_length(mask.seqlen_q, chunk_size, cp_size), chunk_size * cp_size))
-    areas = chunk_areas(padded, chunk_size, padded.seqlen_q // chunk_size)
-    rank_of_chunk = solve(areas, cp_size, algorithm)
+    pieces = cut(padded, chunk_size)
+    rank_of_chunk = solve(areas_by_chunk(pieces, padded.seqlen_q // chunk_size), cp_size, algorithm)
     cost = cost or CostModel()
-    return _derive(padded, mask.seqlen_q, int(cp_size), chunk_size, algorithm, rank_of_chunk, cost, num_stages, fuse_local)
+    return _derive(padded, mask.seqlen_q, int(cp_size), chunk_size, algorithm, rank_of_chunk, cost, num_stages, fuse_local,
+                   pieces)  # fmt: skip
 
 
 def _derive(
@@ -197,8 +202,10 @@ def _derive(
     cost: CostModel,
     num_stages: int | None,
     fuse_local: bool | None,
+    pieces: Pieces | None,
 ) -> Plan:
-    """Everything that follows from a padded mask and a chunk assignment."""
+    """Everything that follows from a padded mask and a chunk assignment (and its `pieces`, when
+    already cut)."""
     num_chunks = padded.seqlen_q // chunk_size
     if padded.seqlen_q % (chunk_size * cp_size):
         raise MaskError(f"padded length {padded.seqlen_q} is not a multiple of chunk_size x cp_size")
@@ -206,13 +213,13 @@ def _derive(
         np.bincount(rank_of_chunk, minlength=cp_size), np.full(cp_size, num_chunks // cp_size)
     ):
         raise MaskError(f"the chunk assignment must give each of {cp_size} ranks {num_chunks // cp_size} of {num_chunks} chunks")
-    pieces: Pieces = cut(padded, chunk_size)
-    comm = build_comm_tables(padded, chunk_size, rank_of_chunk, cp_size)
+    pieces = cut(padded, chunk_size) if pieces is None else pieces
+    comm = build_comm_tables(padded, chunk_size, rank_of_chunk, cp_size, pieces=pieces)
     remote = remote_keys(pieces, chunk_size, rank_of_chunk, cp_size)
     stages = plan_stages(pieces, rank_of_chunk, cp_size, remote, cost, num_stages=num_stages, chunk_size=chunk_size,
                          fuse_local=fuse_local)  # fmt: skip
     areas = areas_by_chunk(pieces, num_chunks)
-    return Plan(padded, seqlen, cp_size, chunk_size, algorithm, rank_of_chunk, areas, comm, stages, cost)
+    return Plan(padded, seqlen, cp_size, chunk_size, algorithm, rank_of_chunk, areas, comm, stages, cost, pieces)
 
 
 def unplannable(mask: Mask) -> str | None:
