@@ -33,7 +33,7 @@ from record import RESULTS, Run, cpu_device  # noqa: E402
 
 import maskc  # noqa: E402
 from maskc.dist import make_plan  # noqa: E402
-from maskc.dist.execute import _calls, local_mask  # noqa: E402
+from maskc.dist.local import kernel_calls, local_mask  # noqa: E402
 from maskc.ir import Mask  # noqa: E402
 from maskc.runtime import call_plan  # noqa: E402
 from maskc.runtime.call_plan import HeadDim  # noqa: E402
@@ -48,7 +48,7 @@ def one_step(lengths: np.ndarray, cp: int) -> dict[str, float]:
     mask = Mask.from_cu_seqlens(np.concatenate([[0], np.cumsum(lengths)]), causal=True)
     plan = make_plan(mask, cp)
     t1 = time.perf_counter()
-    masks = [local_mask(plan, RANK, *sources) for sources in _calls(plan)]
+    masks = [local_mask(plan, RANK, *sources) for sources in kernel_calls(plan)]
     t2 = time.perf_counter()
     for m in masks:
         maskc.prepare(m, TARGET)

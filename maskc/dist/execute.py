@@ -12,13 +12,12 @@ add them to their own (GroupReduce: the transposed all-to-all-v and a scatter-ad
 next stage computes. Local compute is maskc's kernels on CUDA and the
 reference attention elsewhere (gloo on CPUs), through their functional forward / backward.
 The ranks check each other: the first use of a plan on a group compares every rank's digest of
-it (`_agreed_rank`), and every collective waits at most `TIMEOUT` seconds, then fails naming
+it (`_agreed`), and every collective waits at most `TIMEOUT` seconds, then fails naming
 its plan step and the ranks that did not arrive (`_Pending`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import weakref
 from dataclasses import dataclass
@@ -29,90 +28,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from maskc.dist.comm import CommTables, comm_tables_for
+from maskc.dist.local import PreparedPlan, _memo, installed, kernel_calls, key_positions, local_mask, plan_digest, stage_tables
 from maskc.dist.plan import Plan
 from maskc.errors import MaskcError
 from maskc.ir.mask import Mask
-from maskc.ir.slices import RowLines, expand_spans
 from maskc.reference import AttentionMeta, reference_backward, reference_forward
 from maskc.runtime.api import attention_backward, attention_forward
 
 
-_PER_PLAN: weakref.WeakKeyDictionary[Plan, dict[Any, Any]] = weakref.WeakKeyDictionary()
-"""What the runtime derives from a plan once (local masks, row indices on a device, checked
-groups), kept as long as the plan lives."""
-
-
-def _memo(plan: Plan) -> dict[Any, Any]:
-    return _PER_PLAN.setdefault(plan, {})
-
-
-def stage_tables(plan: Plan, stage: int) -> CommTables:
-    """The GroupCast tables of remote stage `stage` (0-based, `plan.stages`): rank r receives
-    `plan.stages.stage_ranges(r, stage)`; built once per plan and stage."""
-    key = ("stage_tables", stage)
-    cached = _memo(plan).get(key)
-    if cached is None:
-        ranges = [plan.stages.stage_ranges(r, stage) for r in range(plan.cp_size)]
-        cached = _memo(plan)[key] = comm_tables_for(ranges, plan.chunk_size, plan.rank_of_chunk, plan.cp_size)
-    return cached
-
-
-def local_mask(plan: Plan, rank: int, *sources: int | None) -> Mask:
-    """The mask of `rank`'s queries (its local rows) against the keys of one kernel call, in
-    local coordinates: the keys of `sources`, each None (its own keys) or a remote stage i (the
-    keys it receives in stage i), in ascending global position (`key_order`); by default its
-    own keys. Built once per plan, rank and sources."""
-    sources = sources or (None,)
-    key = ("local_mask", rank, sources)
-    cached = _memo(plan).get(key)
-    if cached is not None:
-        return cached
-    cs = plan.chunk_size
-    own = plan.chunks_of(rank)
-    ranges = np.concatenate(
-        [np.stack([own * cs, (own + 1) * cs], axis=1) if s is None else stage_tables(plan, s).recv(rank).reshape(-1, 2)
-         for s in sources]  # fmt: skip
-    )
-    ranges = ranges[np.argsort(ranges[:, 0], kind="stable")]
-    begin, end = ranges[:, 0], ranges[:, 1]
-    lengths = end - begin
-    offsets = np.cumsum(lengths) - lengths  # where each key range starts in the call's keys
-
-    pieces = plan.pieces.take(np.flatnonzero(plan.rank_of_chunk[plan.pieces.chunk] == rank))
-    first = np.searchsorted(end, pieces.key_begin(), side="right")
-    last = np.searchsorted(begin, pieces.key_end(), side="left") - 1
-    piece, rng = expand_spans(first, last)
-    clipped, source = pieces.take(piece).clipped(begin[rng], end[rng])
-    rng = rng[source]
-    local_chunk = np.full(plan.num_chunks, -1, dtype=np.int64)
-    local_chunk[own] = np.arange(own.size)
-    dr = local_chunk[clipped.chunk] * cs - clipped.chunk * cs  # global row -> local row
-    dc = offsets[rng] - begin[rng]  # global key -> position in the call's keys
-    lines = RowLines(
-        clipped.r0 + dr,
-        clipped.r1 + dr,
-        clipped.lo_a + dc - clipped.lo_s * dr,
-        clipped.lo_s,
-        clipped.hi_a + dc - clipped.hi_s * dr,
-        clipped.hi_s,
-    )
-    q, k, t = lines.to_slices()
-    mask = Mask.from_arrays(q, k, t, own.size * cs, int(lengths.sum()))
-    _memo(plan)[key] = mask
-    return mask
-
-
 def key_order(plan: Plan, rank: int, sources: tuple[int | None, ...], device: torch.device) -> torch.Tensor | None:
-    """A call's keys in ascending global position, as rows of its sources' buffers laid end to
-    end (own keys, then each stage's in receive order); None when they already are. A document's
-    keys then sit together whichever rank held them, as in one GPU's sequence, so the kernel
-    meets the same runs (and no more partial blocks) than without context parallelism."""
+    """`key_positions` on `device`, copied once."""
     key = ("key_order", rank, sources, device)
     if key not in _memo(plan):
-        rows = np.concatenate([plan.comm.local_rows(rank) if s is None else stage_tables(plan, s).recv_rows(rank) for s in sources])
-        order = np.argsort(rows, kind="stable")
-        _memo(plan)[key] = None if np.array_equal(order, np.arange(order.size)) else torch.from_numpy(order).to(device)
+        order = key_positions(plan, rank, sources)
+        _memo(plan)[key] = None if order is None else order.to(device)
     return _memo(plan)[key]
 
 
@@ -215,13 +144,10 @@ def _whereabouts(step: str, group: Any) -> str:
                      f"{_ranks(ranks, ('is', 'are'))} at {post!r}" for post, ranks in elsewhere.items())  # fmt: skip
 
 
-def plan_digest(plan: Plan) -> int:
-    """A 63-bit digest of the plan's JSON: equal on every rank that holds the same plan."""
-    return int.from_bytes(hashlib.sha256(plan.to_json().encode()).digest()[:8], "little") >> 1
-
-
-def _agreed_rank(plan: Plan, group: Any) -> int:
-    """This rank in `group`, once every rank of it is known to hold `plan`, or nothing lines up.
+def _agreed(plan: Plan | PreparedPlan, group: Any) -> tuple[Plan, int]:
+    """The plan and this rank in `group`, once every rank of it is known to hold the plan, or
+    nothing lines up. A PreparedPlan's parts join the plan's memo first (`installed`), and it
+    must be this rank's.
     dispatch, undispatch and attention call it before anything else, so their backwards (the
     plan drives those collectives too) find it done. The first time for a (plan, group) the
     ranks all-gather their digests (on the device torch's object collectives use on the group):
@@ -232,6 +158,7 @@ def _agreed_rank(plan: Plan, group: Any) -> int:
     them); a group leaves the set when it is freed."""
     if not dist.is_available() or not dist.is_initialized():
         raise MaskcError("maskc.dist needs an initialised torch.distributed process group (init_process_group)")
+    plan, prepared_for = installed(plan)
     group = _resolve(group)
     agreed = _memo(plan).setdefault("agreed_groups", weakref.WeakSet())
     if group not in agreed:
@@ -249,7 +176,11 @@ def _agreed_rank(plan: Plan, group: Any) -> int:
         if world != plan.cp_size:
             raise MaskcError(f"the plan is for {plan.cp_size} ranks but the process group has {world}")
         agreed.add(group)
-    return dist.get_rank(group)
+    rank = dist.get_rank(group)
+    if prepared_for is not None and prepared_for != rank:
+        raise MaskcError(f"the prepared plan is rank {prepared_for}'s and this is rank {rank} of the group: prepare each "
+                         "rank's plan for that rank (maskc.dist.prepare_plan)")  # fmt: skip
+    return plan, rank
 
 
 def _rows(plan: Plan, which: str, rank: int, device: torch.device, stage: int | None = None) -> torch.Tensor:
@@ -313,16 +244,17 @@ class _Undispatch(torch.autograd.Function):
         return _take_local(grad, ctx.plan, ctx.rank), None, None, None
 
 
-def dispatch(x: torch.Tensor, plan: Plan, group: Any = None) -> torch.Tensor:
+def dispatch(x: torch.Tensor, plan: Plan | PreparedPlan, group: Any = None) -> torch.Tensor:
     """This rank's part of a global sequence-first tensor (the same on every rank), in the plan's
     local layout. Its gradient is gathered back: every rank gets the full gradient of `x`."""
-    return _Dispatch.apply(x, plan, group, _agreed_rank(plan, group))
+    plan, rank = _agreed(plan, group)
+    return _Dispatch.apply(x, plan, group, rank)
 
 
-def undispatch(x_local: torch.Tensor, plan: Plan, group: Any = None) -> torch.Tensor:
+def undispatch(x_local: torch.Tensor, plan: Plan | PreparedPlan, group: Any = None) -> torch.Tensor:
     """The global tensor from every rank's local part, on every rank. Its backward takes this
     rank's part of the gradient every rank holds in full."""
-    rank = _agreed_rank(plan, group)
+    plan, rank = _agreed(plan, group)
     if x_local.shape[0] != plan.padded_length // plan.cp_size:
         raise MaskcError(f"expected this rank's {plan.padded_length // plan.cp_size} rows, got shape {tuple(x_local.shape)}")
     return _Undispatch.apply(x_local, plan, group, rank)
@@ -387,14 +319,6 @@ def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Te
     return out.to(outs[0].dtype), lse
 
 
-def _calls(plan: Plan) -> list[tuple[int | None, ...]]:
-    """The forward's kernel calls in order, each as its key sources (see local_mask): the local
-    call first, with stage 0's keys when the plan fuses them (StagePlan.fuse_local), then one
-    call per remaining stage."""
-    fused = plan.stages.fuse_local
-    return [(None, 0) if fused else (None,)] + [(i,) for i in range(1 if fused else 0, plan.stages.num_stages)]
-
-
 class _StagedAttention(torch.autograd.Function):
     """The stage pipeline. Forward: every stage's keys are requested up front (one
     all-to-all-v each, in stage order) and waited for only when the call that uses them runs,
@@ -430,7 +354,7 @@ class _StagedAttention(torch.autograd.Function):
                                   comm.send_counts[rank], opt.group))  # fmt: skip
 
         parts, keys_values = [], []
-        for sources in _calls(plan):
+        for sources in kernel_calls(plan):
             if sources == (None,):
                 keys, values = k, v  # own keys: ascending already
             else:
@@ -463,7 +387,7 @@ class _StagedAttention(torch.autograd.Function):
         hkv, kv_dtype, local_rows = keys_values[0].shape[1], keys_values[0].dtype, q.shape[0]
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
-        calls = _calls(plan)
+        calls = kernel_calls(plan)
         reduces, own, dsink = [], None, None
         for c in [*range(1, len(calls)), 0]:
             sources, keys, values = calls[c], keys_values[2 * c], keys_values[2 * c + 1]
@@ -504,7 +428,7 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    plan: Plan,
+    plan: Plan | PreparedPlan,
     *,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
@@ -516,13 +440,14 @@ def attention(
     """Exact masked attention of this rank's queries (local layout, from `dispatch`) over the
     whole sequence: local q [L, Hq, D], k / v [L, Hkv, D] with L = the plan's rows per rank.
     Returns this rank's output and meta (lse of its rows; max_logits reduced over all ranks).
-    The keys come in the plan's stages (`_StagedAttention`); on CUDA the kernels can leave
+    The keys come in the plan's stages (`_StagedAttention`); a PreparedPlan (`prepare_plan`)
+    brings the rank's call masks and schedules planned ahead, so the call plans nothing. On CUDA the kernels can leave
     `sm_margin` SMs to the transfers running beside them. It defaults to 0: the transfers are
     issued before the kernels they overlap, so NCCL holds its SMs first; on 4 H200s (one
     unfused stage) leaving 8 SMs moved the forward by -2% to +3% and cost the backward 2.5-5%
     on four of the five benchmark masks (it gained 4.6% on the fifth). The sinks' gradient on
     each rank is its rows' share: sum it over ranks like any replicated parameter's (DDP does)."""
-    rank = _agreed_rank(plan, group)
+    plan, rank = _agreed(plan, group)
     rows = plan.padded_length // plan.cp_size
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != rows:
