@@ -5,7 +5,7 @@ over torch.distributed (`execute`: dispatch / undispatch of sequence tensors and
 attention, forward and backward)."""
 
 from maskc.dist.execute import attention, dispatch, undispatch
-from maskc.dist.local import PreparedPlan, prepare_plan
+from maskc.dist.local import PlanningCollate, PreparedPlan, prepare_plan
 from maskc.dist.plan import Plan, make_plan
 
-__all__ = ["Plan", "PreparedPlan", "attention", "dispatch", "make_plan", "prepare_plan", "undispatch"]
+__all__ = ["Plan", "PlanningCollate", "PreparedPlan", "attention", "dispatch", "make_plan", "prepare_plan", "undispatch"]

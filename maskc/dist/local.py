@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import default_collate
 
 from maskc.dist.comm import CommTables, comm_tables_for
 from maskc.dist.plan import Plan, make_plan
@@ -212,3 +214,26 @@ def installed(plan: Plan | PreparedPlan) -> tuple[Plan, int | None]:
             memo.setdefault(("key_order", plan.rank, sources), order)
         memo[("installed", plan.rank)] = True
     return plan.plan, plan.rank
+
+
+@dataclass(frozen=True)
+class PlanningCollate:
+    """A DataLoader `collate_fn` that plans each batch for one rank where the batch is made, in
+    the loader's worker: the batch of `collate` (a dict), with `prepare_plan(mask_of(batch),
+    cp_size, rank, target)` under `key`. With `num_workers` >= 1 the workers plan the next
+    batches while the training step runs; `mask_of` and `collate` must pickle (module-level
+    functions) where the loader's workers are spawned."""
+
+    mask_of: Callable[[dict[str, Any]], Mask]
+    cp_size: int
+    rank: int
+    target: call_plan.Target | None
+    collate: Callable[[list[Any]], dict[str, Any]] = default_collate
+    key: str = "cp_plan"
+
+    def __call__(self, samples: list[Any]) -> dict[str, Any]:
+        batch = self.collate(samples)
+        if not isinstance(batch, dict):
+            raise MaskcError(f"PlanningCollate's collate must make a dict batch (the plan joins it as {self.key!r}), "
+                             f"got {type(batch).__name__}")  # fmt: skip
+        return {**batch, self.key: prepare_plan(self.mask_of(batch), self.cp_size, self.rank, self.target)}
