@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pickle
 import sys
 import traceback
 import types
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 torchtitan = pytest.importorskip("torchtitan")
 
 from test_dist_execute import run_ranks  # noqa: E402
+from test_dist_prepared import planning_calls  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 
 import maskc  # noqa: E402
@@ -207,6 +209,9 @@ def test_the_trainer_hands_the_model_maskcs_mask() -> None:
     _, _, extra = trainer.post_dataloading_process({"input": tokens, "positions": positions, tt.DOCUMENT_IDS: ids}, labels)
     assert set(extra) == {"positions", "attention_masks"}
     assert extra["attention_masks"].shape == (tokens.numel(), tokens.numel())
+    prepared = tt.plan_batch(tokens, 2, 0, None, positions)
+    with pytest.raises(tt.TorchtitanAttentionError, match="cp_plan entry, but context parallelism is off"):
+        trainer.post_dataloading_process({"input": tokens, "positions": positions, tt.CP_PLAN: prepared}, labels)
 
 
 # ---- context parallelism: gloo, several processes -------------------------------------------------
@@ -217,10 +222,12 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tens
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100, reduction="sum") / tokens
 
 
-def _cp_worker(rank: int, world: int, port: int, fsdp: bool, errors: mp.Queue) -> None:
+def _cp_worker(rank: int, world: int, port: int, fsdp: bool, ahead: bool, errors: mp.Queue) -> None:
     """Every rank holds the whole batch; one process's loss and gradients first, then the cp
     ranks' (dispatch_batch, maskc.dist attention in every layer), whose gradients are summed
-    (by FSDP2's reduce-scatter, or an all-reduce without it)."""
+    (by FSDP2's reduce-scatter, or an all-reduce without it). `ahead`: the batch comes with its
+    plan for the rank (plan_batch, as a data loader's worker makes it, pickled across) through
+    MaskcTrainer.post_dataloading_process, and the step plans nothing."""
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
@@ -242,8 +249,27 @@ def _cp_worker(rank: int, world: int, port: int, fsdp: bool, errors: mp.Queue) -
             tt.parallelize(model, parallel_dims=dims, training=training, parallelism=parallelism,
                            compile_config=CompileConfig(), ac_config=None, dump_folder="")  # fmt: skip
             group = dims.get_mesh("cp").get_group()
-        local_tokens, local_labels, extra = tt.dispatch_batch(tokens, labels, {"positions": positions}, group)
-        logits = model(local_tokens, **extra)
+        if ahead:
+            prepared = pickle.loads(pickle.dumps(tt.plan_batch(tokens, world, dist.get_rank(group), None, positions)))
+            trainer = tt.MaskcTrainer.__new__(tt.MaskcTrainer)  # its __init__ needs an accelerator (torchtitan 0.3.0)
+            mesh = types.SimpleNamespace(get_group=lambda: group)
+            trainer.parallel_dims = types.SimpleNamespace(cp_enabled=True, get_mesh=lambda name: mesh)
+            trainer.ntokens_seen = 0
+            with planning_calls() as in_step:
+                local_tokens, local_labels, extra = trainer.post_dataloading_process(
+                    {"input": tokens, "positions": positions, tt.CP_PLAN: prepared}, labels
+                )
+                logits = model(local_tokens, **extra)
+            assert not in_step, in_step
+            assert extra["attention_masks"].plan is prepared and tt.CP_PLAN not in extra
+            short = tt.plan_batch(tokens[:, :32], world, dist.get_rank(group), None, positions[:, :32])
+            with pytest.raises(tt.TorchtitanAttentionError, match=f"plans 64 tokens over {world} ranks, but the batch has 128"):
+                tt.dispatch_batch(tokens, labels, {"positions": positions}, group, prepared=short)
+            with pytest.raises(tt.TorchtitanAttentionError, match="must be a maskc.dist.PreparedPlan"):
+                tt.dispatch_batch(tokens, labels, {"positions": positions}, group, prepared=prepared.plan)
+        else:
+            local_tokens, local_labels, extra = tt.dispatch_batch(tokens, labels, {"positions": positions}, group)
+            logits = model(local_tokens, **extra)
         loss = _loss(logits, local_labels, labels.numel())
         loss.backward()
         total = loss.detach().clone()
@@ -262,6 +288,7 @@ def _cp_worker(rank: int, world: int, port: int, fsdp: bool, errors: mp.Queue) -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,fsdp", [(2, False), (4, False), (2, True), (4, True)])
-def test_context_parallel_loss_and_gradients_equal_one_process(world: int, fsdp: bool) -> None:
-    run_ranks(_cp_worker, world, fsdp, timeout=300)
+@pytest.mark.parametrize("world,fsdp,ahead", [(2, False, False), (4, False, False), (2, True, False), (4, True, False),
+                                              (2, False, True)])  # fmt: skip
+def test_context_parallel_loss_and_gradients_equal_one_process(world: int, fsdp: bool, ahead: bool) -> None:
+    run_ranks(_cp_worker, world, fsdp, ahead, timeout=300)

@@ -19,7 +19,8 @@ of yours adds), causal within each document, as torchtitan's block-causal masks 
 Context parallelism: with `parallelism.context_parallel_degree` > 1, torchtitan's own sharding
 (`torchtitan/distributed/context_parallel/api.py`: a head-tail split of every row and K/V
 all-gathered in every layer) is not used. The trainer plans the step's mask over the cp ranks
-(`maskc.dist.make_plan`, the rows of the batch laid end to end), dispatches the tokens, labels
+(`maskc.dist.make_plan`, the rows of the batch laid end to end), or takes the plan a data
+loader's worker made of it (a CP_PLAN entry, `plan_batch`), dispatches the tokens, labels
 and positions (`dispatch_batch`), and every layer runs `maskc.dist.attention` on the rank's
 tokens. The model's output and the loss stay on each rank's tokens: torchtitan sums the loss
 over ranks and divides by the batch's token count, and FSDP2 (over the dp-shard and cp ranks,
@@ -55,6 +56,11 @@ DOCUMENT_IDS = "document_ids"
 """The data loader's optional input entry with one document id per token ([B, L]; < 0 marks
 padding), used instead of `positions` for the mask; the model never sees it."""
 
+CP_PLAN = "cp_plan"
+"""The data loader's optional input entry under context parallelism: the batch's plan for this
+cp rank, made in the loader's worker (`plan_batch`), so that the step plans nothing; the model
+never sees it."""
+
 
 class TorchtitanAttentionError(MaskcError, ValueError):
     """torchtitan asks maskc's backend for something it does not do, or passes inputs that do
@@ -66,7 +72,7 @@ class ContextParallelMask:
     """What every layer's attention needs under context parallelism: the step's plan over the
     batch's rows laid end to end, the cp process group, and the batch shape (for `undispatch`)."""
 
-    plan: maskc.dist.Plan
+    plan: maskc.dist.Plan | maskc.dist.PreparedPlan
     group: Any
     batch: int
     seqlen: int
@@ -185,24 +191,52 @@ def packed_document_mask(
     return maskc.Mask.from_document_ids(ids, causal=True)
 
 
+def plan_batch(
+    inputs: torch.Tensor,
+    cp_size: int,
+    rank: int,
+    target: Any,
+    positions: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> maskc.dist.PreparedPlan:
+    """The plan of a batch's documents (`packed_document_mask`) for cp rank `rank` of `cp_size`,
+    with its kernels' schedules for `target` (`maskc.target_for`; None on CPUs): what a data
+    loader's worker adds to the batch's input dict as CP_PLAN, so that `MaskcTrainer` neither
+    builds the mask nor plans it in the step."""
+    return maskc.dist.prepare_plan(packed_document_mask(inputs, positions, document_ids), cp_size, rank, target)
+
+
 def dispatch_batch(
     inputs: torch.Tensor,
     labels: torch.Tensor,
     extra: dict[str, Any],
     group: Any,
     document_ids: torch.Tensor | None = None,
+    prepared: maskc.dist.PreparedPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """This rank's part of a batch that every rank of the cp `group` holds whole: the inputs,
     labels and `extra["positions"]` of its dispatched tokens, [1, T_local], and
-    `extra["attention_masks"]`, the `ContextParallelMask` of the step's plan. The plan's padding
-    tokens (it pads the B * L tokens to whole chunks per rank) get the label IGNORE_INDEX."""
+    `extra["attention_masks"]`, the `ContextParallelMask` of the step's plan: `prepared`, this
+    rank's plan of the batch made ahead (`plan_batch`, from these very inputs), else planned
+    now. The plan's padding tokens (it pads the B * L tokens to whole chunks per rank) get the
+    label IGNORE_INDEX."""
     if inputs.ndim != 2 or labels.shape != inputs.shape:
         raise TorchtitanAttentionError(
             f"expected inputs and labels [batch, seq_len], got {tuple(inputs.shape)} and {tuple(labels.shape)}"
         )
     positions = extra.get("positions")
-    mask = packed_document_mask(inputs, positions, document_ids)
-    plan = maskc.dist.make_plan(mask, torch.distributed.get_world_size(group))
+    cp_size = torch.distributed.get_world_size(group)
+    if prepared is None:
+        plan = maskc.dist.make_plan(packed_document_mask(inputs, positions, document_ids), cp_size)
+    elif not isinstance(prepared, maskc.dist.PreparedPlan):
+        raise TorchtitanAttentionError(f"{CP_PLAN} must be a maskc.dist.PreparedPlan (plan_batch), got {type(prepared).__name__}")
+    elif (prepared.plan.seqlen, prepared.plan.cp_size) != (inputs.numel(), cp_size):
+        raise TorchtitanAttentionError(
+            f"{CP_PLAN} plans {prepared.plan.seqlen} tokens over {prepared.plan.cp_size} ranks, but the batch has "
+            f"{inputs.numel()} tokens and the cp group {cp_size} ranks: make it with plan_batch from this batch"
+        )
+    else:
+        plan = prepared
 
     def local(x: torch.Tensor) -> torch.Tensor:
         return maskc.dist.dispatch(x.reshape(-1), plan, group).unsqueeze(0)
@@ -227,13 +261,16 @@ class MaskcTrainer(Trainer):
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """(inputs, labels, model kwargs) of one batch: the mask of its documents, and on cp ranks
-        their dispatched part (replaces torchtitan's mask building and CP sharding)."""
+        their dispatched part, with the batch's CP_PLAN where the data loader made one
+        (replaces torchtitan's mask building and CP sharding)."""
         inputs = input_dict["input"]
-        document_ids = input_dict.get(DOCUMENT_IDS)
-        extra = {k: v for k, v in input_dict.items() if k not in ("input", DOCUMENT_IDS)}
+        document_ids, prepared = input_dict.get(DOCUMENT_IDS), input_dict.get(CP_PLAN)
+        extra = {k: v for k, v in input_dict.items() if k not in ("input", DOCUMENT_IDS, CP_PLAN)}
         if self.parallel_dims.cp_enabled:
             group = self.parallel_dims.get_mesh("cp").get_group()
-            inputs, labels, extra = dispatch_batch(inputs, labels, extra, group, document_ids)
+            inputs, labels, extra = dispatch_batch(inputs, labels, extra, group, document_ids, prepared)
+        elif prepared is not None:
+            raise TorchtitanAttentionError(f"the batch has a {CP_PLAN} entry, but context parallelism is off")
         else:
             extra["attention_masks"] = document_mask(inputs, extra.get("positions"), document_ids)
         self.ntokens_seen += labels.numel()
