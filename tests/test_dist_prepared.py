@@ -73,8 +73,8 @@ def test_bad_prepared_plans_are_refused() -> None:
         replace(prepared, calls=prepared.calls[:1])
     with pytest.raises(MaskcError, match="stage_tables is a tuple of 2 CommTables"):
         replace(prepared, stage_tables=(None, None))
-    with pytest.raises(MaskcError, match="key_orders is a tuple of 2 int64"):
-        replace(prepared, key_orders=(None, torch.zeros(3)))
+    with pytest.raises(MaskcError, match=r"key_runs is a tuple of 2 int64 \[R, 2\] arrays"):
+        replace(prepared, key_runs=(None, np.zeros(3, np.int64)))
     with pytest.raises(MaskcError, match="expected a maskc.dist Plan or PreparedPlan, got str"):
         installed("plan")
     with pytest.raises(MaskcError, match="must make a dict batch"):

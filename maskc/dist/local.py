@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -130,15 +130,16 @@ def plan_digest(plan: Plan) -> int:
 class PreparedPlan:
     """One rank's planning of a mask, done ahead: the plan (the same on every rank), and for
     `rank` the mask of each kernel call (`kernel_calls` order) with its kernels' schedules as
-    tensors (`PreparedMask`), each call's key order (int64 CPU tensors, None where the keys are
-    in order already), each stage's GroupCast tables and the plan's digest (what the ranks
+    tensors (`PreparedMask`), each call's key order as runs of consecutive buffer rows ([R, 2]
+    begin, end; None where the keys are in order already: a few hundred runs where the order
+    has hundreds of thousands of rows), each stage's GroupCast tables and the plan's digest (what the ranks
     compare). It pickles across a DataLoader's worker boundary; with `pin_memory=True` the
     DataLoader's pin-memory thread checks the schedules' signatures beside the step."""
 
     plan: Plan
     rank: int
     calls: tuple[PreparedMask, ...]
-    key_orders: tuple[torch.Tensor | None, ...]
+    key_runs: tuple[np.ndarray | None, ...]
     stage_tables: tuple[CommTables, ...]
     digest: int
 
@@ -151,17 +152,46 @@ class PreparedPlan:
         for name, value, n, kind in (("calls", self.calls, count, PreparedMask), ("stage_tables", self.stage_tables, stages, CommTables)):
             if not isinstance(value, tuple) or len(value) != n or not all(isinstance(v, kind) for v in value):
                 raise MaskcError(f"PreparedPlan.{name} is a tuple of {n} {kind.__name__} (maskc.dist.prepare_plan)")
-        if not isinstance(self.key_orders, tuple) or len(self.key_orders) != count or not all(
-            o is None or (isinstance(o, torch.Tensor) and o.dtype == torch.int64 and o.ndim == 1) for o in self.key_orders
+        if not isinstance(self.key_runs, tuple) or len(self.key_runs) != count or not all(
+            o is None or (isinstance(o, np.ndarray) and o.dtype == np.int64 and o.ndim == 2 and o.shape[1] == 2)
+            for o in self.key_runs
         ):
-            raise MaskcError(f"PreparedPlan.key_orders is a tuple of {count} int64 index tensors or None (maskc.dist.prepare_plan)")
+            raise MaskcError(f"PreparedPlan.key_runs is a tuple of {count} int64 [R, 2] arrays or None (maskc.dist.prepare_plan)")
+
+    def __reduce__(self) -> tuple:
+        """Numpy arrays and plain values only, so that it crosses a DataLoader's queue in one
+        message: each torch tensor would cross as shared memory of its own, a file descriptor
+        passed per tensor (at 128k tokens the step waited 7-13 ms for them where it now waits
+        2-8), and the plan's Mask would bring its caches along."""
+        plan = {f.name: getattr(self.plan, f.name) for f in fields(Plan) if f.name != "mask"}
+        mask = (self.plan.mask.q_ranges, self.plan.mask.k_ranges, self.plan.mask.types, *self.plan.mask.shape)
+        calls = tuple((c.table.numpy(), c.plan.numpy()) for c in self.calls)
+        return _unpickle_prepared, (mask, plan, self.rank, calls, self.key_runs, self.stage_tables, self.digest)
 
     def pin_memory(self) -> PreparedPlan:
-        """Pinned copies of its tensors, the schedules' signatures checked now (`PreparedMask.pin_memory`):
-        what a DataLoader with `pin_memory=True` calls in its pin-memory thread."""
-        orders = tuple(None if o is None else o.pin_memory() for o in self.key_orders)
-        return PreparedPlan(self.plan, self.rank, tuple(c.pin_memory() for c in self.calls), orders, self.stage_tables,
+        """Pinned copies of its calls' tensors, their schedules' signatures checked now
+        (`PreparedMask.pin_memory`): what a DataLoader with `pin_memory=True` calls in its
+        pin-memory thread."""
+        return PreparedPlan(self.plan, self.rank, tuple(c.pin_memory() for c in self.calls), self.key_runs, self.stage_tables,
                             self.digest)  # fmt: skip
+
+
+def _unpickle_prepared(
+    mask: tuple, plan: dict[str, Any], rank: int, calls: tuple, runs: tuple, tables: tuple[CommTables, ...], digest: int
+) -> PreparedPlan:
+    """A PreparedPlan from `PreparedPlan.__reduce__`'s parts."""
+    masks = tuple(PreparedMask(torch.from_numpy(table), torch.from_numpy(records)) for table, records in calls)
+    return PreparedPlan(Plan(Mask.from_arrays(*mask), **plan), rank, masks, runs, tables, digest)
+
+
+def _runs(order: torch.Tensor | None) -> np.ndarray | None:
+    """An index as [R, 2] runs of consecutive values (begin, end), which `installed` expands again."""
+    if order is None:
+        return None
+    values = order.numpy()
+    first = np.flatnonzero(np.diff(values, prepend=values[:1] - 2) != 1)
+    last = np.r_[first[1:], values.size] - 1
+    return np.stack([values[first], values[last] + 1], axis=1)
 
 
 def prepare_plan(
@@ -190,7 +220,7 @@ def prepare_plan(
         plan,
         rank,
         tuple(prepare(local_mask(plan, rank, *sources), target, backward=backward) for sources in calls),
-        tuple(key_positions(plan, rank, sources) for sources in calls),
+        tuple(_runs(key_positions(plan, rank, sources)) for sources in calls),
         tuple(stage_tables(plan, i) for i in range(plan.stages.num_stages)),
         plan_digest(plan),
     )
@@ -209,9 +239,9 @@ def installed(plan: Plan | PreparedPlan) -> tuple[Plan, int | None]:
         memo.setdefault("digest", plan.digest)
         for i, tables in enumerate(plan.stage_tables):
             memo.setdefault(("stage_tables", i), tables)
-        for sources, call, order in zip(kernel_calls(plan.plan), plan.calls, plan.key_orders):
+        for sources, call, runs in zip(kernel_calls(plan.plan), plan.calls, plan.key_runs):
             memo.setdefault(("local_mask", plan.rank, sources), as_mask(call))
-            memo.setdefault(("key_order", plan.rank, sources), order)
+            memo.setdefault(("key_order", plan.rank, sources), None if runs is None else torch.from_numpy(expand_spans(runs[:, 0], runs[:, 1] - 1)[1]))
         memo[("installed", plan.rank)] = True
     return plan.plan, plan.rank
 
