@@ -162,7 +162,7 @@ class PreparedPlan:
         """Numpy arrays and plain values only, so that it crosses a DataLoader's queue in one
         message: each torch tensor would cross as shared memory of its own, a file descriptor
         passed per tensor (at 128k tokens the step waited 7-13 ms for them where it now waits
-        2-8), and the plan's Mask would bring its caches along."""
+        2-5), and the plan's Mask would bring its caches along."""
         plan = {f.name: getattr(self.plan, f.name) for f in fields(Plan) if f.name != "mask"}
         mask = (self.plan.mask.q_ranges, self.plan.mask.k_ranges, self.plan.mask.types, *self.plan.mask.shape)
         calls = tuple((c.table.numpy(), c.plan.numpy()) for c in self.calls)
