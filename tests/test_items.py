@@ -158,7 +158,7 @@ def test_deal_in_rounds_equals_one_item_at_a_time(seed: int) -> None:
 def test_split_tail_cuts_the_last_items_into_one_piece_per_query_head() -> None:
     # 5 equal items on 4 CTAs: whole, the fifth runs alone after the first round (makespan 2x).
     items = whole(np.stack([np.arange(5), np.zeros(5, np.int64), np.zeros(5, np.int64)], axis=1))
-    rows, cost = split_tail(items, np.full(5, 40.0), qheads_per_kvhead=4, num_ctas=4)
+    rows, cost, _ = split_tail(items, np.full(5, 40.0), qheads_per_kvhead=4, num_ctas=4)
     pieces = rows[rows[:, 5] >= 0]
     assert len(pieces) and (pieces[:, 4] == 1).all() and (rows[rows[:, 5] < 0, 4] == -1).all()
     # Every split item has each query head once, all under one slot.
@@ -175,7 +175,7 @@ def test_split_tail_cuts_the_last_items_into_one_piece_per_query_head() -> None:
 def test_split_tail_leaves_balanced_or_single_head_items_whole() -> None:
     items = whole(np.stack([np.arange(8), np.zeros(8, np.int64), np.zeros(8, np.int64)], axis=1))
     for qheads, num_ctas in ((4, 4), (1, 3)):  # 8 equal items on 4 CTAs are balanced; one query head cannot split
-        rows, cost = split_tail(items, np.full(8, 40.0), qheads_per_kvhead=qheads, num_ctas=num_ctas)
+        rows, cost, _ = split_tail(items, np.full(8, 40.0), qheads_per_kvhead=qheads, num_ctas=num_ctas)
         assert rows is items and (rows[:, 3] == 0).all() and (rows[:, 4:] == -1).all()
 
 
@@ -200,7 +200,7 @@ def test_split_tail_takes_the_shortest_of_its_candidate_deals() -> None:
             pieces, piece_cost = _pieces(items[n - k :], cost[n - k :], qheads, 0)
             candidates.append(makespan(np.r_[items[: n - k], pieces], np.r_[cost[: n - k], piece_cost]))
         expected = min(candidates) if min(candidates) < unsplit * (1 - SPLIT_GAIN) else unsplit
-        assert makespan(*split_tail(items, cost, qheads, num_ctas)) == expected
+        assert makespan(*split_tail(items, cost, qheads, num_ctas)[:2]) == expected
 
 
 def _cta_loads(rows: np.ndarray, cost: np.ndarray, num_ctas: int) -> list[float]:
@@ -224,7 +224,7 @@ def test_split_heavy_cuts_the_items_no_deal_could_balance_and_split_tail_numbers
     assert sorted(map(tuple, heavy[:, [0, 3, 4, 5]].tolist())) == [(w, h, 2, w) for w in (0, 1) for h in (0, 2)]
     assert (rows[4:] == items[2:]).all() and np.allclose(row_cost[:4], ((400 - 2) * 2 + PIECE_OVERHEAD_STEPS) / 4)
     assert max(_cta_loads(rows, row_cost, 8)) < max(_cta_loads(items, cost, 8)) / 1.5
-    rows, row_cost = split_tail(rows, row_cost, qheads_per_kvhead=4, num_ctas=8)
+    rows, row_cost, _ = split_tail(rows, row_cost, qheads_per_kvhead=4, num_ctas=8)
     tail_slots = set(rows[4:][rows[4:, 5] >= 0, 5].tolist())
     assert (rows[:4] == heavy).all() and tail_slots and min(tail_slots) == 2
     light, _ = split_heavy(items[2:], cost[2:], qheads_per_kvhead=4, num_ctas=8)
@@ -269,8 +269,8 @@ def test_a_coarse_deal_has_every_item_cut_into_pieces_of_a_few_query_heads() -> 
     pieces. Cut into pieces of a few query heads, all of them, the deal ends sooner; each item's
     pieces share a slot and cover its query heads once, and all have one width."""
     last_block, cost = np.zeros(6, np.int64), np.full(6, 42.0)
-    tail_rows, tail_cost = split_tail(whole(sync_group_order(last_block, cost, 1, 4)), cost, 8, 4)
-    rows, row_cost = split(last_block, cost, num_heads_kv=1, qheads_per_kvhead=8, num_ctas=4)
+    tail_rows, tail_cost, _ = split_tail(whole(sync_group_order(last_block, cost, 1, 4)), cost, 8, 4)
+    rows, row_cost, _ = split(last_block, cost, num_heads_kv=1, qheads_per_kvhead=8, num_ctas=4)
     assert (rows[:, 5] >= 0).all() and len(set(rows[:, 4].tolist())) == 1 and 1 < rows[0, 4] < 8
     assert _makespan(rows, row_cost, 4) < _makespan(tail_rows, tail_cost, 4) * (1 - SPLIT_GAIN)
     for slot in range(6):
@@ -278,7 +278,7 @@ def test_a_coarse_deal_has_every_item_cut_into_pieces_of_a_few_query_heads() -> 
         assert piece_heads(mine) == list(range(8)) and set(mine[:, 0].tolist()) == {slot}
     # Nine on four is no coarse deal: the tail split balances it, every item is never cut.
     last_block, cost = np.zeros(9, np.int64), np.full(9, 42.0)
-    rows, _ = split(last_block, cost, num_heads_kv=1, qheads_per_kvhead=8, num_ctas=4)
+    rows, _, _ = split(last_block, cost, num_heads_kv=1, qheads_per_kvhead=8, num_ctas=4)
     assert 9 > COARSE_ITEMS_PER_CTA * 4 and (rows[:, 5] < 0).sum() == 8
 
 
@@ -295,3 +295,22 @@ def test_pieces_of_a_causal_mask_run_in_pairs() -> None:
     tiles = s.work_tile[s.items[:, 0]]
     assert (tiles[second - 1] + tiles[second] == n // 128 - 1).all()  # tile t with tile 63 - t
     assert (s.items[second - 1, 3:5] == s.items[second, 3:5]).all()
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_the_deal_split_hands_on_is_the_deal_of_its_rows(seed: int) -> None:
+    """`split` (and `split_tail`) return the CTA of each unit from the deals that chose the rows
+    (a tail candidate's: the common deal continued); `deal` takes it instead of dealing again, so
+    it must be the one-at-a-time deal of those rows: random groups, costs and CTA counts, some
+    balanced, some with heavy items, some coarse, some cut at the tail."""
+    rng = np.random.default_rng(seed)
+    n, num_ctas = int(rng.integers(1, 300)), int(rng.integers(1, 140))
+    last_block = rng.integers(-1, max(2, n // int(rng.integers(1, 8))), n)
+    cost = rng.integers(3, 6 if seed % 3 == 0 else 400, n).astype(np.float64)
+    qheads = int(rng.choice([1, 2, 4, 8]))
+    rows, row_cost, owner = split(last_block, cost, int(rng.integers(1, 4)), qheads, num_ctas)
+    fresh, handed = deal(rows, row_cost, num_ctas), deal(rows, row_cost, num_ctas, owner)
+    assert (fresh.items == handed.items).all() and (fresh.cta_items == handed.cta_items).all()
+    order = sync_group_order(last_block, cost, 2, num_ctas)
+    tail_rows, tail_cost, tail_owner = split_tail(whole(order), cost[order[:, 0]], qheads, num_ctas)
+    assert (tail_owner == _free_times(_unit_costs(tail_rows, tail_cost)[1], num_ctas)[0]).all()

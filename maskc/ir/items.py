@@ -284,19 +284,20 @@ def _pieces(
 
 def split(
     last_block: np.ndarray, cost: np.ndarray, num_heads_kv: int, qheads_per_kvhead: int, num_ctas: int
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The items of `sync_group_order` (same arguments) split where that shortens the deal:
     the heavy ones and the tail (`split_heavy`, `split_tail`), or in a coarse deal every one
-    (`split_every`) where that ends sooner by SPLIT_GAIN. Returns the rows and their costs."""
+    (`split_every`) where that ends sooner by SPLIT_GAIN. Returns the rows, their costs and the
+    CTA of each unit in their deal (for `deal`: the deal that chose them is not made again)."""
     order = sync_group_order(last_block, cost, num_heads_kv, num_ctas)
     rows, row_cost = split_heavy(whole(order), cost[order[:, 0]], qheads_per_kvhead, num_ctas)
-    rows, row_cost = split_tail(rows, row_cost, qheads_per_kvhead, num_ctas)
+    rows, row_cost, owner = split_tail(rows, row_cost, qheads_per_kvhead, num_ctas)
     if qheads_per_kvhead == 1 or len(order) > COARSE_ITEMS_PER_CTA * num_ctas:
-        return rows, row_cost
+        return rows, row_cost, owner
     every, every_cost = split_every(last_block, cost, num_heads_kv, qheads_per_kvhead, num_ctas)
     if _makespan(every, every_cost, num_ctas) < _makespan(rows, row_cost, num_ctas) * (1 - SPLIT_GAIN):
-        return every, every_cost
-    return rows, row_cost
+        return every, every_cost, _free_times(_unit_costs(every, every_cost)[1], num_ctas)[0]
+    return rows, row_cost, owner
 
 
 def split_heavy(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
@@ -368,20 +369,24 @@ def _makespan(items: np.ndarray, cost: np.ndarray, num_ctas: int) -> float:
     return float(_free_times(_unit_costs(items, cost)[1], num_ctas)[2].max())
 
 
-def split_tail(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
+def split_tail(
+    items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_ctas: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`items` (rows of `whole`, in dealing order, after any pieces of `split_heavy`; `cost` per
     row) with the whole units at the end cut into one piece per query head, as many units as
     shorten the deal's makespan most (by SPLIT_GAIN at least; else none). A piece costs its
     share of the item's q blocks plus PIECE_OVERHEAD_STEPS. The pieces run head by head (CTAs
-    at one query head share its Q / dO), each split item with its own slot. Returns the rows
-    and their costs."""
-    if qheads_per_kvhead == 1 or not len(items):
-        return items, cost
+    at one query head share its Q / dO), each split item with its own slot. Returns the rows,
+    their costs and the CTA of each of their units in their deal (what `deal` gives them: a
+    candidate's deal is the common one's continued, so it is the whole deal)."""
     unit, unit_costs = _unit_costs(items, cost)
-    makespan = _makespan(items, cost, num_ctas)
+    owner, _, free = _free_times(unit_costs, num_ctas)
+    if qheads_per_kvhead == 1 or not len(items):
+        return items, cost, owner
+    makespan = float(free.max())
     if makespan * num_ctas <= unit_costs.sum() * (1 + SPLIT_GAIN):
-        return items, cost  # balanced already
-    best = (makespan * (1 - SPLIT_GAIN), items, cost)
+        return items, cost, owner  # balanced already
+    best = (makespan * (1 - SPLIT_GAIN), items, cost, owner)
     num_units = len(unit_costs)
     # Only whole items are cut: the pieces split_heavy made lead the order.
     cut = np.flatnonzero(items[:, 5] >= 0)
@@ -392,9 +397,9 @@ def split_tail(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_
     splits = np.unique(np.minimum(-(-piece_counts // qheads_per_kvhead), whole_units))
     splits = splits[splits > 0]
     if not splits.size:
-        return items, cost
+        return items, cost, owner
     common = num_units - int(splits[-1])
-    free = _free_times(unit_costs[:common], num_ctas)[2]
+    common_owner, _, free = _free_times(unit_costs[:common], num_ctas)
     busiest, placed = free.max(), free.sum()  # of the common deal, for the candidates' bound
     first_slot = slots_used(items)
     for k in splits:
@@ -405,23 +410,24 @@ def split_tail(items: np.ndarray, cost: np.ndarray, qheads_per_kvhead: int, num_
         # candidate can beat the best one (planning time: this spares half the deals).
         if max(busiest, (placed + tail_units.sum()) / num_ctas) >= best[0]:
             break
-        makespan = _free_times(tail_units, num_ctas, free)[2].max()
-        if makespan < best[0]:
-            best = (makespan, np.r_[items[:first], pieces], np.r_[cost[:first], piece_cost])
-    return best[1], best[2]
+        tail_owner, _, tail_free = _free_times(tail_units, num_ctas, free)
+        if (makespan := tail_free.max()) < best[0]:
+            best = (makespan, np.r_[items[:first], pieces], np.r_[cost[:first], piece_cost], np.r_[common_owner, tail_owner])
+    return best[1], best[2], best[3]
 
 
-def deal(items: np.ndarray, cost: np.ndarray, num_ctas: int) -> ItemLists:
+def deal(items: np.ndarray, cost: np.ndarray, num_ctas: int, owner: np.ndarray | None = None) -> ItemLists:
     """Greedy list scheduling: each unit of `items` (rows of `whole` or `split_tail`; an
     ASCENDING row joins the row before it: a pair) goes to the CTA that is free first, given
     the `cost` of its rows; ties go to the lower CTA. Each CTA keeps its items in their order
-    (what the deterministic kernel's deadlock freedom needs)."""
+    (what the deterministic kernel's deadlock freedom needs). `owner`: each unit's CTA in that
+    deal where it was made already (`split`'s), so it is not made again."""
     if num_ctas < 1:
         raise ValueError(f"num_ctas must be at least 1, got {num_ctas}")
     if len(items) and items[0, 2] & ASCENDING:
         raise ValueError("the first item cannot be the second of a pair (ASCENDING)")
     unit, unit_costs = _unit_costs(items, cost)
-    owner = _free_times(unit_costs, num_ctas)[0][unit]
+    owner = (_free_times(unit_costs, num_ctas)[0] if owner is None else owner)[unit]
     by_cta = np.argsort(owner, kind="stable")
     cta_items = np.r_[0, np.cumsum(np.bincount(owner, minlength=num_ctas))]
     return ItemLists(

@@ -450,8 +450,8 @@ def build_backward_schedule(
     `grid_queries` (what `attention_backward` plans for a dQ buffer the caller owns)."""
     s = transposed_schedule(mask, tile_m, tile_n, key_documents=documents, query_documents=documents and not grid_queries)
     cost = _item_cost(s)
-    items, row_cost = split(_last_blocks(s), cost, num_heads_kv, qheads_per_kvhead, num_ctas)
-    return BackwardSchedule(**_with_items(s, deal(items, row_cost, num_ctas)))
+    items, row_cost, owner = split(_last_blocks(s), cost, num_heads_kv, qheads_per_kvhead, num_ctas)
+    return BackwardSchedule(**_with_items(s, deal(items, row_cost, num_ctas, owner)))
 
 
 @dataclass(frozen=True, eq=False)
