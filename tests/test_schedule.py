@@ -15,6 +15,8 @@ from maskc.ir.items import ASCENDING, HEADS_INNER, section_order
 from maskc.ir.schedule import (
     BackwardSchedule,
     Schedule,
+    _lexsort2,
+    _rows32,
     backward_has_partial_blocks,
     build_backward_schedule,
     build_deterministic_backward_schedule,
@@ -382,3 +384,22 @@ def test_a_decision_hands_its_schedule_to_the_build_after_it(mask: Mask, heads: 
         partial = backward_has_partial_blocks(m, 64, 128, heaviest_first=not deterministic, keep=True)
         assert partial == backward_has_partial_blocks(fresh(), 64, 128) and len(_kept(m)) == 1
         assert _same(build(m, 64, 128, *params), build(fresh(), 64, 128, *params)) and not _kept(m)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_combined_key_sort_is_lexsort(seed: int) -> None:
+    """The schedules order their runs and lines by (tile rank, first column) with one stable
+    argsort of a combined key: the same permutation as np.lexsort, ties in both keys included
+    (few distinct values), negative minors (a line's first key) included; past what an int64 key
+    holds it is lexsort itself."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 3000))
+    spread = 4 if seed % 2 else 1 << 20
+    major, minor = rng.integers(0, spread, n), rng.integers(-spread, spread, n)
+    assert (_lexsort2(minor, major) == np.lexsort((minor, major))).all()
+    huge = np.array([1 << 40, 0, 1 << 40, 5])
+    assert (_lexsort2(np.array([1 << 30, -(1 << 30), 0, 7]), huge) == np.lexsort((np.array([1 << 30, -(1 << 30), 0, 7]), huge))).all()
+    columns = [rng.integers(-1000, 1000, n) for _ in range(3)]
+    order = rng.permutation(n)
+    expected = np.ascontiguousarray(np.stack([c[order] for c in columns], axis=1).reshape(-1, 3), dtype=np.int32)
+    assert np.array_equal(_rows32(order, *columns), expected) and _rows32(order, *columns).dtype == np.int32

@@ -90,9 +90,31 @@ def _as32(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.int32)
 
 
+def _lexsort2(minor: np.ndarray, major: np.ndarray) -> np.ndarray:
+    """`np.lexsort((minor, major))` of integer keys, `major` >= 0: one stable argsort of the
+    key major * span + minor, which keeps the same order and ties (several times faster than
+    lexsort's two passes); lexsort itself where that key could overflow."""
+    if major.size == 0:
+        return np.zeros(0, np.int64)
+    low = int(minor.min())
+    span = int(minor.max()) - low + 1
+    if (int(major.max()) + 1) * span >= 1 << 62:
+        return np.lexsort((minor, major))
+    return np.argsort(major.astype(np.int64) * span + (minor - low), kind="stable")
+
+
+def _rows32(order: np.ndarray, *columns: np.ndarray) -> np.ndarray:
+    """The int32 table whose columns are `columns` taken at `order` (as `_as32` of their
+    stack, without the int64 table between)."""
+    out = np.empty((order.size, len(columns)), np.int32)
+    for j, column in enumerate(columns):
+        out[:, j] = column[order]
+    return out
+
+
 def _merge_runs(tile: np.ndarray, begin: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, ...]:
     """Union of [begin, end) runs within each tile: overlapping or touching runs fuse."""
-    order = np.lexsort((begin, tile))
+    order = _lexsort2(begin, tile)
     tile, begin, end = tile[order], begin[order], end[order]
     if tile.size == 0:
         return tile, begin, end
@@ -302,18 +324,18 @@ def build_schedule(
     # Heaviest tiles first; ties keep tile order.
     if heaviest_first:
         weight = np.bincount(run_tile, weights=run_end - run_begin, minlength=num_tiles)
-        work_tile = np.lexsort((np.arange(num_tiles), -weight))
+        work_tile = np.argsort(-weight, kind="stable")
     else:
         work_tile = np.arange(num_tiles)
     rank = np.empty(num_tiles, np.int64)
     rank[work_tile] = np.arange(num_tiles)
 
-    order = np.lexsort((run_begin, rank[run_tile]))
-    ranges = np.stack([run_begin[order], run_end[order], run_partial[order], cs[run_begin[order]]], axis=1)
+    order = _lexsort2(run_begin, rank[run_tile])
+    ranges = _rows32(order, run_begin, run_end, run_partial, cs[run_begin])
     work_ranges = np.r_[0, np.cumsum(np.bincount(rank[run_tile], minlength=num_tiles))]
 
-    line_order = np.lexsort((lo_first, rank[pair_tile]))
-    line_table = np.stack([ln.r0, ln.r1, ln.lo_a, ln.lo_s, ln.hi_a, ln.hi_s], axis=1)[line_order]
+    line_order = _lexsort2(lo_first, rank[pair_tile])
+    line_table = _rows32(line_order, ln.r0, ln.r1, ln.lo_a, ln.lo_s, ln.hi_a, ln.hi_s)
     work_lines = np.r_[0, np.cumsum(np.bincount(rank[pair_tile], minlength=num_tiles))]
 
     return Schedule(
@@ -492,7 +514,7 @@ def dq_order(work_tile: np.ndarray, work_ranges: np.ndarray, ranges: np.ndarray)
     run_work = np.repeat(np.arange(work_tile.size), np.diff(work_ranges))
     _, q_block = expand_spans(ranges[:, 0].astype(np.int64), ranges[:, 1].astype(np.int64) - 1)
     k_tile = np.repeat(work_tile[run_work], lengths)
-    order = np.lexsort((k_tile, q_block))  # by q block, then k tile
+    order = _lexsort2(k_tile, q_block)  # by q block, then k tile
     sorted_block = q_block[order]
     group_start = np.r_[0, np.flatnonzero(sorted_block[1:] != sorted_block[:-1]) + 1]
     first_of_group = np.repeat(group_start, np.diff(np.r_[group_start, sorted_block.size]))
