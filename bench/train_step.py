@@ -10,8 +10,11 @@ labels = input_ids (Transformers shifts them). Each implementation gets the docu
 takes them:
 
 - `maskc`: attn_implementation="maskc" (`maskc.integrations.transformers`), position_ids alone;
-- `flash_attention_4`, `flash_attention_2`: Transformers' own, which read the documents from the
-  position_ids; only where the package is installed (no kernel from the Hub in its place);
+- `flash_attention_4`, `flash_attention_2`: Transformers' own, given the documents as its
+  `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` gives them: `cu_seq_lens_q` /
+  `cu_seq_lens_k` and `max_length_q` / `max_length_k` as Python ints, beside the position_ids
+  (from the position_ids alone Transformers hands FA4 the longest document as a tensor, which its
+  varlen call refuses); only where the package is installed (no kernel from the Hub in its place);
 - `flex_attention`: a document-causal BlockMask as attention_mask, built compiled (no S x S step);
 - `sdpa`: the dense [1, 1, S, S] boolean document-causal mask as attention_mask (16 GiB at 128k).
 
@@ -27,8 +30,7 @@ One step: zero_grad(set_to_none=True), forward with labels, loss.backward(), opt
 calls; `tokens_per_s` is tokens / (ms / 1000); `peak_mib` is torch.cuda.max_memory_allocated over
 the timed steps (weights, gradients and AdamW's states included). Every step trains on the same
 row, so each mask is made once: maskc's plan is cached on the position_ids, the BlockMask and the
-dense mask are built before the steps; FlashAttention reads its document lengths from the
-position_ids in every layer. --compile runs the steps through torch.compile(model).
+dense mask are built before the steps, and so are FlashAttention's document boundaries. --compile runs the steps through torch.compile(model).
 
 Run on a GPU: `python bench/train_step.py [--tokens 32768,65536,131072] [--steps 10]
 [--impls maskc,flash_attention_4,flash_attention_2,flex_attention,sdpa] [--compile]
@@ -174,9 +176,19 @@ def attention_mask(impl: str, row: PackedRow) -> torch.Tensor | BlockMask | None
     return None
 
 
+def flash_kwargs(row: PackedRow) -> dict:
+    """The document boundaries Transformers' FlashAttention path takes, as its
+    DataCollatorWithFlattening(return_flash_attn_kwargs=True) makes them (the lengths as ints)."""
+    cu = torch.as_tensor(np.r_[0, np.cumsum(row.lengths)], dtype=torch.int32, device=row.input_ids.device)
+    longest = int(row.lengths.max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 def batch(impl: str, row: PackedRow) -> dict:
     """The model's keyword arguments for a training forward of `impl` on `row`."""
     inputs = {"input_ids": row.input_ids, "position_ids": row.position_ids, "labels": row.input_ids, "use_cache": False}
+    if impl.startswith("flash_attention_"):
+        return {**inputs, **flash_kwargs(row)}
     mask = attention_mask(impl, row)
     return inputs if mask is None else {**inputs, "attention_mask": mask}
 

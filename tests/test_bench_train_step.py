@@ -79,8 +79,15 @@ def test_each_implementation_gets_the_documents_its_way() -> None:
     row = ts.row_of(LENGTHS, 61, "cpu")
     for impl in ("maskc", "flash_attention_4", "flash_attention_2"):
         inputs = ts.batch(impl, row)
-        assert inputs.keys() == {"input_ids", "position_ids", "labels", "use_cache"} and inputs["use_cache"] is False
+        assert inputs["use_cache"] is False and "attention_mask" not in inputs
         assert inputs["labels"] is row.input_ids and inputs["position_ids"] is row.position_ids
+    assert ts.batch("maskc", row).keys() == {"input_ids", "position_ids", "labels", "use_cache"}
+    # FlashAttention gets the boundaries as Transformers' flattening collator makes them: FA4's
+    # varlen call refuses a tensor for the longest document
+    flash = ts.batch("flash_attention_4", row)
+    assert flash["cu_seq_lens_q"].tolist() == flash["cu_seq_lens_k"].tolist() == [0, 100, 250, sum(LENGTHS)]
+    assert flash["cu_seq_lens_q"].dtype == torch.int32
+    assert type(flash["max_length_q"]) is int and flash["max_length_q"] == flash["max_length_k"] == max(LENGTHS)
     assert torch.equal(ts.batch("sdpa", row)["attention_mask"], ts.dense_mask(row.document_ids))
 
 
