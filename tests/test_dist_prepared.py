@@ -15,6 +15,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_dist_execute import _init_gloo, run_ranks
 
@@ -161,6 +162,7 @@ def _loader_worker(rank: int, world: int, port: int, errors: mp.Queue) -> None:
         other = prepare_plan(documents_mask(batch), world, world - 1 - rank, None)
         with pytest.raises(MaskcError, match=f"the prepared plan is rank {world - 1 - rank}'s and this is rank {rank}"):
             maskc.dist.dispatch(torch.zeros(SEQ), other)
+        dist.destroy_process_group()  # a gloo group left to the process's exit can abort it
     except BaseException:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
         raise
