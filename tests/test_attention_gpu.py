@@ -224,7 +224,7 @@ def test_head_dims_at_sequence_edges(d: str, n: int) -> None:
     _check(Mask.from_cu_seqlens([0, n], causal=True), 8, 2, d, "bf16")
 
 
-# The next portable kernels (experimental) add d=96 (forward and backward) and d=256 (forward).
+# The next portable kernels (experimental) add d=96 and d=256 (d=256's backward walks each item twice).
 NEXT_HEAD_DIMS = ["96", "256"]
 
 
@@ -503,23 +503,30 @@ def test_gradients_head_dims_head_layouts_fp16_and_options(d: str, hq: int, hkv:
     _check_grads(Mask.from_cu_seqlens([0, 1000]), hq, hkv, d, "bf16", lse_grad=False)  # the unmasked kernel
 
 
+@pytest.mark.parametrize("d", NEXT_HEAD_DIMS)
 @pytest.mark.parametrize("name", GRAD_MASKS)
-def test_gradients_every_mask_family_next_portable_d96(name: str) -> None:
-    _check_grads(MASKS[name](), 8, 2, 96, "bf16", seed=name_seed(name), portable=NEXT)
+def test_gradients_every_mask_family_next_portable_head_dims(name: str, d: str) -> None:
+    _check_grads(MASKS[name](), 8, 2, d, "bf16", seed=name_seed(name), portable=NEXT)
 
 
+@pytest.mark.parametrize("d", NEXT_HEAD_DIMS)
 @pytest.mark.parametrize("hq,hkv", [(64, 8), (8, 8), (8, 1)])
-def test_gradients_next_portable_d96_head_layouts_fp16_and_options(hq: int, hkv: int) -> None:
-    _check_grads(MASKS["varlen_causal"](), hq, hkv, 96, "fp16", portable=NEXT)
-    _check_grads(MASKS["rows_without_keys"](), hq, hkv, 96, "bf16", softcap=5.0, sink=True, deterministic=True,
+def test_gradients_next_portable_head_dims_head_layouts_fp16_and_options(d: str, hq: int, hkv: int) -> None:
+    _check_grads(MASKS["varlen_causal"](), hq, hkv, d, "fp16", portable=NEXT)
+    _check_grads(MASKS["rows_without_keys"](), hq, hkv, d, "bf16", softcap=5.0, sink=True, deterministic=True,
                  portable=NEXT)  # fmt: skip
 
 
-def test_the_next_portable_d256_has_no_backward_and_says_why() -> None:
-    q = torch.randn(64, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with _kernels(NEXT) as family, pytest.raises(maskc.errors.VariantError, match="d=256 has the forward only"):
-        out, _ = maskc.attention(q, q, q, Mask.from_cu_seqlens([0, 64], causal=True), portable=family)
-        out.sum().backward()
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_next_portable_d256_write_every_key_row(causal: bool) -> None:
+    """d=256's two walks write dV after the first and dK after the second: every key row of
+    both over poisoned buffers, in the deterministic kernel too, and zeros where no query sees."""
+    docs = Mask.from_cu_seqlens(np.cumsum([0, *EDGE_DOCS]), causal=causal)
+    for deterministic in (False, True):
+        _check_grads(docs, 8, 2, 256, "bf16", poisoned=True, deterministic=deterministic, portable=NEXT)
+    unseen = Mask([AttnSlice((0, 500), (0, 300)), AttnSlice((500, 1000), (700, 900), "causal" if causal else "full")],
+                  1000, 1200)  # fmt: skip
+    _check_grads(unseen, 8, 2, 256, "bf16", poisoned=True, portable=NEXT)
 
 
 @pytest.mark.parametrize("d", ["128", *BACKWARD_HEAD_DIMS])

@@ -371,8 +371,8 @@ def test_verify_rebuild_finds_an_object_its_publisher_swapped(tmp_path: Path, mo
 
 
 def test_head_dims_only_the_next_portable_kernels_have_get_them_and_portable_next_adds_them() -> None:
-    """On sm_80, d=96 and d=256 exist only as the experimental next portable kernels (d=256
-    without a backward, which needs 136 KiB), their forward with and without PackGQA;
+    """On sm_80, d=96 and d=256 exist only as the experimental next portable kernels (both
+    directions), their forward with and without PackGQA;
     `--portable-next` adds them beside the verified ones; on sm_86 (99 KiB a CTA) d=128's next
     backward takes 32-query blocks and one stage."""
     from maskc.artifact.variant import variant_for
@@ -388,7 +388,7 @@ def test_head_dims_only_the_next_portable_kernels_have_get_them_and_portable_nex
 
     verified = [(d, direction, False, False) for d in (64, 128) for direction in ("bwd", "fwd")]
     assert requests("--arch", "sm_80", "--head-dim", "64,96,128,256") == sorted(
-        verified + next_kernels(96) + next_kernels(256, backward=False)
+        verified + next_kernels(96) + next_kernels(256)
     )
     assert requests("--arch", "sm_80", "--portable-next") == sorted([(128, d, False, False) for d in ("bwd", "fwd")]
                                                                     + next_kernels(128))  # fmt: skip

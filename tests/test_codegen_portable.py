@@ -126,6 +126,10 @@ NEXT["sm_89_next_bwd_d64_fp16_softcap"] = next_backward(arch="sm_89", head_dim=6
 NEXT["sm_80_next_bwd_d64_deterministic"] = next_backward(head_dim=64, num_heads_kv=1, deterministic=True)
 NEXT["sm_80_next_bwd_d96"] = next_backward(head_dim=96)
 NEXT["sm_86_next_bwd_d96_softcap"] = next_backward(arch="sm_86", head_dim=96, has_softcap=True)
+# d=256: two walks per item (dV, then dK and dQ).
+NEXT["sm_80_next_bwd_d256"] = next_backward(head_dim=256)
+NEXT["sm_80_next_bwd_d256_deterministic"] = next_backward(head_dim=256, num_heads_kv=1, deterministic=True)
+NEXT["sm_90a_next_bwd_d256_softcap"] = next_backward(arch="sm_90a", head_dim=256, has_softcap=True)
 COMPILED.update(NEXT)
 # Its forward: 32 query rows a warp up to d=128 (d=96: 32-column swizzle atoms and row copies),
 # 16 against 32-key blocks at d=256.
@@ -216,6 +220,27 @@ def test_the_next_backward_has_fa2s_shape_and_archs_with_99_kib_keep_one_that_fi
     assert "portable_next" not in backward().to_dict() and next_backward().to_dict()["portable_next"]
 
 
+def test_the_next_backward_at_d256_walks_each_item_twice_where_132_kib_fit():
+    """dK and dV of a warp's 16 keys over 256 head dims (128 registers each) do not fit beside
+    S^T and dP^T: the item's q blocks are walked twice, dV first (K alone in shared memory, dV
+    stored through sV), then V loads and dK and dQ follow. 64-key tiles against 32-query blocks
+    in two stages fit sm_80's 163 KiB; the 99-KiB archs have none, and say why."""
+    v = next_backward(head_dim=256)
+    assert (v.tile_m, v.tile_n, v.num_stages, v.smem_bytes()) == (32, 64, 2, 132 * 1024) and v.portable_bwd_two_walks
+    source = render(v)
+    assert module_constants(source)["TWO_WALKS"] and not module_constants(render(next_backward()))["TWO_WALKS"]
+    kernel = source[source.index("def attn_bwd_kernel("):]
+    walks = [m.start() for m in re.finditer(r"for step in cutlass\.range\(", kernel)]
+    v_load = kernel.index("load_rows(g2s, tidx, cute.local_tile(mV[")
+    dv_store = kernel.index("store_tile(acc_dV, sV,")
+    assert len(walks) == 2 and walks[0] < dv_store < v_load < walks[1], "dV's walk, its store, V, then dK's walk"
+    assert kernel.count("WALK_DV,") == 2 and kernel.count("WALK_DK_DQ,") == 2 and "WALK_ALL," not in kernel
+    assert render(next_backward()).count("WALK_ALL,") == 2
+    for arch in ("sm_86", "sm_89", "sm_120a"):
+        with pytest.raises(VariantError, match="no kernel for head_dim 256 on " + arch):
+            next_backward(arch=arch, head_dim=256)
+
+
 @pytest.mark.parametrize("head_dim, tiles, rows_per_thread", [(64, (128, 128), 4), (96, (128, 64), 4), (128, (128, 32), 4),
                                                           (256, (64, 32), 2)])  # fmt: skip
 def test_the_next_forward_has_32_rows_a_warp_up_to_d128(head_dim, tiles, rows_per_thread):
@@ -230,7 +255,7 @@ def test_the_next_forward_has_32_rows_a_warp_up_to_d128(head_dim, tiles, rows_pe
     assert module_constants(render(variant()))["Q_IN_REGISTERS"]  # the verified forward keeps Q in registers
 
 
-@pytest.mark.parametrize("head_dim, warps, dq_warps", [(128, 8, (8, 1)), (64, 8, (4, 2)), (96, 8, (2, 4))])
+@pytest.mark.parametrize("head_dim, warps, dq_warps", [(128, 8, (8, 1)), (64, 8, (4, 2)), (96, 8, (2, 4)), (256, 4, (4, 1))])
 def test_the_next_backward_renders_its_warps_stages_and_dq_grid_as_constants(head_dim, warps, dq_warps):
     v = next_backward(head_dim=head_dim)
     source = render(v)

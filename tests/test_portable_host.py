@@ -30,11 +30,13 @@ def rendered(v: KernelVariant, tmp_path):
 
 
 @pytest.mark.parametrize("head_dim, portable_next, arch", [(128, True, "sm_80"), (64, True, "sm_80"), (96, True, "sm_80"),
-                                                         (128, True, "sm_86"), (128, False, "sm_80")])  # fmt: skip
+                                                         (256, True, "sm_80"), (128, True, "sm_86"),
+                                                         (128, False, "sm_80")])  # fmt: skip
 def test_the_dq_warp_grid_adds_every_dq_element_once(head_dim, portable_next, arch, tmp_path):
     """dQ^T = K^T dS^T over the head dims in DQ_ROWS-row products by the DQ_WARPS_M x DQ_WARPS_N
     warp grid: over every thread and product, each (head dim, query) of a q block's dQ once (on
-    sm_86, d=128's q blocks have 32 queries)."""
+    sm_86, d=128's q blocks have 32 queries; d=256's four warps of 16 head dims take four
+    64-row products against 32 queries)."""
     k = rendered(backward(head_dim, portable_next, arch=arch), tmp_path)
 
     @cute.jit
@@ -53,7 +55,8 @@ def test_the_dq_warp_grid_adds_every_dq_element_once(head_dim, portable_next, ar
 
 
 @pytest.mark.parametrize("direction, head_dim, arch", [("bwd", 128, "sm_80"), ("bwd", 96, "sm_80"), ("bwd", 64, "sm_80"),
-                                                      ("bwd", 128, "sm_86"), ("fwd", 128, "sm_80"), ("fwd", 256, "sm_80")])  # fmt: skip
+                                                      ("bwd", 256, "sm_80"), ("bwd", 128, "sm_86"), ("fwd", 128, "sm_80"),
+                                                      ("fwd", 256, "sm_80")])  # fmt: skip
 def test_each_thread_holds_the_rows_and_columns_the_line_masks_assume(direction, head_dim, arch, tmp_path):
     """S^T of the backward's k tile (NUM_WARPS warps of 16 keys) and S of the forward's q tile
     (four warps of 32 query rows up to d=128, 16 at d=256): every element held by one thread,

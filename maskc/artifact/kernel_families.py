@@ -405,14 +405,19 @@ PORTABLE_NEXT = KernelFamily(
         summary="warp MMA, cp.async, ldmatrix, 32 query rows a warp up to d=128",
     ),
     backward=Kernel(
-        tiles=dict.fromkeys(_square(64, 96, 128), Tiles(64, 128, 2)),
+        # d=256: two walks of an item's q blocks (dV, then dK and dQ: KernelVariant.
+        # portable_bwd_two_walks) over 64-key tiles and 32-query blocks in two stages, 132 KiB
+        # (ptxas, sm_80: no spill; 64-query blocks in one stage spill 4472 bytes).
+        tiles={**dict.fromkeys(_square(64, 96, 128), Tiles(64, 128, 2)), HeadDim(256, 256): Tiles(32, 64, 2)},
         flags=frozenset({"has_softcap", "deterministic"}),
         choices=None,
-        summary="warp MMA, a warp per 16 keys of the k tile, the next step's Q and dO by cp.async during this one (two stages), dQ by L2 reductions",
-        missing="d=256 has the forward only: a backward that fits is not written yet",
+        summary=("warp MMA, a warp per 16 keys of the k tile, the next step's Q and dO by cp.async during this one (two "
+                 "stages), dQ by L2 reductions; d=256 walks each item twice (dV, then dK and dQ)"),
         # On 99 KiB: d=128's 144 KiB become 88 with 32-query blocks and one stage (ptxas, sm_86
         # and sm_89: no spill, where the verified 64-key tile spills 2600 bytes; sm_120a: 1584,
-        # 1208); d=96's 112 KiB 80 with 64 keys (its dQ^T warp grid needs 64-query blocks).
+        # 1208); d=96's 112 KiB 80 with 64 keys (its dQ^T warp grid needs 64-query blocks). No
+        # d=256: 64 keys x 32 queries in one stage need 100 KiB, 16-query blocks a dS^T layout
+        # the templates lack, and 32-key tiles CTAs of two warps.
         compact_tiles={HeadDim(64, 64): Tiles(64, 128, 2), HeadDim(96, 96): Tiles(64, 64, 2),
                        HeadDim(128, 128): Tiles(32, 128, 1)},  # fmt: skip
     ),

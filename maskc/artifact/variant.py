@@ -341,6 +341,14 @@ class KernelVariant:
         return warps_m, warps // warps_m
 
     @property
+    def portable_bwd_two_walks(self) -> bool:
+        """The portable backward walks an item's q blocks twice (the templates' TWO_WALKS): dV
+        first, then dK and dQ, each walk recomputing S^T. Above d=128 a warp's 16 keys hold
+        dK and dV of 128 registers each, which do not fit beside S^T and dP^T (ptxas, d=256 in
+        one walk: 68 KB of spills); one at a time they hold as many as d=128's in one walk."""
+        return self.portable and self.direction == "bwd" and self.head_dim > 128
+
+    @property
     def portable_b_by_x4(self) -> bool:
         """The portable kernels' B operands (K and V in the forward) are ldmatrix'ed one x4 (two n8
         atoms) at a time, each product beside its copy (the templates' B_BY_X4): in the next
