@@ -468,16 +468,20 @@ def test_the_next_portable_kernels_run_only_where_the_environment_opts_in(monkey
 
 def test_head_dims_of_the_next_portable_kernels_are_named_where_a_call_lacks_them() -> None:
     """On an A100, d=96 runs only with the next portable kernels (the error says how to opt in);
-    with them d=256 has a forward, and a backward's error says why it has none."""
+    with them d=256 has a forward and a backward (two walks), and on an A10 (99 KiB a CTA) the
+    backward's error says why it has none there."""
     with pytest.raises(maskc.MaskcError, match=re.escape("supported head dims: 64, 128; the experimental next portable kernels "
                                                          "have 64, 96, 128, 256 (MASKC_PORTABLE_NEXT=1)")):  # fmt: skip
         call_plan.make_target((8, 0), 108, torch.bfloat16, 8, 2, HeadDim(96, 96), False, False, False, None, False)
     target = call_plan.make_target((8, 0), 108, torch.bfloat16, 8, 2, HeadDim(256, 256), False, False, False, None, False,
                                    0, None, True)  # fmt: skip
-    assert target.tiles("fwd") == Tiles(64, 32, 2)
-    with pytest.raises(maskc.errors.VariantError, match="the portable next backward has no kernel for head_dim 256 "
-                                                        r"\(d=256 has the forward only"):  # fmt: skip
-        target.tiles("bwd")
+    assert target.tiles("fwd") == Tiles(64, 32, 2) and target.tiles("bwd") == Tiles(32, 64, 2)
+    compact = call_plan.make_target((8, 6), 84, torch.bfloat16, 8, 2, HeadDim(256, 256), False, False, False, None, False,
+                                    0, None, True)  # fmt: skip
+    assert compact.tiles("fwd") == Tiles(64, 32, 2)
+    with pytest.raises(maskc.errors.VariantError, match="the portable next backward has no kernel for head_dim 256 on "
+                                                        r"sm_86 \(its shapes need more than the 99 KiB"):  # fmt: skip
+        compact.tiles("bwd")
 
 
 def test_the_next_portable_forward_has_pack_gqa_and_maskc_picks_it_per_mask() -> None:

@@ -53,6 +53,11 @@ TILE_N = TILE_Q  # the column block width, under the name the line-mask code use
 NUM_WARPS = 8  # each owns 16 keys of the k tile (one m16n8k16 M extent)
 NUM_STAGES = 2  # (Q, dO) buffers: with two, the next step's load while this one computes
 B_BY_X4 = False  # B operands one ldmatrix.x4 (two n8 atoms) at a time (gemm_rs)
+TWO_WALKS = False  # an item's q blocks walked twice: dV, then dK and dQ (V loads between)
+# What a step computes (bwd_step's `walk`): dV, or dK and dQ, or all three in one walk.
+WALK_DV = 1
+WALK_DK_DQ = 2
+WALK_ALL = WALK_DV | WALK_DK_DQ
 NUM_THREADS = 256
 WG_ROWS = TILE_K  # rows of the zero store of an item with no q block (common epilogue)
 ROWS_PER_THREAD = 2  # keys of a warp's 16 held by one thread (r and r + 8)
@@ -676,6 +681,7 @@ def bwd_step(
     schedule: Schedule,
     pair: Int32 | None,
     item_lines: tuple | None,
+    walk: int,
 ):
     """q block m of query head `head` against the item's k tile (K and V in shared memory):
     dK and dV accumulate in registers, dQ (times the scale) goes to mdQ by L2 reductions. With
@@ -684,8 +690,10 @@ def bwd_step(
     partial block gets the item's lines (load_item_lines' tuple; None for
     a full block). DETERMINISTIC: the dQ additions wait until the lower k tiles adding to this
     q block (their number: schedule.block_rank[pair]) have added theirs (the q block's
-    semaphore in mSemaphore counts them), so the sums are the same in every run."""
-    if const_expr(DETERMINISTIC):
+    semaphore in mSemaphore counts them), so the sums are the same in every run. `walk` (WALK_*)
+    says which gradients the step adds: with TWO_WALKS a dV walk needs neither V nor dP^T."""
+    grads_kq = (walk & WALK_DK_DQ) != 0
+    if const_expr(DETERMINISTIC and grads_kq):
         rank = schedule.block_rank[pair]
     thr_mma = tiled_mma.get_slice(tidx)
     if const_expr(NUM_STAGES == 1):
@@ -703,8 +711,15 @@ def bwd_step(
     acc_dP.fill(0.0)
     tA = thr_mma.make_fragment_A(thr_mma.partition_A(sK))
     tB = thr_mma.make_fragment_B(thr_mma.partition_B(sQ))
-    gemm_ss(tiled_mma, acc_S, s2r_a, s2r_a.partition_S(sK), tA, s2r_b, s2r_b.partition_S(sQ), tB)
-    gemm_ss(tiled_mma, acc_dP, s2r_a, s2r_a.partition_S(sV), tA, s2r_b, s2r_b.partition_S(sdO), tB)
+    if const_expr(TWO_WALKS):
+        gemm_rs(tiled_mma, acc_S, tA, s2r_b, s2r_b.partition_S(sQ), tB, s2r_a, s2r_a.partition_S(sK))
+    else:
+        gemm_ss(tiled_mma, acc_S, s2r_a, s2r_a.partition_S(sK), tA, s2r_b, s2r_b.partition_S(sQ), tB)
+    if const_expr(grads_kq):
+        if const_expr(TWO_WALKS):
+            gemm_rs(tiled_mma, acc_dP, tA, s2r_b, s2r_b.partition_S(sdO), tB, s2r_a, s2r_a.partition_S(sV))
+        else:
+            gemm_ss(tiled_mma, acc_dP, s2r_a, s2r_a.partition_S(sV), tA, s2r_b, s2r_b.partition_S(sdO), tB)
 
     s = acc_rows_cols(acc_S)
     if const_expr(HAS_SOFTCAP):
@@ -717,17 +732,23 @@ def bwd_step(
     dp = acc_rows_cols(acc_dP)
     for k in cutlass.range_constexpr(COLS_PER_THREAD):
         lse_log2 = mLSE[stats + tScS[0, k][1]]
-        delta = mDelta[stats + tScS[0, k][1]]
+        if const_expr(grads_kq):
+            delta = mDelta[stats + tScS[0, k][1]]
         for i in cutlass.range_constexpr(ROWS_PER_THREAD):
             s[i, k] = cute.math.exp2(s[i, k] * score_scale_log2 - lse_log2, fastmath=True)
-            ds = s[i, k] * (dp[i, k] - delta)
-            if const_expr(HAS_SOFTCAP):
-                ds = ds * dtanh[i, k]
-            dp[i, k] = ds
+            if const_expr(grads_kq):
+                ds = s[i, k] * (dp[i, k] - delta)
+                if const_expr(HAS_SOFTCAP):
+                    ds = ds * dtanh[i, k]
+                dp[i, k] = ds
 
     # dV += P^T dO and dK += dS^T Q (the scale is applied to dK once, at the end).
     tBt = thr_mma.make_fragment_B(thr_mma.partition_B(transposed_view(sdO)))
-    gemm_rs(tiled_mma, acc_dV, scores_to_operand(acc_S), s2r_bt, s2r_bt.partition_S(transposed_view(sdO)), tBt)
+    if const_expr((walk & WALK_DV) != 0):
+        gemm_rs(tiled_mma, acc_dV, scores_to_operand(acc_S), s2r_bt, s2r_bt.partition_S(transposed_view(sdO)), tBt)
+    if const_expr(not grads_kq):
+        cute.arch.barrier()  # every warp is done with Q and dO before the next step reloads them
+        return
     tdS = scores_to_operand(acc_dP)
     gemm_rs(tiled_mma, acc_dK, tdS, s2r_bt, s2r_bt.partition_S(transposed_view(sQ)), tBt)
 
@@ -966,7 +987,7 @@ def attn_bwd_kernel(
             for step in cutlass.range(blocks * num_heads, unroll=1):
                 head = head_first + g
                 ahead_head = head_first + ahead_g
-                rank_pair = pair if const_expr(DETERMINISTIC) else None  # the walk counts pairs only then
+                rank_pair = None
                 stage = 0
                 if const_expr(NUM_STAGES > 1):
                     # The item's first Q and dO; then the next step's, into the other stage (which the step
@@ -984,13 +1005,13 @@ def attn_bwd_kernel(
                     bwd_step(
                         tiled_mma, tiled_mma_dq, g2s, s2r_a, s2r_b, s2r_at, s2r_bt, s2r_dq_a, s2r_dq_b, sK, sV, sQ_step, sdO_step,
                         sdS, acc_dK, acc_dV, tScS, mQ, mdO, mLSE, mDelta, mdQ, m, head, tidx, score_scale_log2, softmax_scale,
-                        softcap_in, softcap_out, mSemaphore, schedule, rank_pair, item_lines,
+                        softcap_in, softcap_out, mSemaphore, schedule, rank_pair, item_lines, WALK_ALL,
                     )
                 else:
                     bwd_step(
                         tiled_mma, tiled_mma_dq, g2s, s2r_a, s2r_b, s2r_at, s2r_bt, s2r_dq_a, s2r_dq_b, sK, sV, sQ_step, sdO_step,
                         sdS, acc_dK, acc_dV, tScS, mQ, mdO, mLSE, mDelta, mdQ, m, head, tidx, score_scale_log2, softmax_scale,
-                        softcap_in, softcap_out, mSemaphore, schedule, rank_pair, None,
+                        softcap_in, softcap_out, mSemaphore, schedule, rank_pair, None, WALK_ALL,
                     )
 
                 # The next (run, q block, head) of the walk.
