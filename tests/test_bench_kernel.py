@@ -69,22 +69,23 @@ def test_inputs_have_the_head_dims_shapes(kernel: dict) -> None:
     assert torch.equal(q, kernel["inputs"](256, MLA, False, device="cpu")[0])
 
 
-def test_bad_head_dims_stop_the_benchmark_before_it_starts(kernel: dict, monkeypatch: pytest.MonkeyPatch,
-                                                            capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setattr(sys, "argv", ["bench/kernel.py", "--artifacts", "kernels", "--head-dims", "128,big"])
+def usage_error(kernel: dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str) -> str:
+    """What bench/kernel.py prints when `args` stop it with a usage error (exit code 2), before any GPU work."""
+    monkeypatch.setattr(sys, "argv", ["bench/kernel.py", "--artifacts", "kernels", *args])
     with pytest.raises(SystemExit) as done:
         kernel["main"]()
     assert done.value.code == 2
-    assert "--head-dims" in capsys.readouterr().err
+    return capsys.readouterr().err
+
+
+def test_bad_head_dims_stop_the_benchmark_before_it_starts(kernel: dict, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    assert "--head-dims" in usage_error(kernel, monkeypatch, capsys, "--head-dims", "128,big")
 
 
 def test_unknown_baselines_stop_the_benchmark_before_it_starts(kernel: dict, monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setattr(sys, "argv", ["bench/kernel.py", "--artifacts", "kernels", "--baselines", "flex,fa3"])
-    with pytest.raises(SystemExit) as done:
-        kernel["main"]()
-    assert done.value.code == 2
-    assert "unknown fa3" in capsys.readouterr().err
+    assert "unknown fa3" in usage_error(kernel, monkeypatch, capsys, "--baselines", "flex,fa3")
 
 
 def test_portable_calls_run_the_family_they_name_and_leave_the_environment(kernel: dict,
