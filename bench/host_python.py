@@ -63,7 +63,7 @@ def _stub_kernel(request: Mapping[str, Any], alternative: Mapping[str, Any] | No
     if key not in registry.KERNELS:
         variant = variant_for(request)
         abi = ENTRY_POINTS[request["direction"]].args
-        fields = {**request, "tile_m": variant.tile_m, "tile_n": variant.tile_n}
+        fields = {**request, "tile_m": variant.tile_m, "tile_n": variant.tile_n, "num_stages": variant.num_stages}
         registry.KERNELS[key] = registry.entry_for(lambda: launch.Kernel(_NoRuntime(), b"", "stub", abi), fields)
     return registry.KERNELS[key]
 

@@ -210,7 +210,7 @@ def launch_shape_of(target: Target, request: dict[str, Any]) -> registry.LaunchS
     """The launch shape of `request`'s kernel with the family table's tiles (those it is
     compiled with): what a plan made ahead of the kernels (`maskc.prepare`) builds schedules for."""
     tiles = tall_tiles(target) if request.get("tall", False) else target.tiles(request["direction"])
-    return registry.launch_shape({**request, "tile_m": tiles.tile_m, "tile_n": tiles.tile_n})
+    return registry.launch_shape({**request, "tile_m": tiles.tile_m, "tile_n": tiles.tile_n, "num_stages": tiles.num_stages})
 
 
 def backward_requests(mask: Mask, target: Target, grid_queries: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -15,9 +15,10 @@ from typing import Any, NamedTuple
 
 from maskc.artifact import toolchain
 from maskc.artifact.abi import ENTRY_POINTS, abi_to_json
-from maskc.artifact.kernel_families import HeadDim, family_of
+from maskc.artifact.kernel_families import HeadDim
 from maskc.artifact.manifest import Manifest, open_manifest
 from maskc.artifact.source import kernel_source
+from maskc.artifact.variant import KernelVariant
 from maskc.errors import ArtifactError
 from maskc.lazy import install_command
 from maskc.runtime.launch import CuteRuntime, Kernel, runtime_at, runtime_of
@@ -56,18 +57,19 @@ class LaunchShape(NamedTuple):
 
 
 def launch_shape(fields: Mapping[str, Any]) -> LaunchShape:
-    """The launch shape of the kernel with manifest `fields` (tile_m and tile_n included); its
+    """The launch shape of the kernel with manifest `fields` (its tiles and stages included); its
     family says how it runs."""
     hq, hkv = fields["num_heads_q"], fields["num_heads_kv"]
-    family = family_of(fields["arch"], fields.get("portable", False), fields.get("portable_next", False))
+    variant = KernelVariant(**fields)
+    family = variant.family
     if fields["direction"] == "bwd":  # items are (k tile, kv head); tile_m is the q block
         deterministic = fields.get("deterministic", False)
         pieces = hq // hkv if family.split_backward and not deterministic else 1
         # A deterministic CTA waits for lower items' CTAs: one per SM keeps them all resident.
-        ctas_per_sm = 1 if deterministic else family.ctas_per_sm_of("bwd", fields["tile_m"], fields["tile_n"])
+        ctas_per_sm = 1 if deterministic else variant.ctas_per_sm
         return LaunchShape(fields["tile_m"], fields["tile_n"], hkv, deterministic, pieces, ctas_per_sm,
                            family.document_tiles)  # fmt: skip
-    ctas_per_sm = family.ctas_per_sm_of("fwd", fields["tile_m"], fields["tile_n"])
+    ctas_per_sm = variant.ctas_per_sm
     if fields.get("pack_gqa", False):
         return LaunchShape(fields["tile_m"] // (hq // hkv), fields["tile_n"], hkv, ctas_per_sm=ctas_per_sm,
                            document_tiles=family.document_tiles)  # fmt: skip

@@ -241,6 +241,24 @@ def test_the_next_backward_at_d256_walks_each_item_twice_where_132_kib_fit():
             next_backward(arch=arch, head_dim=256)
 
 
+def test_ctas_per_sm_are_as_many_as_registers_and_shared_memory_hold():
+    """Two CTAs of four warps fit an SM's registers; they share its shared memory too, each with
+    2 KiB for its barriers and the system, so 80-KiB forwards pair on an A100 (164 KiB) but not
+    on the 100-KiB SMs, and the next d=256 backward (132 KiB) runs alone even on an H100."""
+    forward = {"arch": "sm_80", "direction": "fwd", "head_dim": 128, "dtype": "bf16", "num_heads_q": 8, "num_heads_kv": 2,
+               "portable": True}  # fmt: skip
+    assert variant_for(forward).smem_bytes() == 80 * 1024 and variant_for(forward).ctas_per_sm == 2
+    assert variant_for({**forward, "arch": "sm_90a"}).ctas_per_sm == 2
+    for arch in ("sm_86", "sm_89", "sm_120a"):
+        assert variant_for({**forward, "arch": arch}).ctas_per_sm == 1
+    assert variant_for({**forward, "head_dim": 256, "portable_next": True}).smem_bytes() == 96 * 1024
+    assert variant_for({**forward, "head_dim": 256, "portable_next": True}).ctas_per_sm == 1
+    assert variant_for({**forward, "arch": "sm_90a", "head_dim": 256, "portable_next": True}).ctas_per_sm == 2
+    assert next_backward(arch="sm_90a", head_dim=256).ctas_per_sm == 1
+    assert (next_backward().ctas_per_sm, backward().ctas_per_sm) == (1, 2)  # eight warps; four in 72 KiB
+    assert variant_for({**forward, "arch": "sm_90a", "portable": False}).ctas_per_sm == 1
+
+
 @pytest.mark.parametrize("head_dim, tiles, rows_per_thread", [(64, (128, 128), 4), (96, (128, 64), 4), (128, (128, 32), 4),
                                                           (256, (64, 32), 2)])  # fmt: skip
 def test_the_next_forward_has_32_rows_a_warp_up_to_d128(head_dim, tiles, rows_per_thread):

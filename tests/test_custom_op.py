@@ -447,7 +447,7 @@ def _register(monkeypatch: pytest.MonkeyPatch, direction: str, pack_gqa: bool, *
     tiles = select_tiles("sm_90a", HeadDim(D, D), direction)
     fields = {"arch": "sm_90a", "head_dim": D, "dtype": "bf16", "num_heads_q": HQ, "num_heads_kv": HKV,
               "has_softcap": False, "has_sink": False, "has_max_logits": False, **features, "direction": direction,
-              "pack_gqa": pack_gqa, "tile_m": tiles.tile_m, "tile_n": tiles.tile_n}  # fmt: skip
+              "pack_gqa": pack_gqa, "tile_m": tiles.tile_m, "tile_n": tiles.tile_n, "num_stages": tiles.num_stages}  # fmt: skip
     entry = registry.entry_for(None, fields)
     monkeypatch.setitem(registry.KERNELS, registry.request_key(fields), entry)
     return entry
@@ -643,7 +643,7 @@ def test_a_prepared_mask_carries_the_schedule_of_the_tall_tile(cuda_on_cpu: Any)
     mask = masks.mask_of(shipped.table, shipped.plan)
     request, _ = call_plan.forward_requests(mask, target)
     kernel = variant_for(request)  # the kernel the call runs, and the shape it launches with
-    shape = registry.launch_shape({**request, "tile_m": kernel.tile_m, "tile_n": kernel.tile_n})
+    shape = registry.launch_shape(kernel.to_dict())
     assert request["tall"] and kernel.tile_m == 192 and call_plan.forward_schedule(mask, shape, target.num_sms)
     assert builds == []
 

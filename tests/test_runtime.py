@@ -258,7 +258,7 @@ def test_the_unmasked_backward_serves_only_masks_without_partial_blocks(monkeypa
     request = call_plan.backward_requests(Mask.from_cu_seqlens([0, 1000], causal=True), target)[0]
     entries = {}
     for unmasked in (False, True):
-        fields = {**request, "unmasked": unmasked, "tile_m": 64, "tile_n": 128}
+        fields = {**request, "unmasked": unmasked, "tile_m": 64, "tile_n": 128, "num_stages": 2}
         entries[unmasked] = registry.KERNELS[registry.request_key(fields)] = registry.entry_for(None, fields)
     full, causal = Mask.from_cu_seqlens([0, 1000]), Mask.from_cu_seqlens([0, 1000], causal=True)
     assert call_plan.backward_kernel(full, target) is entries[True]
@@ -297,7 +297,7 @@ def test_the_forward_takes_the_tall_tile_per_mask(monkeypatch: pytest.MonkeyPatc
     docs = Mask.from_cu_seqlens(list(range(0, 16385, 512)), causal=True)
     request_docs, alternative_docs = call_plan.forward_requests(docs, target)
     assert "tall" not in request_docs and request_docs["pack_gqa"] and not alternative_docs["pack_gqa"]
-    fields = {**alternative, "tile_m": 128, "tile_n": 128}
+    fields = {**alternative, "tile_m": 128, "tile_n": 128, "num_stages": 2}
     entry = registry.KERNELS[registry.request_key(fields)] = registry.entry_for(None, fields)
     assert registry.find_kernel(request, alternative) is entry
     with pytest.raises(ArtifactError, match="would compile .*'tall': True"):
@@ -334,16 +334,17 @@ def fake_gpu_without_compiler(monkeypatch: pytest.MonkeyPatch, capability: tuple
 
 def test_the_portable_kernel_serves_gpus_without_kernels_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """On an sm_86 GPU the runtime asks for the portable kernels (PackGQA off; the backward
-    deterministic or not), runs two CTAs per SM, and refuses the native kernels and PackGQA
+    deterministic or not), runs one CTA per SM (d=128's forward takes 80 KiB of shared memory,
+    and an SM has 100), and refuses the native kernels and PackGQA
     with clear errors."""
     asked, plan_call = fake_gpu_without_compiler(monkeypatch, (8, 6), 84)
     with pytest.raises(ArtifactError):
         plan_call(None, False, False)
     assert asked[-1]["arch"] == "sm_86" and asked[-1]["portable"] and not asked[-1]["pack_gqa"]
-    fields = {**asked[-1], "tile_m": 64, "tile_n": 64}
+    fields = {**asked[-1], "tile_m": 64, "tile_n": 64, "num_stages": 2}
     entry = registry.KERNELS[registry.request_key(fields)] = registry.entry_for(None, fields)
     forward = plan_call(None, False, False)
-    assert forward.kernel is entry and forward.num_ctas == 2 * 84
+    assert forward.kernel is entry and forward.num_ctas == 84
     with pytest.raises(maskc.MaskcError, match="sm_86 has only the portable kernel"):
         plan_call(None, False, False, 0, False)
     for deterministic in (False, True):
@@ -372,7 +373,7 @@ def test_blackwell_runs_the_portable_kernels_unless_its_own_are_asked_for(monkey
         assert asked[-1]["arch"] == "sm_100a" and asked[-1]["deterministic"] == deterministic
     backward = {**asked[-1], "tile_m": 128, "tile_n": 128, "num_stages": 2}
     assert registry.entry_for(None, backward).shape.pieces == 1
-    assert registry.entry_for(None, {**backward, "arch": "sm_90a"}).shape.pieces == 4
+    assert registry.entry_for(None, {**backward, "arch": "sm_90a", "tile_m": 64}).shape.pieces == 4
     with pytest.raises(maskc.MaskcError, match="has no PackGQA yet"):
         plan_call(True, False, False)
 

@@ -44,6 +44,9 @@ class Arch:
     capability: tuple[int, int]
     #: Shared memory one CTA may use.
     smem_bytes: int
+    #: Shared memory of one SM, which the CTAs resident on it share (each also gives 1 KiB to
+    #: the system): with `smem_bytes`, how many CTAs of a kernel an SM holds.
+    sm_smem_bytes: int
     #: Example GPUs, for the docs.
     gpus: str
     #: maskc's GPU test suite has run on one of its GPUs.
@@ -51,12 +54,12 @@ class Arch:
 
 
 ARCHS: tuple[Arch, ...] = (
-    Arch("sm_80", (8, 0), 163 * 1024, "A100, A800"),
-    Arch("sm_86", (8, 6), 99 * 1024, "A10, A40, RTX 30xx"),
-    Arch("sm_89", (8, 9), 99 * 1024, "L4, L40S, RTX 40xx"),
-    Arch("sm_90a", (9, 0), 227 * 1024, "H100, H200, GH200", tested=True),
-    Arch("sm_100a", (10, 0), 227 * 1024, "B200, GB200"),
-    Arch("sm_120a", (12, 0), 99 * 1024, "RTX 50xx, RTX PRO 6000"),
+    Arch("sm_80", (8, 0), 163 * 1024, 164 * 1024, "A100, A800"),
+    Arch("sm_86", (8, 6), 99 * 1024, 100 * 1024, "A10, A40, RTX 30xx"),
+    Arch("sm_89", (8, 9), 99 * 1024, 100 * 1024, "L4, L40S, RTX 40xx"),
+    Arch("sm_90a", (9, 0), 227 * 1024, 228 * 1024, "H100, H200, GH200", tested=True),
+    Arch("sm_100a", (10, 0), 227 * 1024, 228 * 1024, "B200, GB200"),
+    Arch("sm_120a", (12, 0), 99 * 1024, 128 * 1024, "RTX 50xx, RTX PRO 6000"),
 )
 ARCH_NAMES = tuple(a.name for a in ARCHS)
 
@@ -203,8 +206,6 @@ class KernelFamily:
     gpu_checked: str | None = None
     #: Backward items may be split into pieces, one per query head of their K/V head.
     split_backward: bool = False
-    #: Persistent CTAs per SM (the portable kernels': `portable_ctas_per_sm`).
-    ctas_per_sm: int = 1
     #: The forward takes k blocks and the backward k tiles at any key, and the backward q
     #: blocks at any query but in the deterministic kernel (`maskc.ir.schedule.document_tiles`:
     #: each document's tokens in tiles of their own; the schedules' `key_bounds` and
@@ -226,10 +227,6 @@ class KernelFamily:
     def selector(self) -> dict[str, bool]:
         """The request and variant fields that pick it among an arch's families."""
         return {"portable": self.portable, "portable_next": self is PORTABLE_NEXT}
-
-    def ctas_per_sm_of(self, direction: str, tile_m: int, tile_n: int) -> int:
-        """Persistent CTAs per SM of its `direction` kernel with a tile_m x tile_n tile."""
-        return portable_ctas_per_sm(direction, tile_m, tile_n) if self.portable else self.ctas_per_sm
 
     def kernel(self, direction: str) -> Kernel:
         return self.forward if direction == "fwd" else self.backward
@@ -445,12 +442,6 @@ def portable_warps(direction: str, tile_m: int, tile_n: int) -> int:
     """Warps of a portable CTA: four in the forward (16 or 32 query rows each), one per 16 keys
     of the backward's k tile."""
     return 4 if direction == "fwd" else tile_n // 16
-
-
-def portable_ctas_per_sm(direction: str, tile_m: int, tile_n: int) -> int:
-    """Persistent CTAs of a portable kernel per SM: as many as fit the 64K registers of an SM at
-    up to 255 registers a thread (two of 128 threads, one of 256), each also running alone."""
-    return max(1, 65536 // (256 * 32 * portable_warps(direction, tile_m, tile_n)))
 
 
 def native_family(arch_name: str) -> KernelFamily | None:

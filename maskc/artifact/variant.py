@@ -369,6 +369,19 @@ class KernelVariant:
     def _smem_available(self) -> int:
         return arch(self.arch).smem_bytes - _SMEM_RESERVE
 
+    @property
+    def ctas_per_sm(self) -> int:
+        """Persistent CTAs that share an SM: one of the arch's own kernels (warp-specialised,
+        sized to a whole SM); of a portable kernel as many as the SM's 64K registers (at up to
+        255 a thread: two CTAs of 128 threads, one of 256) and its shared memory (each CTA's,
+        its barriers' and the system's 1 KiB) hold at once. More than fit would run in a second
+        wave behind the first, against a deal made for all of them at once."""
+        if not self.portable:
+            return 1
+        registers = 65536 // (256 * 32 * portable_warps(self.direction, self.tile_m, self.tile_n))
+        shared = arch(self.arch).sm_smem_bytes // (self.smem_bytes() + _SMEM_RESERVE + 1024)
+        return max(1, min(registers, shared))
+
     # ---- naming ----------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
