@@ -229,6 +229,9 @@ def test_the_next_backward_at_d256_walks_each_item_twice_where_132_kib_fit():
     assert (v.tile_m, v.tile_n, v.num_stages, v.smem_bytes()) == (32, 64, 2, 132 * 1024) and v.portable_bwd_two_walks
     source = render(v)
     assert module_constants(source)["TWO_WALKS"] and not module_constants(render(next_backward()))["TWO_WALKS"]
+    # K and V a k step at a time in S^T and dP^T, as whole fragments on sm_100a (they spill less there).
+    assert module_constants(source)["A_BY_K_STEP"] and not module_constants(render(next_backward()))["A_BY_K_STEP"]
+    assert not module_constants(render(next_backward(arch="sm_100a", head_dim=256)))["A_BY_K_STEP"]
     kernel = source[source.index("def attn_bwd_kernel("):]
     walks = [m.start() for m in re.finditer(r"for step in cutlass\.range\(", kernel)]
     v_load = kernel.index("load_rows(g2s, tidx, cute.local_tile(mV[")

@@ -54,6 +54,7 @@ NUM_WARPS = 8  # each owns 16 keys of the k tile (one m16n8k16 M extent)
 NUM_STAGES = 2  # (Q, dO) buffers: with two, the next step's load while this one computes
 B_BY_X4 = False  # B operands one ldmatrix.x4 (two n8 atoms) at a time (gemm_rs)
 TWO_WALKS = False  # an item's q blocks walked twice: dV, then dK and dQ (V loads between)
+A_BY_K_STEP = False  # S^T's and dP^T's K and V ldmatrix'ed a k step at a time (gemm_rs)
 # What a step computes (bwd_step's `walk`): dV, or dK and dQ, or all three in one walk.
 WALK_DV = 1
 WALK_DK_DQ = 2
@@ -711,12 +712,12 @@ def bwd_step(
     acc_dP.fill(0.0)
     tA = thr_mma.make_fragment_A(thr_mma.partition_A(sK))
     tB = thr_mma.make_fragment_B(thr_mma.partition_B(sQ))
-    if const_expr(TWO_WALKS):
+    if const_expr(A_BY_K_STEP):
         gemm_rs(tiled_mma, acc_S, tA, s2r_b, s2r_b.partition_S(sQ), tB, s2r_a, s2r_a.partition_S(sK))
     else:
         gemm_ss(tiled_mma, acc_S, s2r_a, s2r_a.partition_S(sK), tA, s2r_b, s2r_b.partition_S(sQ), tB)
     if const_expr(grads_kq):
-        if const_expr(TWO_WALKS):
+        if const_expr(A_BY_K_STEP):
             gemm_rs(tiled_mma, acc_dP, tA, s2r_b, s2r_b.partition_S(sdO), tB, s2r_a, s2r_a.partition_S(sV))
         else:
             gemm_ss(tiled_mma, acc_dP, s2r_a, s2r_a.partition_S(sV), tA, s2r_b, s2r_b.partition_S(sdO), tB)

@@ -349,6 +349,15 @@ class KernelVariant:
         return self.portable and self.direction == "bwd" and self.head_dim > 128
 
     @property
+    def portable_bwd_a_by_k_step(self) -> bool:
+        """The portable backward's S^T = K Q^T and dP^T = V dO^T ldmatrix K and V one k step at a
+        time beside Q and dO (the templates' A_BY_K_STEP) rather than as whole fragments first:
+        with TWO_WALKS, but on sm_100a. ptxas at d=256, spill bytes whole -> by k step: sm_80 0
+        -> 0, deterministic 3392 -> 16; sm_90a 0 -> 0 both; sm_100a 952 -> 3528, deterministic
+        32 -> 128."""
+        return self.portable_bwd_two_walks and self.arch != "sm_100a"
+
+    @property
     def portable_b_by_x4(self) -> bool:
         """The portable kernels' B operands (K and V in the forward) are ldmatrix'ed one x4 (two n8
         atoms) at a time, each product beside its copy (the templates' B_BY_X4): in the next
