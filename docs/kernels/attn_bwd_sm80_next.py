@@ -54,7 +54,7 @@ NUM_WARPS = 8  # each owns 16 keys of the k tile (one m16n8k16 M extent)
 NUM_STAGES = 2  # (Q, dO) buffers: with two, the next step's load while this one computes
 B_BY_X4 = False  # B operands one ldmatrix.x4 (two n8 atoms) at a time (gemm_rs)
 TWO_WALKS = False  # an item's q blocks walked twice: dV, then dK and dQ (V loads between)
-A_BY_K_STEP = False  # S^T's and dP^T's K and V ldmatrix'ed a k step at a time (gemm_rs)
+A_BY_K_STEP = False  # S^T's and dP^T's K and V ldmatrix'ed a k step at a time (key_rows_product)
 # What a step computes (bwd_step's `walk`): dV, or dK and dQ, or all three in one walk.
 WALK_DV = 1
 WALK_DK_DQ = 2
@@ -648,6 +648,17 @@ def load_step(g2s: cute.TiledCopy, tidx: Int32, mQ: cute.Tensor, mdO: cute.Tenso
 
 
 @cute.jit
+def key_rows_product(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor, s2r_a, s2r_b,
+                     sA: cute.Tensor, sB: cute.Tensor):  # fmt: skip
+    """acc += A B^T over the head dim with the k tile's keys on M: S^T = K Q^T or dP^T = V dO^T.
+    A (K or V) ldmatrix'ed a k step at a time beside B with A_BY_K_STEP, else whole first."""
+    if const_expr(A_BY_K_STEP):
+        gemm_rs(tiled_mma, acc, tA, s2r_b, s2r_b.partition_S(sB), tB, s2r_a, s2r_a.partition_S(sA))
+    else:
+        gemm_ss(tiled_mma, acc, s2r_a, s2r_a.partition_S(sA), tA, s2r_b, s2r_b.partition_S(sB), tB)
+
+
+@cute.jit
 def bwd_step(
     tiled_mma: cute.TiledMma,
     tiled_mma_dq: cute.TiledMma,
@@ -712,15 +723,9 @@ def bwd_step(
     acc_dP.fill(0.0)
     tA = thr_mma.make_fragment_A(thr_mma.partition_A(sK))
     tB = thr_mma.make_fragment_B(thr_mma.partition_B(sQ))
-    if const_expr(A_BY_K_STEP):
-        gemm_rs(tiled_mma, acc_S, tA, s2r_b, s2r_b.partition_S(sQ), tB, s2r_a, s2r_a.partition_S(sK))
-    else:
-        gemm_ss(tiled_mma, acc_S, s2r_a, s2r_a.partition_S(sK), tA, s2r_b, s2r_b.partition_S(sQ), tB)
+    key_rows_product(tiled_mma, acc_S, tA, tB, s2r_a, s2r_b, sK, sQ)
     if const_expr(grads_kq):
-        if const_expr(A_BY_K_STEP):
-            gemm_rs(tiled_mma, acc_dP, tA, s2r_b, s2r_b.partition_S(sdO), tB, s2r_a, s2r_a.partition_S(sV))
-        else:
-            gemm_ss(tiled_mma, acc_dP, s2r_a, s2r_a.partition_S(sV), tA, s2r_b, s2r_b.partition_S(sdO), tB)
+        key_rows_product(tiled_mma, acc_dP, tA, tB, s2r_a, s2r_b, sV, sdO)
 
     s = acc_rows_cols(acc_S)
     if const_expr(HAS_SOFTCAP):
