@@ -72,8 +72,56 @@ def test_the_block_loops_are_the_innermost_that_issue_wgmma() -> None:
     assert block.opcodes["HGMMA"] == 1 and block.opcodes["LDL"] == 1 and block.opcodes["LDS"] == 1
     assert block.opcodes["STSM"] == 1 and block.opcodes["BAR"] == 1 and block.opcodes["BRA"] == 1
     table = sass.loop_table(SASS)
-    assert table[2] == "| attn_bwd_kernel | 2-7 | 6 | 1 | 1 / 0 | 1 / 0 / 0 / 1 | 1 | 0 | 0 |"
+    assert table[2] == "| attn_bwd_kernel | 2-7 | 6 | 1 / 0 | 1 / 0 | 1 / 0 / 0 / 1 | 0 / 0 | 1 | 1 | 0 | 0 |"
     assert len(table) == 3
+
+
+PORTABLE = listing({
+    "kernel_cutlass_attn_bwd_kernel_tensorptrbf16": [
+        ".L_x_4:",  # the item loop
+        "LDG.E R2, desc[UR4][R4.64]",
+        ".L_x_5:",  # the block loop: a warp MMA, an ldmatrix, a dQ reduction
+        "LDSM.16.M88.4 R8, [R3]",
+        "HMMA.16816.F32.BF16 R24, R8, R12, R24",
+        "@P0 RED.E.ADD.F32.FTZ.RN.STRONG.GPU [R6.64], R24",
+        "@P1 BRA `(.L_x_5)",
+        "@P2 BRA `(.L_x_4)",
+        "EXIT",
+    ],
+})  # fmt: skip
+
+
+def test_the_portable_kernels_block_loops_are_those_that_issue_warp_mmas() -> None:
+    (block,) = sass.block_loops(PORTABLE)
+    assert (block.first, block.last) == (1, 4) and block.opcodes["HMMA"] == 1 and block.opcodes["RED"] == 1
+    assert sass.loop_table(PORTABLE)[2] == "| attn_bwd_kernel | 1-4 | 4 | 0 / 1 | 0 / 0 | 0 / 1 / 0 / 0 | 0 / 1 | 1 | 0 | 0 | 0 |"
+
+
+def test_a_listing_is_read_without_compiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture) -> None:  # fmt: skip
+    path = tmp_path / "other.sass"
+    path.write_text(PORTABLE)
+    monkeypatch.setattr(sys, "argv", ["sass.py", "--listing", str(path)])
+    sass.main()
+    assert "| attn_bwd_kernel | 1-4 | 4 | 0 / 1 |" in capsys.readouterr().out
+
+
+def test_a_variant_the_families_lack_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture) -> None:  # fmt: skip
+    monkeypatch.setenv("NVDISASM", "/opt/nvdisasm")
+    monkeypatch.setattr(sys, "argv", ["sass.py", "--direction", "fwd", "--head-dim", "128", "--unmasked"])
+    with pytest.raises(SystemExit):
+        sass.main()
+    assert "unmasked is a backward option" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["sass.py", "--head-dim", "128"])
+    with pytest.raises(SystemExit):
+        sass.main()
+    assert "--direction and --head-dim" in capsys.readouterr().err
+
+
+def test_other_kernels_keep_their_whole_symbol() -> None:
+    symbol = "_ZN5flash44flash_bwd_dq_dk_dv_loop_seqk_parallel_kernelI23Flash_bwd_kernel_traitsILi128EEEvNS_6ParamsE"
+    assert sass.short_name(symbol) == symbol
 
 
 def test_opcodes_drop_predicates_and_modifiers() -> None:
