@@ -276,14 +276,20 @@ def test_the_next_forward_has_32_rows_a_warp_up_to_d128(head_dim, tiles, rows_pe
     assert module_constants(render(variant()))["Q_IN_REGISTERS"]  # the verified forward keeps Q in registers
 
 
-@pytest.mark.parametrize("head_dim, warps, dq_warps", [(128, 8, (8, 1)), (64, 8, (4, 2)), (96, 8, (2, 4)), (256, 4, (4, 1))])
-def test_the_next_backward_renders_its_warps_stages_and_dq_grid_as_constants(head_dim, warps, dq_warps):
+@pytest.mark.parametrize("head_dim, warps, dq_grid", [(128, 8, (4, 2, 128)), (64, 8, (4, 2, 64)), (96, 8, (2, 4, 96)),
+                                                      (256, 4, (4, 1, 64))])  # fmt: skip
+def test_the_next_backward_renders_its_warps_stages_and_dq_grid_as_constants(head_dim, warps, dq_grid):
+    """The dQ^T grid in one product over every head dim where its accumulator takes at most 32
+    registers a thread (d=256's would take 64: four products of 16 rows a warp)."""
     v = next_backward(head_dim=head_dim)
     source = render(v)
     assert_reads_top_to_bottom(source, v.key())
     constants = module_constants(source)
     assert (constants["NUM_WARPS"], constants["NUM_THREADS"], constants["NUM_STAGES"]) == (warps, 32 * warps, 2)
-    assert (constants["DQ_WARPS_M"], constants["DQ_WARPS_N"]) == dq_warps == v.portable_dq_warps
+    assert (constants["DQ_WARPS_M"], constants["DQ_WARPS_N"], constants["DQ_ROWS"]) == dq_grid == v.portable_dq_grid
+    assert constants["ROWS_WITHOUT_BRANCHES"] and not module_constants(render(backward()))["ROWS_WITHOUT_BRANCHES"]
+    if head_dim != 256:  # ptxas on sm_120a at d=64 spills 616 bytes with it, none without
+        assert next_backward(arch="sm_120a", head_dim=head_dim).portable_bwd_rows_without_branches == (head_dim != 64)
     assert "ahead_m = " in source and "ahead_head = " in source  # the walk one step ahead
     verified = render(backward(head_dim=64))
     assert module_constants(verified)["NUM_STAGES"] == 1 and "ahead_m = " not in verified
@@ -302,8 +308,34 @@ def test_the_next_forward_loads_k_and_v_an_ldmatrix_x4_at_a_time_where_that_spil
 def test_the_next_backward_prefetches_without_spilling(compiled, name):
     """With two stages the step waits for all but the latest cp.async group (the next step's
     Q and dO); ptxas keeps the kernel within a few dozen spill bytes (the verified d=128
-    backward spills 2600), but for sm_120a's one-stage d=128 tile (1584 bytes; the verified
-    shape there: 1208)."""
+    backward spills 2600; on sm_120a, 1208)."""
     v, obj = NEXT[name], compiled[name]
     assert bool(re.search(r"cp\.async\.wait_group\s+1;", obj.ptx_text)) == (v.num_stages == 2)
-    assert obj.ptxas.spill_bytes <= (1600 if v.arch == "sm_120a" and v.num_stages == 1 else 96), obj.ptxas
+    assert obj.ptxas.spill_bytes <= 96, obj.ptxas
+
+
+def most_in_one_block(ptx: str, instruction: str) -> int:
+    """The most `instruction`s in one basic block of the backward kernel's PTX (a label or a
+    branch ends one)."""
+    counts, n = [0], 0
+    for line in ptx[ptx.index(".entry kernel_cutlass_attn_bwd_kernel"):].splitlines():
+        if re.match(r"^\$\w+:", line) or re.search(r"\bbra(\.uni)?\s", line):
+            counts.append(n)
+            n = 0
+        n += instruction in line
+    return max(counts + [n])
+
+
+@pytest.mark.parametrize("name", ["sm_80_next_bwd", "sm_80_next_bwd_d96", "sm_80_next_bwd_d256_deterministic", "sm_80_bwd"])
+def test_the_next_backward_loads_and_adds_its_rows_without_a_branch_each(compiled, name):
+    """ROWS_WITHOUT_BRANCHES: a q block inside the sequence loads its Q (or dO) rows by cp.async
+    in one basic block, and its dQ reductions of a product all issue in one; the verified kernels
+    (and the next ones in a sequence's last block) branch a row for each."""
+    v, ptx = COMPILED[name], compiled[name].ptx_text
+    assert v.portable_bwd_rows_without_branches == v.portable_next
+    threads = 32 * (v.tile_n // 16)
+    if v.portable_next:
+        assert most_in_one_block(ptx, "red.global.add.f32") == v.portable_dq_grid[2] * v.tile_m // threads
+        assert most_in_one_block(ptx, "cp.async.cg.shared.global") == v.tile_m * v.head_dim * 2 // 16 // threads
+    else:
+        assert most_in_one_block(ptx, "red.global.add.f32") == 1 and most_in_one_block(ptx, "cp.async.cg.shared.global") == 1

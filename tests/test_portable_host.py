@@ -30,13 +30,14 @@ def rendered(v: KernelVariant, tmp_path):
 
 
 @pytest.mark.parametrize("head_dim, portable_next, arch", [(128, True, "sm_80"), (64, True, "sm_80"), (96, True, "sm_80"),
-                                                         (256, True, "sm_80"), (128, True, "sm_86"),
-                                                         (128, False, "sm_80")])  # fmt: skip
+                                                         (256, True, "sm_80"), (128, True, "sm_86"), (96, True, "sm_86"),
+                                                         (128, False, "sm_80"), (64, False, "sm_80")])  # fmt: skip
 def test_the_dq_warp_grid_adds_every_dq_element_once(head_dim, portable_next, arch, tmp_path):
     """dQ^T = K^T dS^T over the head dims in DQ_ROWS-row products by the DQ_WARPS_M x DQ_WARPS_N
-    warp grid: over every thread and product, each (head dim, query) of a q block's dQ once (on
-    sm_86, d=128's q blocks have 32 queries; d=256's four warps of 16 head dims take four
-    64-row products against 32 queries)."""
+    warp grid: over every thread and product, each (head dim, query) of a q block's dQ once (the
+    next d=128's 4 x 2 grid holds two 16-row extents a warp, d=96's 2 x 4 three; on sm_86, d=128's
+    q blocks have 32 queries and d=96's four warps take three 32-row products; d=256's four warps
+    of 16 head dims take four 64-row products against 32 queries)."""
     k = rendered(backward(head_dim, portable_next, arch=arch), tmp_path)
 
     @cute.jit

@@ -54,6 +54,8 @@ NUM_STAGES = 1  # (Q, dO) buffers: with two, the next step's load while this one
 B_BY_X4 = False  # B operands one ldmatrix.x4 (two n8 atoms) at a time (gemm_rs)
 TWO_WALKS = False  # an item's q blocks walked twice: dV, then dK and dQ (V loads between)
 A_BY_K_STEP = False  # S^T's and dP^T's K and V ldmatrix'ed a k step at a time (key_rows_product)
+# q blocks inside the sequence load Q and dO and add dQ with no branch a row (load_rows, add_dq)
+ROWS_WITHOUT_BRANCHES = False
 # What a step computes (bwd_step's `walk`): dV, or dK and dQ, or all three in one walk.
 WALK_DV = 1
 WALK_DK_DQ = 2
@@ -69,10 +71,10 @@ MASK_RUNS = 1
 MASK_PERIOD = MASK_STRIDE
 MASK_SLOTS = 0  # lines of a work item held in registers: none, every line is read per block
 # dQ^T = K^T dS^T has the head dims as M: its warps form a DQ_WARPS_M x DQ_WARPS_N grid (head
-# dims x queries) where fewer than 16 head dims a warp remain, DQ_ROWS head-dim rows a product.
+# dims x queries), DQ_ROWS head-dim rows a product (DQ_ROWS // (16 * DQ_WARPS_M) extents a warp).
 DQ_WARPS_M = 4
 DQ_WARPS_N = 1
-DQ_ROWS = DQ_WARPS_M * 16
+DQ_ROWS = 64
 
 # Optional features of this variant (branches on them are resolved at compile time)
 HAS_SOFTCAP = False  # scores pass through c * tanh(s / c)
@@ -177,16 +179,31 @@ def scores_to_operand(acc_S: cute.Tensor) -> cute.Tensor:
 
 
 @cute.jit
-def load_rows(tiled_copy: cute.TiledCopy, tidx: Int32, src: cute.Tensor, coords: cute.Tensor, dst: cute.Tensor, limit: Int32):
-    """cp.async a (rows x HEAD_DIM) tile into shared memory; rows at or past `limit` (the
-    sequence's end) are zero-filled instead (P = 0 must not meet garbage in V)."""
-    thr = tiled_copy.get_slice(tidx)
-    t_src, t_dst, t_crd = thr.partition_S(src), thr.partition_D(dst), thr.partition_S(coords)
+def load_rows_checked(tiled_copy: cute.TiledCopy, t_src: cute.Tensor, t_dst: cute.Tensor, t_crd: cute.Tensor, limit: Int32):
+    """load_rows' copy of one thread's rows, each checked against `limit` (zero-filled past it)."""
     for m in cutlass.range_constexpr(cute.size(t_dst, mode=[1])):
         if t_crd[0, m, 0][0] < limit:
             cute.copy(tiled_copy, t_src[None, m, None], t_dst[None, m, None])
         else:
             t_dst[None, m, None].fill(0.0)
+
+
+@cute.jit
+def load_rows(tiled_copy: cute.TiledCopy, tidx: Int32, src: cute.Tensor, coords: cute.Tensor, dst: cute.Tensor, limit: Int32,
+              whole_unchecked: cutlass.Constexpr = False):  # fmt: skip
+    """cp.async a (rows x HEAD_DIM) tile into shared memory; rows at or past `limit` (the
+    sequence's end) are zero-filled instead (P = 0 must not meet garbage in V). With
+    `whole_unchecked`, a tile whose last row lies before `limit` (all but a sequence's last) is
+    copied without a check and a branch a row."""
+    thr = tiled_copy.get_slice(tidx)
+    t_src, t_dst, t_crd = thr.partition_S(src), thr.partition_D(dst), thr.partition_S(coords)
+    if const_expr(whole_unchecked):
+        if coords[cute.size(coords, mode=[0]) - 1, 0][0] < limit:
+            cute.copy(tiled_copy, t_src, t_dst)
+        else:
+            load_rows_checked(tiled_copy, t_src, t_dst, t_crd, limit)
+    else:
+        load_rows_checked(tiled_copy, t_src, t_dst, t_crd, limit)
 
 
 @cute.jit
@@ -642,8 +659,22 @@ def load_step(g2s: cute.TiledCopy, tidx: Int32, mQ: cute.Tensor, mdO: cute.Tenso
     seqlen_q = mQ.shape[0]
     blk = (TILE_Q, HEAD_DIM)
     coords = cute.local_tile(cute.make_identity_tensor((seqlen_q, HEAD_DIM)), blk, (m, 0))
-    load_rows(g2s, tidx, cute.local_tile(mQ[None, head, None], blk, (m, 0)), coords, sQ, seqlen_q)
-    load_rows(g2s, tidx, cute.local_tile(mdO[None, head, None], blk, (m, 0)), coords, sdO, seqlen_q)
+    load_rows(g2s, tidx, cute.local_tile(mQ[None, head, None], blk, (m, 0)), coords, sQ, seqlen_q, ROWS_WITHOUT_BRANCHES)
+    load_rows(g2s, tidx, cute.local_tile(mdO[None, head, None], blk, (m, 0)), coords, sdO, seqlen_q, ROWS_WITHOUT_BRANCHES)
+
+
+@cute.jit
+def add_dq(mdQ: cute.Tensor, acc_dQ: cute.Tensor, tQcQ: cute.Tensor, m: Int32, head: Int32, h: cutlass.Constexpr,
+           softmax_scale: Float32, whole: cutlass.Constexpr):  # fmt: skip
+    """mdQ += softmax_scale * acc_dQ (head-dim rows h * DQ_ROWS onwards of q block m) by L2
+    reductions: all of them for a `whole` block (one inside the sequence), else those of the
+    queries before the sequence's end, each in a branch of its own."""
+    for e in cutlass.range_constexpr(cute.size(acc_dQ)):
+        d, q = tQcQ[e]
+        row = m * TILE_Q + q
+        in_rows = True if const_expr(whole) else row < mdQ.shape[0]  # True: no branch at all
+        if in_rows:
+            red_add_f32(mdQ.iterator + (row * NUM_HEADS_Q + head) * HEAD_DIM + h * DQ_ROWS + d, acc_dQ[e] * softmax_scale)
 
 
 @cute.jit
@@ -780,11 +811,13 @@ def bwd_step(
         tAt = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sKt_h))
         tBd = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sdSt))
         gemm_ss(tiled_mma_dq, acc_dQ, s2r_dq_a, s2r_dq_a.partition_S(sKt_h), tAt, s2r_dq_b, s2r_dq_b.partition_S(sdSt), tBd)
-        for e in cutlass.range_constexpr(cute.size(acc_dQ)):
-            d, q = tQcQ[e]
-            row = m * TILE_Q + q
-            if row < mdQ.shape[0]:
-                red_add_f32(mdQ.iterator + (row * NUM_HEADS_Q + head) * HEAD_DIM + h * DQ_ROWS + d, acc_dQ[e] * softmax_scale)
+        if const_expr(ROWS_WITHOUT_BRANCHES):
+            if m * TILE_Q + TILE_Q <= mdQ.shape[0]:
+                add_dq(mdQ, acc_dQ, tQcQ, m, head, h, softmax_scale, True)
+            else:
+                add_dq(mdQ, acc_dQ, tQcQ, m, head, h, softmax_scale, False)
+        else:
+            add_dq(mdQ, acc_dQ, tQcQ, m, head, h, softmax_scale, False)
     if const_expr(DETERMINISTIC):
         fence_gpu()  # this thread's additions, before the release below
     cute.arch.barrier()  # every warp is done with Q, dO and dS^T before the next step reloads them

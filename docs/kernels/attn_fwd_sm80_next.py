@@ -168,16 +168,31 @@ def scores_to_operand(acc_S: cute.Tensor) -> cute.Tensor:
 
 
 @cute.jit
-def load_rows(tiled_copy: cute.TiledCopy, tidx: Int32, src: cute.Tensor, coords: cute.Tensor, dst: cute.Tensor, limit: Int32):
-    """cp.async a (rows x HEAD_DIM) tile into shared memory; rows at or past `limit` (the
-    sequence's end) are zero-filled instead (P = 0 must not meet garbage in V)."""
-    thr = tiled_copy.get_slice(tidx)
-    t_src, t_dst, t_crd = thr.partition_S(src), thr.partition_D(dst), thr.partition_S(coords)
+def load_rows_checked(tiled_copy: cute.TiledCopy, t_src: cute.Tensor, t_dst: cute.Tensor, t_crd: cute.Tensor, limit: Int32):
+    """load_rows' copy of one thread's rows, each checked against `limit` (zero-filled past it)."""
     for m in cutlass.range_constexpr(cute.size(t_dst, mode=[1])):
         if t_crd[0, m, 0][0] < limit:
             cute.copy(tiled_copy, t_src[None, m, None], t_dst[None, m, None])
         else:
             t_dst[None, m, None].fill(0.0)
+
+
+@cute.jit
+def load_rows(tiled_copy: cute.TiledCopy, tidx: Int32, src: cute.Tensor, coords: cute.Tensor, dst: cute.Tensor, limit: Int32,
+              whole_unchecked: cutlass.Constexpr = False):  # fmt: skip
+    """cp.async a (rows x HEAD_DIM) tile into shared memory; rows at or past `limit` (the
+    sequence's end) are zero-filled instead (P = 0 must not meet garbage in V). With
+    `whole_unchecked`, a tile whose last row lies before `limit` (all but a sequence's last) is
+    copied without a check and a branch a row."""
+    thr = tiled_copy.get_slice(tidx)
+    t_src, t_dst, t_crd = thr.partition_S(src), thr.partition_D(dst), thr.partition_S(coords)
+    if const_expr(whole_unchecked):
+        if coords[cute.size(coords, mode=[0]) - 1, 0][0] < limit:
+            cute.copy(tiled_copy, t_src, t_dst)
+        else:
+            load_rows_checked(tiled_copy, t_src, t_dst, t_crd, limit)
+    else:
+        load_rows_checked(tiled_copy, t_src, t_dst, t_crd, limit)
 
 
 @cute.jit

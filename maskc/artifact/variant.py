@@ -329,16 +329,27 @@ class KernelVariant:
         return (1, 2)
 
     @property
-    def portable_dq_warps(self) -> tuple[int, int]:
-        """The portable backward's warp grid (head dims x queries) for dQ^T = K^T dS^T, whose M
-        is the head dims: all warps on M where they have 16 head dims each per product, else as
-        many as whole 16-row blocks of the head dims allow (d=64 with 8 warps: 4 x 2; d=96: 2 x 4)
-        and the rest across the q block's queries."""
+    def portable_dq_grid(self) -> tuple[int, int, int]:
+        """The portable backward's dQ^T = K^T dS^T, whose M is the head dims: its warp grid (head
+        dims x queries) and the head-dim rows one product covers (the templates' DQ_WARPS_M,
+        DQ_WARPS_N and DQ_ROWS). The verified kernels put every warp on M where each gets 16 head
+        dims, else as many as whole 16-row blocks allow and the rest across the queries, one
+        16-row extent a warp per product (d=64 with 8 warps: 4 x 2, d=96: 2 x 4). The next ones
+        cover every head dim in one product where its accumulator fits in 32 registers a thread,
+        on the grid that ldmatrix's the fewest K^T and dS^T fragments a k step (warps_m x16 ones
+        of K^T, each of 16 rows, and one of dS^T per 16 queries a warp; ties to the taller grid):
+        4 x 2 at d=128, two 16-row extents a warp, 4 ldmatrix.x4 a k step where 8 x 1 took 5."""
         warps = portable_warps("bwd", self.tile_m, self.tile_n)
+        d = self.head_dim
+        if self.portable_next and d * self.tile_m <= 32 * 32 * warps:
+            grids = [(m, warps // m) for m in (warps >> i for i in range(warps.bit_length()))
+                     if d % (16 * m) == 0 and self.tile_m % (16 * (warps // m)) == 0]  # fmt: skip
+            warps_m, warps_n = min(grids, key=lambda g: (d // (16 * g[0]) + self.tile_m // (16 * g[1]), -g[0]))
+            return warps_m, warps_n, d
         warps_m = warps
-        while self.head_dim % (16 * warps_m):
+        while d % (16 * warps_m):
             warps_m //= 2
-        return warps_m, warps // warps_m
+        return warps_m, warps // warps_m, 16 * warps_m
 
     @property
     def portable_bwd_two_walks(self) -> bool:
@@ -347,6 +358,17 @@ class KernelVariant:
         dK and dV of 128 registers each, which do not fit beside S^T and dP^T (ptxas, d=256 in
         one walk: 68 KB of spills); one at a time they hold as many as d=128's in one walk."""
         return self.portable and self.direction == "bwd" and self.head_dim > 128
+
+    @property
+    def portable_bwd_rows_without_branches(self) -> bool:
+        """The next portable backward's q blocks that lie wholly inside the sequence (all but
+        each sequence's last) load Q and dO and add dQ with no branch a row (the templates'
+        ROWS_WITHOUT_BRANCHES; the last block keeps the checks). In the verified kernels each
+        row's check is a branch, and each dQ element's reduction sits in one of its own behind a
+        convergence barrier. SASS, sm_80, d=128, a full block's step: 1342 -> 1042 instructions
+        with the 4 x 2 dQ grid (docs/design/portable-kernels.md). Not on sm_120a at d=64, where
+        ptxas then spills 616 bytes (72 local loads in the block loop) against none."""
+        return self.portable_next and self.direction == "bwd" and not (self.arch == "sm_120a" and self.head_dim == 64)
 
     @property
     def portable_bwd_a_by_k_step(self) -> bool:

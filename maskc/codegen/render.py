@@ -53,7 +53,7 @@ def context(variant: KernelVariant) -> dict:
     }
     if variant.portable:
         warps = portable_warps(variant.direction, variant.tile_m, variant.tile_n)
-        return {**base, "num_warps": warps, "num_threads": 32 * warps, "dq_warps": variant.portable_dq_warps}
+        return {**base, "num_warps": warps, "num_threads": 32 * warps, "dq_grid": variant.portable_dq_grid}
     if variant.family is SM100:
         # TMEM-owning warps (forward: 4 softmax; backward: 8 computing P and dS, 4 reducing dQ),
         # one MMA warp, one TMA warp.
