@@ -164,7 +164,10 @@ def main() -> None:
     parser.add_argument("--listing", type=Path, help="read this nvdisasm -c listing instead of compiling a variant")
     args = parser.parse_args()
     if args.listing:
-        print("\n".join(loop_table(args.listing.read_text())))
+        try:
+            print("\n".join(loop_table(args.listing.read_text())))
+        except (OSError, UnicodeDecodeError) as error:
+            parser.error(f"cannot read the listing {args.listing}: {error}")
         return
     if not (args.direction and args.head_dim):
         parser.error("--direction and --head-dim name the variant to compile (or --listing a listing to read)")

@@ -104,6 +104,10 @@ def test_a_listing_is_read_without_compiling(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr(sys, "argv", ["sass.py", "--listing", str(path)])
     sass.main()
     assert "| attn_bwd_kernel | 1-4 | 4 | 0 / 1 |" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["sass.py", "--listing", str(tmp_path / "missing.sass")])
+    with pytest.raises(SystemExit):
+        sass.main()
+    assert "cannot read the listing" in capsys.readouterr().err
 
 
 def test_a_variant_the_families_lack_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
