@@ -664,17 +664,31 @@ def load_step(g2s: cute.TiledCopy, tidx: Int32, mQ: cute.Tensor, mdO: cute.Tenso
 
 
 @cute.jit
-def add_dq(mdQ: cute.Tensor, acc_dQ: cute.Tensor, tQcQ: cute.Tensor, m: Int32, head: Int32, h: cutlass.Constexpr,
-           softmax_scale: Float32, whole: cutlass.Constexpr):  # fmt: skip
-    """mdQ += softmax_scale * acc_dQ (head-dim rows h * DQ_ROWS onwards of q block m) by L2
-    reductions: all of them for a `whole` block (one inside the sequence), else those of the
-    queries before the sequence's end, each in a branch of its own."""
+def add_dq_rows(mdQ: cute.Tensor, acc_dQ: cute.Tensor, tQcQ: cute.Tensor, m: Int32, head: Int32, h: cutlass.Constexpr,
+                softmax_scale: Float32, checked: cutlass.Constexpr):  # fmt: skip
+    """add_dq's reductions of this thread: all of them, or with `checked` those of the queries
+    before the sequence's end, each in a branch of its own."""
     for e in cutlass.range_constexpr(cute.size(acc_dQ)):
         d, q = tQcQ[e]
         row = m * TILE_Q + q
-        in_rows = True if const_expr(whole) else row < mdQ.shape[0]  # True: no branch at all
+        in_rows = row < mdQ.shape[0] if const_expr(checked) else True  # True: no branch at all
         if in_rows:
             red_add_f32(mdQ.iterator + (row * NUM_HEADS_Q + head) * HEAD_DIM + h * DQ_ROWS + d, acc_dQ[e] * softmax_scale)
+
+
+@cute.jit
+def add_dq(mdQ: cute.Tensor, acc_dQ: cute.Tensor, tQcQ: cute.Tensor, m: Int32, head: Int32, h: cutlass.Constexpr,
+           softmax_scale: Float32, whole_unchecked: cutlass.Constexpr):  # fmt: skip
+    """mdQ += softmax_scale * acc_dQ (head-dim rows h * DQ_ROWS onwards of q block m) by L2
+    reductions, for the queries before the sequence's end. With `whole_unchecked`, a q block
+    inside the sequence (all but its last) adds every row without a check (as load_rows loads)."""
+    if const_expr(whole_unchecked):
+        if m * TILE_Q + TILE_Q <= mdQ.shape[0]:
+            add_dq_rows(mdQ, acc_dQ, tQcQ, m, head, h, softmax_scale, False)
+        else:
+            add_dq_rows(mdQ, acc_dQ, tQcQ, m, head, h, softmax_scale, True)
+    else:
+        add_dq_rows(mdQ, acc_dQ, tQcQ, m, head, h, softmax_scale, True)
 
 
 @cute.jit
@@ -811,13 +825,7 @@ def bwd_step(
         tAt = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sKt_h))
         tBd = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sdSt))
         gemm_ss(tiled_mma_dq, acc_dQ, s2r_dq_a, s2r_dq_a.partition_S(sKt_h), tAt, s2r_dq_b, s2r_dq_b.partition_S(sdSt), tBd)
-        if const_expr(ROWS_WITHOUT_BRANCHES):
-            if m * TILE_Q + TILE_Q <= mdQ.shape[0]:
-                add_dq(mdQ, acc_dQ, tQcQ, m, head, h, softmax_scale, True)
-            else:
-                add_dq(mdQ, acc_dQ, tQcQ, m, head, h, softmax_scale, False)
-        else:
-            add_dq(mdQ, acc_dQ, tQcQ, m, head, h, softmax_scale, False)
+        add_dq(mdQ, acc_dQ, tQcQ, m, head, h, softmax_scale, ROWS_WITHOUT_BRANCHES)
     if const_expr(DETERMINISTIC):
         fence_gpu()  # this thread's additions, before the release below
     cute.arch.barrier()  # every warp is done with Q, dO and dS^T before the next step reloads them
